@@ -1,0 +1,151 @@
+"""Command line: argument parsing only; the work is in the modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .spec import FleetSpec, SpecError, load_spec
+
+Handler = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
+
+
+def command(name: str, help_text: str) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[..., None]]:
+    """Register ``name``: the decorated function adds arguments; it must set ``handler`` on the parser."""
+
+    def deco(fn: Callable[[argparse.ArgumentParser], None]) -> Callable[..., None]:
+        _COMMANDS[name] = (fn, lambda a: 0, help_text)
+        return fn
+
+    return deco
+
+
+def _spec(path: str) -> FleetSpec:
+    return load_spec(path)
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from .plan import format_plan, make_plan
+
+    spec = _spec(a.spec)
+    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    if a.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    return 0 if plan.ok else 1
+
+
+def _cmd_render(a: argparse.Namespace) -> int:
+    from .plan import format_plan, make_plan
+    from .render import render_fleet
+
+    spec = _spec(a.spec)
+    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    if not plan.ok and not a.force:
+        print(format_plan(plan), file=sys.stderr)
+        print("render: the plan is refused; nothing written", file=sys.stderr)
+        return 1
+    written = render_fleet(spec, Path(a.out), plan)
+    for p in written:
+        print(p)
+    return 0
+
+
+def _cmd_context(a: argparse.Namespace) -> int:
+    from .context import build_context
+    from .plan import make_plan
+    from .render import artifact_list
+
+    spec = _spec(a.spec)
+    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    if not plan.ok:
+        for p in plan.problems:
+            print(f"{a.spec}: {p}", file=sys.stderr)
+        return 1
+    ctx = build_context(spec, a.host, plan)
+    if a.host:
+        ctx["vf"]["artifacts"] = artifact_list(spec, a.host, plan)
+    print(json.dumps(ctx["vf"], indent=None if a.compact else 2))
+    return 0
+
+
+def _cmd_tiny_model(a: argparse.Namespace) -> int:
+    from .tinymodel import build_tiny_model
+
+    path = build_tiny_model(Path(a.out), seed=a.seed)
+    print(path)
+    return 0
+
+
+def _cmd_validate(a: argparse.Namespace) -> int:
+    _spec(a.spec)
+    print(f"{a.spec}: valid")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-fleet", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def spec_cmd(name: str, help_text: str, fn: Handler) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("spec", help="fleet spec YAML")
+        sp.add_argument(
+            "--models-dir", action="append", default=[], metavar="DIR",
+            help="where local copies of models are looked up for config.json (repeatable)",
+        )
+        sp.set_defaults(handler=fn)
+        return sp
+
+    sp = spec_cmd("validate", "check a fleet spec's fields", _cmd_validate)
+    sp = spec_cmd("plan", "plan GPUs, ports and memory; exit 1 when refused", _cmd_plan)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp = spec_cmd("render", "render every artifact for every host", _cmd_render)
+    sp.add_argument("--out", required=True, help="output folder (OUT/HOST/etc/...)")
+    sp.add_argument("--force", action="store_true", help="render even if the plan is refused")
+    sp = spec_cmd("context", "print the template variables (used by the Ansible role)", _cmd_context)
+    sp.add_argument("--host", help="include host-specific variables and the artifact list")
+    sp.add_argument("--compact", action="store_true")
+    sp = sub.add_parser("tiny-model", help="build the tiny random Qwen3 model + tokenizer offline")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(handler=_cmd_tiny_model)
+    for name, (add_args, _, help_text) in sorted(_COMMANDS.items()):
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(sp)
+    return p
+
+
+def _load_plugins() -> None:
+    """Sub-commands that live in their own modules register themselves here."""
+    import importlib
+
+    for mod in ("launcher", "gateway", "exporter", "bench.cli", "doctor", "fetch", "lock", "sandbox"):
+        try:
+            importlib.import_module(f"vllm_fleet.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("vllm_fleet"):
+                continue
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    _load_plugins()
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return int(a.handler(a))
+    except SpecError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The variables every template sees — the same for ``vllm-fleet render`` and the Ansible role.
+
+``vf``: the normalised fleet spec (plain dicts) plus derived facts: ``vf.host`` (the host being rendered),
+``vf.instances`` (instances on that host, each with its engine command, env, listen address, unit name),
+``vf.all_instances`` (every instance in the fleet), ``vf.upstreams`` (gateway pools per served model),
+``vf.plan`` (the capacity plan). Per-instance templates also get ``instance``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .engine import engine_command, engine_env, listen_address, model_path
+from .plan import Plan, make_plan
+from .spec import FleetSpec, ModelInstance
+
+ANSIBLE_MANAGED = "Ansible managed"
+
+
+def spec_hash(spec: FleetSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def instance_ctx(spec: FleetSpec, plan: Plan, m: ModelInstance) -> dict[str, Any]:
+    d = m.model_dump(mode="json")
+    ip = plan.instance(m.name)
+    host = spec.host(m.host)
+    addr = listen_address(spec, m)
+    d.update(
+        unit=f"vllm@{m.name}.service",
+        model_path=model_path(spec, m),
+        listen_address=addr,
+        # where other hosts (gateway, Prometheus) reach this engine
+        reach_address=addr if addr != "127.0.0.1" else "127.0.0.1",
+        host_address=host.private_address or host.address,
+        command=engine_command(spec, m),
+        environment=engine_env(spec, m),
+        start_after_units=[f"vllm@{n}.service" for n in ip.start_after],
+        plan=ip.__dict__,
+        source_kind=m.source.kind,
+        source_repo=m.source.repo,
+        source_revision=m.source.revision,
+    )
+    return d
+
+
+def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One gateway upstream per served model: primaries, backups and fallbacks, with how to reach each."""
+    out: dict[str, dict[str, Any]] = {}
+    for inst in all_instances:
+        name = inst["served_model_name"]
+        up = out.setdefault(
+            name,
+            {"model": name, "upstream": "m_" + "".join(c if c.isalnum() else "_" for c in name), "servers": []},
+        )
+        same_host = spec.gateway_host == inst["host"]
+        address = "127.0.0.1" if same_host and inst["listen_address"] == "127.0.0.1" else inst["host_address"]
+        up["servers"].append(
+            {
+                "instance": inst["name"],
+                "address": f"{address}:{inst['port']}",
+                "role": inst["role"],
+                "pool": inst["pool"],
+                "drained": inst["name"] in spec.gateway.drained,
+            }
+        )
+    return sorted(out.values(), key=lambda u: u["model"])
+
+
+def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = None) -> dict[str, Any]:
+    plan = plan or make_plan(spec)
+    vf: dict[str, Any] = spec.model_dump(mode="json")
+    all_instances = [instance_ctx(spec, plan, m) for m in spec.models]
+    vf["all_instances"] = all_instances
+    vf["upstreams"] = upstreams(spec, all_instances)
+    vf["gateway_host"] = spec.gateway_host
+    vf["monitoring_host"] = spec.monitoring_host
+    vf["spec_hash"] = spec_hash(spec)
+    vf["vllm_fleet_version"] = __version__
+    vf["plan"] = plan.to_dict()
+    if host is not None:
+        h = spec.host(host)
+        vf["host"] = h.model_dump(mode="json")
+        vf["instances"] = [i for i in all_instances if i["host"] == host]
+        vf["is_gateway"] = spec.gateway.enabled and spec.gateway_host == host
+        vf["is_monitoring"] = spec.monitoring.enabled and spec.monitoring_host == host
+    return {"vf": vf, "ansible_managed": ANSIBLE_MANAGED}
+
+
+def repo_root() -> Path:
+    """Folder holding the template folders (units/, nginx/, alerts/, dashboards/ ...)."""
+    import os
+
+    env = os.environ.get("VLLM_FLEET_TEMPLATES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent

