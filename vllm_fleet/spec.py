@@ -319,6 +319,10 @@ class AlertThresholds(_Model):
     preemptions_per_second: float = Field(0.1, ge=0)
     preemptions_for: str = "10m"
     rate_window: str = "5m"
+    # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
+    group_wait: str = "30s"
+    group_interval: str = "5m"
+    repeat_interval: str = "4h"
     runbook_base_url: str = "https://github.com/vllm-fleet/vllm-fleet/blob/main/docs/runbooks"
 
     @model_validator(mode="after")
