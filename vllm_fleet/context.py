@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .engine import engine_command, engine_env, listen_address, model_path
+from .gateway_routes import gateway_routes
 from .plan import Plan, make_plan
 from .spec import FleetSpec, ModelInstance
 
@@ -77,6 +78,8 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
     all_instances = [instance_ctx(spec, plan, m) for m in spec.models]
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
+    mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
+    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)  # nginx templates (vllm_fleet/gateway_routes.py)
     vf["gateway_host"] = spec.gateway_host
     vf["monitoring_host"] = spec.monitoring_host
     vf["spec_hash"] = spec_hash(spec)

@@ -271,6 +271,11 @@ class Gateway(_Model):
     stub_status_port: int = Field(8081, ge=1, le=65535)
     # instance names taken out of rotation (managed by `vllm-fleet drain`)
     drained: list[str] = []
+    # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
+    # next_upstream_tries/_timeout; nothing is retried after the first byte reached the client): docs/gateway.md
+    retry_non_idempotent: bool = True
+    access_log: str = "/var/log/nginx/vllm-fleet.access.log"
+    error_log: str = "/var/log/nginx/vllm-fleet.error.log"
 
 
 # --------------------------------------------------------------------------- monitoring / alerts
