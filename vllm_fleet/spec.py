@@ -136,6 +136,34 @@ class ModelAlerts(_Model):
     ttft_p99_slo_seconds: float | None = Field(None, gt=0)
 
 
+class ServiceSettings(_Model):
+    """How systemd and the launcher supervise one engine (``vllm@NAME.service``; see docs/engine-service.md)."""
+
+    # TimeoutStartSec: the launcher extends it (EXTEND_TIMEOUT_USEC) while the engine is alive and loading
+    start_timeout_seconds: int = Field(180, ge=10)
+    # the launcher gives up loading after this long, and after this long without a new engine log line
+    load_timeout_seconds: int = Field(3600, ge=10)
+    stall_timeout_seconds: int = Field(900, ge=10)
+    # WatchdogSec; 0 disables. Pinged only while periodic health + 1-token decode probes succeed
+    watchdog_seconds: int = Field(60, ge=0)
+    probe_interval_seconds: float = Field(10, gt=0)
+    probe_timeout_seconds: float = Field(20, gt=0)
+    # SIGTERM during start-up is ignored by vLLM: SIGKILL the engine's process group after this long
+    stop_kill_after_loading_seconds: float = Field(5, gt=0)
+    restart_sec: int = Field(10, ge=0)
+    start_limit_burst: int = Field(5, ge=1)
+    start_limit_interval_seconds: int = Field(900, ge=1)
+
+    @model_validator(mode="after")
+    def _watchdog_bounds(self) -> ServiceSettings:
+        if self.watchdog_seconds:
+            if self.probe_timeout_seconds >= self.watchdog_seconds:
+                raise ValueError("probe_timeout_seconds must be below watchdog_seconds")
+            if self.probe_interval_seconds * 2 > self.watchdog_seconds:
+                raise ValueError("probe_interval_seconds must be at most half of watchdog_seconds")
+        return self
+
+
 Dtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
 Quantization = Literal["fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "compressed-tensors"]
 
@@ -174,6 +202,7 @@ class ModelInstance(_Model):
     pool: str = "default"
     shape: ModelShape = ModelShape()
     alerts: ModelAlerts = ModelAlerts()
+    service: ServiceSettings = ServiceSettings()
 
     @model_validator(mode="after")
     def _defaults(self) -> ModelInstance:
