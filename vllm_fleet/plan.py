@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ OVERHEAD_EAGER_PER_GPU_BYTES = int(1.25 * GIB)
 CPU_OVERHEAD_BYTES = int(2.0 * GIB)
 MAX_SUGGESTED_SEQS = 512
 FP8_MIN_CC = (8, 9)
+SHA_RE = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass
@@ -169,7 +171,7 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
                 problems.append(Problem(f"{path}.tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1"))
         # shared GPUs: memory utilisation must add up
         for g, names in gpu_map.items():
-            if len(names) > 1:
+            if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
                 total = sum(spec.model(n).gpu_memory_utilization for n in names)
                 if total > 0.95:
                     problems.append(
@@ -319,6 +321,11 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
             "extra_args not checked (run `vllm-fleet lock` to capture it)"
         )
     for i, m in enumerate(spec.models):
+        if m.source.kind != "path" and not SHA_RE.fullmatch(m.source.revision):
+            warnings.append(
+                f"models[{i}].source.{m.source.kind}.revision {m.source.revision!r} is not a commit hash: "
+                "pin the exact commit you validated"
+            )
         ip = InstancePlan(
             name=m.name,
             host=m.host,

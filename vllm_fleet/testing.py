@@ -123,7 +123,7 @@ class EngineProcess:
         except (OSError, urllib.error.URLError):
             return False
 
-    def wait_ready(self, timeout: float = 240) -> EngineProcess:
+    def wait_ready(self, timeout: float = 600) -> EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
