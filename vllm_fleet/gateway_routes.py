@@ -39,7 +39,9 @@ def _server(s: dict[str, Any], backup: bool) -> dict[str, Any]:
     }
 
 
-def gateway_routes(upstreams: list[dict[str, Any]], max_model_len: dict[str, int | None]) -> list[dict[str, Any]]:
+def gateway_routes(
+    upstreams: list[dict[str, Any]], max_model_len: dict[str, int | None]
+) -> list[dict[str, Any]]:
     """Build the routing table from ``vf.upstreams`` (context.upstreams). ``max_model_len`` per model is shown
     in ``GET /v1/models``."""
     used: set[str] = set()
@@ -61,7 +63,12 @@ def gateway_routes(upstreams: list[dict[str, Any]], max_model_len: dict[str, int
                 pools[pool] = pname
                 first = [s for s in primaries if s["pool"] == pool]
                 rest = [s for s in gpu if s not in first]
-                ups.append({"name": pname, "servers": [_server(s, False) for s in first] + [_server(s, True) for s in rest]})
+                ups.append(
+                    {
+                        "name": pname,
+                        "servers": [_server(s, False) for s in first] + [_server(s, True) for s in rest],
+                    }
+                )
         fallback = ""
         if fallbacks:
             fallback = _name(f"{main}__fallback", used)

@@ -1,0 +1,196 @@
+"""Gateway rendering: routing table, upstream file, drain edits, and `nginx -t` of the rendered config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_fleet.context import build_context
+from vllm_fleet.gateway import (
+    DrainError,
+    apply_drained,
+    instances,
+    parse_upstreams,
+    set_drained,
+    stranded_models,
+)
+from vllm_fleet.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.gateway_routes import gateway_routes
+from vllm_fleet.gateway_testing import gateway_spec
+from vllm_fleet.render import make_env, render_fleet, render_host
+from vllm_fleet.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
+needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js not installed")
+
+
+def _servers(*specs: tuple[str, str, str]) -> list[dict[str, object]]:
+    return [
+        {"instance": n, "address": f"127.0.0.1:{8100 + i}", "role": role, "pool": pool, "drained": False}
+        for i, (n, role, pool) in enumerate(specs)
+    ]
+
+
+def test_routes_primary_backup_single_pool() -> None:
+    ups = [
+        {
+            "model": "m",
+            "upstream": "m_m",
+            "servers": _servers(("a", "primary", "default"), ("b", "backup", "default")),
+        }
+    ]
+    (rt,) = gateway_routes(ups, {"m": 1024})
+    assert rt["default"] == rt["upstream"] == "m_m"
+    assert rt["pools"] == {} and rt["fallback"] == ""
+    (up,) = rt["upstreams"]
+    assert [(s["instance"], s["backup"]) for s in up["servers"]] == [("a", False), ("b", True)]
+    assert rt["max_model_len"] == 1024
+
+
+def test_routes_pools_and_fallback() -> None:
+    servers = _servers(
+        ("a", "primary", "default"),
+        ("b", "primary", "high"),
+        ("c", "backup", "default"),
+        ("d", "fallback", "cpu"),
+    )
+    (rt,) = gateway_routes([{"model": "m", "upstream": "m_m", "servers": servers}], {})
+    assert rt["pools"] == {"default": "m_m__default", "high": "m_m__high"}
+    assert rt["default"] == "m_m__default"
+    assert rt["fallback"] == "m_m__fallback"
+    by = {u["name"]: [(s["instance"], s["backup"]) for s in u["servers"]] for u in rt["upstreams"]}
+    assert by["m_m"] == [("a", False), ("b", False), ("c", True)]
+    # the high pool first, every other GPU instance as nginx backup; the fallback never in a GPU upstream
+    assert by["m_m__high"] == [("b", False), ("a", True), ("c", True)]
+    assert by["m_m__fallback"] == [("d", False)]
+
+
+def test_routes_only_fallback_and_name_collisions() -> None:
+    ups = [
+        {"model": "x.y", "upstream": "m_x_y", "servers": _servers(("a", "fallback", "default"))},
+        {"model": "x_y", "upstream": "m_x_y", "servers": _servers(("b", "primary", "default"))},
+    ]
+    r1, r2 = gateway_routes(ups, {})
+    assert r1["fallback"] == "" and r1["upstreams"][0]["servers"][0]["backup"] is False
+    assert r1["upstream"] != r2["upstream"]
+
+
+def _render(spec_path: Path, host: str) -> dict[str, str]:
+    spec = load_spec(spec_path)
+    return {r.dest: r.content for r in render_host(spec, host)}
+
+
+@pytest.mark.parametrize("example,host", [("tiny-cpu.yml", "h1"), ("seed-004-4xa100.yml", "gpu-a")])
+def test_examples_render_gateway(example: str, host: str) -> None:
+    files = _render(REPO / "examples" / example, host)
+    conf = files["/etc/nginx/conf.d/vllm-fleet.conf"]
+    ups = files["/etc/nginx/vllm-fleet/upstreams.conf"]
+    js = files["/etc/nginx/vllm-fleet/router.js"]
+    assert "Ansible managed" in conf and "Ansible managed" in ups and "Ansible managed" in js
+    assert "proxy_buffering off;" in conf and 'proxy_set_header Connection "";' in conf
+    assert "proxy_http_version 1.1;" in conf and "stub_status;" in conf
+    assert "least_conn;" in ups and "keepalive 32;" in ups and "zone " in ups
+    spec = load_spec(REPO / "examples" / example)
+    for m in spec.models:
+        assert f"# vf-instance={m.name} " in ups
+        assert json.dumps(m.served_model_name) in js
+
+
+def test_drained_from_spec_and_from_ansible_var(tmp_path: Path) -> None:
+    spec = gateway_spec([{"name": "a", "port": 9001}, {"name": "b", "port": 9002}], tmp_path, drained=["a"])
+    ctx = build_context(spec, "h1")
+    tpl = make_env().get_template("nginx/upstreams.conf.j2")
+    text = tpl.render(**ctx)
+    assert {i for u in parse_upstreams(text) for i, _, d in u.servers if d} == {"a"}
+    # the Ansible role passes the gateway host's drained.json as vllm_fleet_gateway_drained
+    text = tpl.render(**ctx, vllm_fleet_gateway_drained=["b"])
+    assert {i for u in parse_upstreams(text) for i, _, d in u.servers if d} == {"a", "b"}
+
+
+def test_apply_drained_round_trip(tmp_path: Path) -> None:
+    spec = gateway_spec(
+        [
+            {"name": "a", "port": 9001},
+            {"name": "b", "port": 9002, "pool": "high"},
+            {"name": "c", "port": 9003, "role": "backup"},
+        ],
+        tmp_path,
+    )
+    text = make_env().get_template("nginx/upstreams.conf.j2").render(**build_context(spec, "h1"))
+    assert instances(text) == {"a": "127.0.0.1:9001", "b": "127.0.0.1:9002", "c": "127.0.0.1:9003"}
+    drained = apply_drained(text, {"a", "c"})
+    for up in parse_upstreams(drained):
+        for inst, _, down in up.servers:
+            assert down == (inst in {"a", "c"})
+    assert "backup down;" in drained  # other parameters kept
+    assert apply_drained(drained, set()) == text
+    assert stranded_models(drained) == []
+    assert stranded_models(apply_drained(text, {"a", "b", "c"})) == ["tiny-qwen3"]
+
+
+@pytest.fixture
+def rendered(tmp_path: Path) -> NginxGateway:
+    keys = tmp_path / "keys"
+    keys.write_text('"sk-unit" unit;\n')
+    spec = gateway_spec(
+        [
+            {"name": "a", "port": 9001},
+            {"name": "b", "port": 9002, "pool": "high"},
+            {"name": "c", "port": 9003, "role": "backup"},
+            {"name": "d", "port": 9004, "role": "fallback"},
+            {"name": "q", "port": 9005, "served_model_name": "Qwen/Qwen3-8B"},
+        ],
+        tmp_path,
+        api_keys_file=str(keys),
+        rate_limit={"per_key_rps": 0.5, "per_ip_rps": 2.5},
+    )
+    render_fleet(spec, tmp_path / "out")
+    return NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
+
+
+@needs_nginx
+def test_nginx_t_accepts_rendered_config(rendered: NginxGateway) -> None:
+    r = rendered.check()
+    assert r.returncode == 0, r.stderr
+    conf = (rendered.etc_nginx / "conf.d" / "vllm-fleet.conf").read_text()
+    assert "rate=30r/m" in conf and "rate=150r/m" in conf  # fractional r/s become r/m
+
+
+@needs_nginx
+def test_nginx_t_rejects_a_broken_config(rendered: NginxGateway) -> None:
+    """The check can fail: a broken upstream file is refused, and drain restores the previous file."""
+    ups = rendered.upstreams_file
+    good = ups.read_text()
+    ups.write_text(good.replace("least_conn;", "least_conn_typo;", 1))
+    assert rendered.check().returncode != 0
+    ups.write_text(good)
+
+
+@needs_nginx
+def test_set_drained_checks_and_refuses(rendered: NginxGateway, tmp_path: Path) -> None:
+    state = tmp_path / "drained.json"
+    nginx = rendered.argv()
+    ups = rendered.upstreams_file
+    assert set_drained("a", True, ups, state, nginx, reload=False) == {"a"}
+    assert json.loads(state.read_text())["drained"] == ["a"]
+    assert set_drained("b", True, ups, state, nginx, reload=False) == {"a", "b"}
+    assert set_drained("c", True, ups, state, nginx, reload=False) == {"a", "b", "c"}
+    with pytest.raises(DrainError) as exc:  # d is the model's last server in rotation
+        set_drained("d", True, ups, state, nginx, reload=False)
+    assert exc.value.code == 3
+    with pytest.raises(DrainError):
+        set_drained("nope", True, ups, state, nginx, reload=False)
+    assert set_drained("b", False, ups, state, nginx, reload=False) == {"a", "c"}
+    # a broken config is detected by nginx -t and the previous upstream file is restored
+    before = ups.read_text()
+    conf = rendered.etc_nginx / "conf.d" / "vllm-fleet.conf"
+    good_conf = conf.read_text()
+    conf.write_text(good_conf + "\nbroken_directive;\n")
+    with pytest.raises(DrainError):
+        set_drained("b", True, ups, state, nginx, reload=False)
+    assert ups.read_text() == before
+    conf.write_text(good_conf)

@@ -1,0 +1,256 @@
+"""``vllm-fleet drain NAME`` / ``undrain NAME``: take an engine instance out of / into the gateway's rotation.
+
+Runs on the gateway host. The rendered upstream file (/etc/nginx/vllm-fleet/upstreams.conf) has one line per
+server ending in ``# vf-instance=NAME``; drain sets that line's ``down`` flag in every upstream, checks the
+config with ``nginx -t`` (restoring the old file if it fails) and reloads nginx gracefully: in-flight requests
+finish on the old workers, new ones no longer reach the instance. The drained set is kept in
+``/etc/vllm-fleet/gateway/drained.json`` (``{"drained": [...]}``) so a re-render keeps it: the Ansible role
+reads that file and passes the names to the template as ``vllm_fleet_gateway_drained``; ``vllm-fleet drain
+--apply`` re-applies it to a freshly copied upstream file. ``--wait S`` then waits until the instance
+reports no running request (``vllm:num_requests_running`` on its /metrics). Exit codes: 0 done, 1 error,
+3 refused (the model would be left without any server; ``--force`` overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cli import command
+
+UPSTREAMS_FILE = "/etc/nginx/vllm-fleet/upstreams.conf"
+STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"
+
+SERVER_RE = re.compile(
+    r"^(?P<head>\s*server\s+(?P<addr>\S+))(?P<params>[^;#]*);(?P<tail>.*#\s*vf-instance=(?P<inst>\S+).*)$"
+)
+UPSTREAM_RE = re.compile(r"^\s*upstream\s+(?P<name>\S+)\s*\{")
+MODEL_RE = re.compile(r"^#\s*model\s+(?P<model>.+?)\s*$")
+
+
+class DrainError(Exception):
+    """Drain could not be done; ``code`` is the exit status."""
+
+    def __init__(self, msg: str, code: int = 1) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass
+class Upstream:
+    name: str
+    model: str
+    # (instance, address, is_down) per server line
+    servers: list[tuple[str, str, bool]] = field(default_factory=list)
+
+
+def apply_drained(text: str, drained: set[str]) -> str:
+    """Return the upstream file text with ``down`` set exactly on the servers of the drained instances."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        m = SERVER_RE.match(line.rstrip("\n"))
+        if m:
+            params = [p for p in m["params"].split() if p != "down"]
+            if m["inst"] in drained:
+                params.append("down")
+            nl = "\n" if line.endswith("\n") else ""
+            line = f"{m['head']}{''.join(' ' + p for p in params)};{m['tail']}{nl}"
+        out.append(line)
+    return "".join(out)
+
+
+def parse_upstreams(text: str) -> list[Upstream]:
+    ups: list[Upstream] = []
+    model = ""
+    for line in text.splitlines():
+        if mm := MODEL_RE.match(line):
+            model = mm["model"]
+        elif um := UPSTREAM_RE.match(line):
+            ups.append(Upstream(um["name"], model))
+        elif (sm := SERVER_RE.match(line)) and ups:
+            ups[-1].servers.append((sm["inst"], sm["addr"], "down" in sm["params"].split()))
+    return ups
+
+
+def instances(text: str) -> dict[str, str]:
+    """instance name → address, from the upstream file."""
+    return {inst: addr for up in parse_upstreams(text) for inst, addr, _ in up.servers}
+
+
+def stranded_models(text: str) -> list[str]:
+    """Served models with no server left that is not ``down`` (in any of their upstreams)."""
+    live: dict[str, bool] = {}
+    for up in parse_upstreams(text):
+        live[up.model] = live.get(up.model, False) or any(not down for _, _, down in up.servers)
+    return sorted(m for m, ok in live.items() if not ok)
+
+
+def read_state(path: Path) -> set[str]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return set()
+    except ValueError as exc:
+        raise DrainError(f"{path}: not valid JSON ({exc})") from None
+    return set(data.get("drained", []))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _run(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise DrainError(f"{shlex.join(argv)} failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
+
+
+def set_drained(
+    name: str | None,
+    drain: bool,
+    upstreams: Path = Path(UPSTREAMS_FILE),
+    state: Path = Path(STATE_FILE),
+    nginx: list[str] | None = None,
+    force: bool = False,
+    reload: bool = True,
+) -> set[str]:
+    """Add (drain) or remove (undrain) ``name`` — None: re-apply the state file — then nginx -t and reload.
+    Returns the drained set."""
+    nginx = nginx or ["nginx"]
+    old = upstreams.read_text()
+    known = instances(old)
+    # the state file plus what the file already marks down (e.g. gateway.drained in the spec)
+    down = {i for up in parse_upstreams(old) for i, _, d in up.servers if d}
+    drained = (read_state(state) | down) & set(known)
+    if name is not None:
+        if name not in known:
+            raise DrainError(
+                f"unknown instance {name!r} in {upstreams} (instances: {', '.join(sorted(known))})"
+            )
+        drained = drained | {name} if drain else drained - {name}
+    new = apply_drained(old, drained)
+    stranded = stranded_models(new)
+    if stranded and drain and not force:
+        raise DrainError(
+            f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
+            "(--force to do it anyway)",
+            code=3,
+        )
+    _write_atomic(upstreams, new)
+    try:
+        _run([*nginx, "-t", "-q"])
+    except DrainError:
+        _write_atomic(upstreams, old)
+        raise
+    _write_atomic(state, json.dumps({"drained": sorted(drained), "updated": time.time()}, indent=2) + "\n")
+    if reload and new != old:
+        _run([*nginx, "-s", "reload"])
+    return drained
+
+
+def running_requests(address: str, timeout: float = 3) -> float:
+    """Sum of ``vllm:num_requests_running`` on the engine at ``address`` (host:port)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_idle(address: str, timeout: float, interval: float = 0.5) -> bool:
+    """Wait until the engine has no running request (or is unreachable). False on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if running_requests(address) == 0:
+                return True
+        except OSError:
+            return True  # not answering: nothing running that we could wait for
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def _args(p: argparse.ArgumentParser, drain: bool) -> None:
+    p.add_argument("name", nargs="?" if drain else None, help="instance name (models[].name in the spec)")
+    p.add_argument(
+        "--upstreams", default=UPSTREAMS_FILE, help=f"rendered upstream file (default {UPSTREAMS_FILE})"
+    )
+    p.add_argument("--state", default=STATE_FILE, help=f"drained-set file (default {STATE_FILE})")
+    p.add_argument(
+        "--nginx",
+        default="nginx",
+        help='nginx command, e.g. "nginx -p PREFIX -c CONF" (used with -t and -s reload)',
+    )
+    p.add_argument("--no-reload", action="store_true", help="edit and check only")
+    if drain:
+        p.add_argument(
+            "--force", action="store_true", help="drain even if the model keeps no server in rotation"
+        )
+        p.add_argument(
+            "--wait", type=float, default=0, metavar="S", help="then wait up to S s for in-flight requests"
+        )
+        p.add_argument(
+            "--apply", action="store_true", help="no NAME: re-apply the state file to the upstream file"
+        )
+
+
+def _handler(drain: bool) -> object:
+    def run(a: argparse.Namespace) -> int:
+        if drain and a.name is None and not a.apply:
+            print("drain: give an instance NAME (or --apply)", file=sys.stderr)
+            return 1
+        ups = Path(a.upstreams)
+        try:
+            drained = set_drained(
+                a.name,
+                drain,
+                ups,
+                Path(a.state),
+                shlex.split(a.nginx),
+                getattr(a, "force", False),
+                not a.no_reload,
+            )
+        except (DrainError, OSError) as exc:
+            print(f"{'drain' if drain else 'undrain'}: {exc}", file=sys.stderr)
+            return getattr(exc, "code", 1)
+        print(f"drained: {', '.join(sorted(drained)) or '(none)'}")
+        if drain and a.name and a.wait > 0:
+            addr = instances(ups.read_text())[a.name]
+            if not wait_idle(addr, a.wait):
+                print(f"drain: {a.name} still has running requests after {a.wait:g}s", file=sys.stderr)
+                return 1
+            print(f"{a.name}: no running request")
+        return 0
+
+    return run
+
+
+@command("drain", "take an engine instance out of the gateway's rotation (nginx -t + graceful reload)")
+def _drain_cmd(p: argparse.ArgumentParser) -> None:
+    _args(p, True)
+    p.set_defaults(handler=_handler(True))
+
+
+@command("undrain", "put a drained engine instance back into the gateway's rotation")
+def _undrain_cmd(p: argparse.ArgumentParser) -> None:
+    _args(p, False)
+    p.set_defaults(handler=_handler(False))

