@@ -84,8 +84,16 @@ class Gateway:
             return []
         return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
 
-    def log_since(self, n: int) -> list[dict[str, Any]]:
-        return self.log()[n:]
+    def find(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 3) -> list[dict[str, Any]]:
+        """Access log entries matching ``pred``; waits a little (nginx logs after the response is sent)."""
+        found: list[dict[str, Any]] = []
+
+        def check() -> bool:
+            found[:] = [e for e in self.log() if pred(e)]
+            return bool(found)
+
+        wait_for(check, timeout, 0.05)
+        return found
 
 
 def chat_body(model: str = "tiny-qwen3", max_tokens: int = 8, **kw: Any) -> dict[str, Any]:
