@@ -1,0 +1,210 @@
+"""Alert rules: rendered from a test spec, checked and unit-tested with promtool, thresholds from the spec."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+import yaml
+
+from vllm_fleet.observability import VLLM_METRICS, check_alert_thresholds, render_monitoring
+from vllm_fleet.spec import load_spec, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_SPEC = REPO / "alerts" / "tests" / "spec.yml"
+RULES_DEST = "etc/prometheus/rules/vllm-fleet.rules.yml"
+EXPORTER_METRICS = {
+    "vllm_fleet_instance_state",
+    "vllm_fleet_instance_restarts_total",
+    "vllm_fleet_gateway_requests_total",
+}
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"
+)
+
+
+def render_rules(spec_data: dict[str, Any], out: Path) -> Path:
+    spec = parse_spec(spec_data)
+    render_monitoring(spec, out, folders=("alerts",))
+    return out / spec.monitoring_host / RULES_DEST
+
+
+def spec_data() -> dict[str, Any]:
+    data = yaml.safe_load(TEST_SPEC.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def rules_of(path: Path) -> list[dict[str, Any]]:
+    doc = yaml.safe_load(path.read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return render_rules(spec_data(), tmp_path_factory.mktemp("rules"))
+
+
+def test_promtool_check_rules(rendered: Path) -> None:
+    r = subprocess.run(["promtool", "check", "rules", str(rendered)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_pass(rendered: Path, tmp_path: Path) -> None:
+    shutil.copy(rendered, tmp_path / "vllm-fleet.rules.yml")
+    for t in sorted((REPO / "alerts" / "tests").glob("*.test.yml")):
+        shutil.copy(t, tmp_path / t.name)
+        r = subprocess.run(
+            ["promtool", "test", "rules", t.name], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
+    """The same tests against rules with a changed threshold must fail (the tests are not vacuous)."""
+    data = spec_data()
+    data["alerts"]["queue_wait_p99_seconds"] = 10.0
+    data["alerts"]["kv_cache_warning"] = 0.97
+    changed = render_rules(data, tmp_path / "changed")
+    shutil.copy(changed, tmp_path / "vllm-fleet.rules.yml")
+    shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
+    r = subprocess.run(
+        ["promtool", "test", "rules", "vllm-fleet.test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert r.returncode != 0
+    assert "VllmQueueWaitHigh" in r.stdout + r.stderr and "VllmKvCacheUsageHigh" in r.stdout + r.stderr
+
+
+def test_generated_test_file_is_current() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tests", REPO / "alerts" / "tests" / "make_tests.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.build() == (REPO / "alerts" / "tests" / "vllm-fleet.test.yml").read_text()
+
+
+def test_every_alert_has_firing_and_silent_cases(rendered: Path) -> None:
+    names = {r["alert"] for r in rules_of(rendered)}
+    tests = yaml.safe_load((REPO / "alerts" / "tests" / "vllm-fleet.test.yml").read_text())["tests"]
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for t in tests:
+        for a in t.get("alert_rule_test", []):
+            (fires if a["exp_alerts"] else silent).add(a["alertname"])
+    assert names - fires == set(), "alerts without a firing test"
+    assert names - {"Watchdog"} - silent == set(), "alerts without a must-stay-silent test"
+
+
+def test_alert_conventions_and_runbooks(rendered: Path) -> None:
+    for r in rules_of(rendered):
+        name = r["alert"]
+        assert re.fullmatch(r"(Vllm[A-Z][A-Za-z0-9]+|Watchdog)", name)
+        assert r["labels"]["severity"] in {"critical", "warning", "info", "none"}
+        ann = r["annotations"]
+        assert {"summary", "description", "runbook_url", "dashboard_url"} <= set(ann)
+        assert ann["runbook_url"].endswith(f"/{name}.md")
+        runbook = REPO / "docs" / "runbooks" / f"{name}.md"
+        assert runbook.exists(), f"missing runbook {runbook}"
+        assert name in runbook.read_text()
+
+
+def _metric_names(expr: str) -> set[str]:
+    # identifiers directly followed by a selector, a range or used bare; drop PromQL keywords/functions
+    names = set(re.findall(r"(?<![\w:])([a-zA-Z_:][\w:]*)\s*(?=\{|\[)", expr))
+    names |= set(re.findall(r"\b(vllm:[\w]+|vllm_fleet_\w+)", expr))
+    return names
+
+
+def test_only_known_metric_names(rendered: Path) -> None:
+    for r in rules_of(rendered):
+        for name in _metric_names(r["expr"]):
+            assert name in VLLM_METRICS or name in EXPORTER_METRICS or name == "up", (r["alert"], name)
+    # and the removed / invented names from old dashboards never appear
+    text = rendered.read_text()
+    for wrong in (
+        "gpu_cache_usage",
+        "time_per_output_token_seconds",
+        "time_in_queue",
+        "request_waiting_time",
+    ):
+        assert wrong not in text
+
+
+def _expr(rules: list[dict[str, Any]], name: str, match: str = "") -> str:
+    found = [r["expr"] for r in rules if r["alert"] == name and match in r["expr"]]
+    assert found, (name, match)
+    return " ".join(found)
+
+
+def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
+    data = spec_data()
+    odd = {
+        "kv_cache_warning": 0.912,
+        "kv_cache_critical": 0.937,
+        "queue_wait_p99_seconds": 3.21,
+        "decode_rate_floor": 123.4,
+        "gateway_5xx_ratio": 0.0321,
+        "ttft_p99_slo_seconds": 7.5,
+        "preemptions_per_second": 0.77,
+        "restart_loop_count": 7,
+        "restart_loop_window": "37m",
+        "decode_stall_for": "3m",
+        "rate_window": "4m",
+        "kv_cache_for": "13m",
+    }
+    data["alerts"].update(odd)
+    data["models"][1]["alerts"] = {"decode_rate_floor": 55.5, "ttft_p99_slo_seconds": 0.25}
+    rules = rules_of(render_rules(data, tmp_path))
+    assert "> 0.912" in _expr(rules, "VllmKvCacheUsageHigh")
+    assert "> 0.937" in _expr(rules, "VllmKvCacheUsageCritical")
+    assert "> 3.21" in _expr(rules, "VllmQueueWaitHigh")
+    assert "[4m]" in _expr(rules, "VllmQueueWaitHigh")
+    assert "< 123.4" in _expr(rules, "VllmDecodeRateLow", 'instance!~"tiny-b"')
+    assert "< 55.5" in _expr(rules, "VllmDecodeRateLow", 'instance="tiny-b"')
+    assert "> 0.0321" in _expr(rules, "VllmGateway5xxRatioHigh")
+    assert "> 7.5" in _expr(rules, "VllmTtftSloBreached", 'instance!~"tiny-b"')
+    assert "> 0.25" in _expr(rules, "VllmTtftSloBreached", 'instance="tiny-b"')
+    assert "> 0.77" in _expr(rules, "VllmPreemptions")
+    assert "[37m]) >= 7" in _expr(rules, "VllmUnitRestartLoop")
+    assert "[3m]" in _expr(rules, "VllmDecodeStalled")
+    assert {r["for"] for r in rules if r["alert"].startswith("VllmKvCache")} == {"13m"}
+
+
+def test_decode_floor_zero_disables_the_rule(tmp_path: Path) -> None:
+    data = spec_data()
+    data["alerts"]["decode_rate_floor"] = 0
+    data["models"][1].pop("alerts")
+    assert not [r for r in rules_of(render_rules(data, tmp_path)) if r["alert"] == "VllmDecodeRateLow"]
+
+
+def test_ttft_slo_must_be_a_bucket_bound(tmp_path: Path) -> None:
+    data = spec_data()
+    data["alerts"]["ttft_p99_slo_seconds"] = 2.0  # vLLM's TTFT buckets go 1.0, 2.5: no 2.0 bound
+    with pytest.raises(jinja2.UndefinedError, match="TTFT_histogram_bucket_bound"):
+        render_rules(data, tmp_path)
+    problems = check_alert_thresholds(parse_spec(data))
+    assert problems and problems[0][0] == "alerts.ttft_p99_slo_seconds" and "2.5" in problems[0][1]
+    # a bound added with --custom-histogram-buckets is accepted
+    for m in data["models"]:
+        m["extra_args"] = ["--custom-histogram-buckets", '{"time_to_first_token": [0.5, 1.0, 2.0, 5.0]}']
+    data["models"][1]["alerts"]["ttft_p99_slo_seconds"] = 2.0
+    assert check_alert_thresholds(parse_spec(data)) == []
+    render_rules(data, tmp_path / "custom")
+
+
+def test_example_specs_render_valid_rules(tmp_path: Path) -> None:
+    for example in sorted((REPO / "examples").glob("*.yml")):
+        spec = load_spec(example)
+        assert check_alert_thresholds(spec) == [], example
+        render_monitoring(spec, tmp_path / example.stem, folders=("alerts",))
+        path = tmp_path / example.stem / spec.monitoring_host / RULES_DEST
+        r = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, (example, r.stdout + r.stderr)

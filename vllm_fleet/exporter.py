@@ -1,0 +1,510 @@
+"""``vllm-fleet exporter``: the host exporter (prometheus-client) that Prometheus scrapes on every host.
+
+Per instance it exports the launcher's state file (``{state_dir}/{name}.json``: loading / ready / draining /
+failed / stopped, probe latency and failures, load duration), the unit's restart count (systemd
+``NRestarts`` of ``vllm@NAME.service`` when systemd runs), NVML GPU metrics (nvidia-ml-py: utilisation,
+memory, temperature, power, ECC, XID) when the host has NVIDIA GPUs, and — on the gateway host — request
+counts by model and status code from the gateway's JSON access log (the nginx exporter has no status codes).
+
+Everything is read at scrape time (no background state) except the access log, which is tailed
+incrementally on each scrape, and NVML XID events, which a thread collects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .cli import command
+
+log = logging.getLogger("vllm_fleet.exporter")
+
+STATES = ("loading", "ready", "draining", "failed", "stopped")
+# gateway request duration buckets (seconds): interactive up to long generations
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PREFIX = "vllm_fleet_"
+
+
+# --------------------------------------------------------------------------- instances
+
+
+@dataclass
+class Instance:
+    name: str
+    model: str = ""
+    port: int | None = None
+    state: dict[str, Any] | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
+    """Instances known from the instance configs and/or launcher state files. Returns (instances, errors)."""
+    found: dict[str, Instance] = {}
+    errors = 0
+    if config_dir is not None and config_dir.is_dir():
+        for p in sorted(config_dir.glob("*.json")):
+            cfg = _read_json(p)
+            if cfg is None:
+                errors += 1
+                continue
+            name = str(cfg.get("name") or p.stem)
+            found[name] = Instance(name, str(cfg.get("served_model_name") or name), cfg.get("port"))
+    if state_dir.is_dir():
+        for p in sorted(state_dir.glob("*.json")):
+            st = _read_json(p)
+            if st is None:
+                errors += 1  # a torn write cannot happen (tmp + rename); anything else is worth a metric
+                continue
+            name = str(st.get("instance") or p.stem)
+            inst = found.setdefault(name, Instance(name))
+            inst.state = st
+            inst.model = inst.model or str(st.get("served_model_name") or name)
+            inst.port = inst.port or st.get("port")
+    return sorted(found.values(), key=lambda i: i.name), errors
+
+
+def systemd_available() -> bool:
+    return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
+
+
+def unit_restarts(names: list[str]) -> dict[str, int]:
+    """``NRestarts`` of ``vllm@NAME.service`` per instance name (one systemctl call for all)."""
+    if not names:
+        return {}
+    units = [f"vllm@{n}.service" for n in names]
+    try:
+        out = subprocess.run(
+            ["systemctl", "show", "--property=Id,NRestarts", *units],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    result: dict[str, int] = {}
+    for block in out.strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        unit, value = props.get("Id", ""), props.get("NRestarts", "")
+        if unit.startswith("vllm@") and value.isdigit():
+            result[unit.removeprefix("vllm@").removesuffix(".service")] = int(value)
+    return result
+
+
+# --------------------------------------------------------------------------- gateway access log
+
+
+@dataclass
+class _ModelStats:
+    codes: dict[str, int] = field(default_factory=dict)
+    retried: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
+    count: int = 0
+    total_seconds: float = 0.0
+
+
+class AccessLogTail:
+    """Follows the gateway's JSON access log (one object per line: status, model, upstream_addr,
+    request_time — nginx/vllm-fleet.conf.j2's ``vf_json``). Starts at the end of the file, survives
+    rotation (new inode or truncation), keeps counters for the exporter's lifetime."""
+
+    def __init__(self, path: Path, from_start: bool = False) -> None:
+        self.path = path
+        self._inode: int | None = None
+        self._pos = 0
+        self._buf = b""
+        self._from_start = from_start
+        self.stats: dict[str, _ModelStats] = {}
+        self.bad_lines = 0
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        with self._lock:
+            try:
+                st = self.path.stat()
+            except OSError:
+                return
+            if self._inode is None:
+                self._inode = st.st_ino
+                self._pos = 0 if self._from_start else st.st_size
+            elif st.st_ino != self._inode or st.st_size < self._pos:
+                self._inode, self._pos, self._buf = st.st_ino, 0, b""
+            if st.st_size == self._pos:
+                return
+            with self.path.open("rb") as f:
+                f.seek(self._pos)
+                data = f.read(st.st_size - self._pos)
+            self._pos += len(data)
+            lines = (self._buf + data).split(b"\n")
+            self._buf = lines.pop()
+            for line in lines:
+                if line.strip():
+                    self._count(line)
+
+    def _count(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+            code = str(int(rec["status"]))
+        except (ValueError, KeyError, TypeError):
+            self.bad_lines += 1
+            return
+        model = str(rec.get("model") or "") or "none"
+        s = self.stats.setdefault(model, _ModelStats())
+        s.codes[code] = s.codes.get(code, 0) + 1
+        if "," in str(rec.get("upstream_addr") or ""):
+            s.retried += 1
+        try:
+            seconds = float(rec.get("request_time", 0.0))
+        except (TypeError, ValueError):
+            seconds = 0.0
+        s.count += 1
+        s.total_seconds += seconds
+        for n, bound in enumerate(DURATION_BUCKETS):
+            if seconds <= bound:
+                s.buckets[n] += 1
+
+    def metrics(self) -> Iterator[Metric]:
+        self.poll()
+        req = CounterMetricFamily(
+            PREFIX + "gateway_requests",
+            "Gateway requests by model and HTTP status (access log)",
+            labels=["model", "code"],
+        )
+        retried = CounterMetricFamily(
+            PREFIX + "gateway_upstream_retries",
+            "Gateway requests that tried more than one upstream server (failover before the first byte)",
+            labels=["model"],
+        )
+        dur = HistogramMetricFamily(
+            PREFIX + "gateway_request_duration_seconds", "Gateway request time (access log)", labels=["model"]
+        )
+        with self._lock:
+            for model, s in sorted(self.stats.items()):
+                for code, n in sorted(s.codes.items()):
+                    req.add_metric([model, code], n)
+                retried.add_metric([model], s.retried)
+                cum = [(str(b), float(c)) for b, c in zip(DURATION_BUCKETS, s.buckets, strict=True)] + [
+                    ("+Inf", float(s.count))
+                ]
+                dur.add_metric([model], cum, s.total_seconds)
+            bad = self.bad_lines
+        yield req
+        yield retried
+        yield dur
+        yield CounterMetricFamily(
+            PREFIX + "gateway_log_bad_lines", "Access log lines that were not JSON", value=bad
+        )
+
+
+# --------------------------------------------------------------------------- NVML
+
+
+class Nvml:
+    """GPU metrics through nvidia-ml-py. ``available`` is False on hosts without a driver or GPU."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self.xids: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv = pynvml
+            self.count = int(pynvml.nvmlDeviceGetCount())
+            self.driver = _s(pynvml.nvmlSystemGetDriverVersion())
+            self.available = self.count > 0
+        except Exception as exc:  # no library, no driver, no GPU: all mean "no GPU metrics"
+            log.info("NVML not available: %s", exc)
+            return
+        threading.Thread(target=self._xid_events, name="nvml-xid", daemon=True).start()
+
+    def _xid_events(self) -> None:
+        nv = self.nv
+        try:
+            es = nv.nvmlEventSetCreate()
+            handles = {}
+            for i in range(self.count):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                try:
+                    nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, es)
+                    handles[i] = nv.nvmlDeviceGetUUID(h)
+                except nv.NVMLError as exc:
+                    log.info("XID events not supported on GPU %d: %s", i, exc)
+            if not handles:
+                return
+            uuid_to_index = {_s(u): i for i, u in handles.items()}
+            while True:
+                try:
+                    data = nv.nvmlEventSetWait_v2(es, 5000)
+                except nv.NVMLError_Timeout:
+                    continue
+                idx = uuid_to_index.get(_s(nv.nvmlDeviceGetUUID(data.device)), -1)
+                with self._lock:
+                    key = (idx, int(data.eventData))
+                    self.xids[key] = self.xids.get(key, 0) + 1
+        except Exception as exc:  # the thread must not die silently
+            log.warning("XID event thread stopped: %s", exc)
+
+    def metrics(self) -> Iterator[Metric]:
+        nv = self.nv
+        labels = ["gpu", "uuid"]
+        info = GaugeMetricFamily(
+            PREFIX + "gpu_info", "GPU model and driver", labels=[*labels, "name", "driver"]
+        )
+        util = GaugeMetricFamily(
+            PREFIX + "gpu_utilization_ratio", "GPU busy time ratio (NVML)", labels=labels
+        )
+        mem_util = GaugeMetricFamily(
+            PREFIX + "gpu_memory_bandwidth_utilization_ratio", "GPU memory busy ratio (NVML)", labels=labels
+        )
+        used = GaugeMetricFamily(PREFIX + "gpu_memory_used_bytes", "GPU memory used", labels=labels)
+        total = GaugeMetricFamily(PREFIX + "gpu_memory_total_bytes", "GPU memory total", labels=labels)
+        temp = GaugeMetricFamily(PREFIX + "gpu_temperature_celsius", "GPU temperature", labels=labels)
+        power = GaugeMetricFamily(PREFIX + "gpu_power_watts", "GPU power draw", labels=labels)
+        limit = GaugeMetricFamily(PREFIX + "gpu_power_limit_watts", "GPU enforced power limit", labels=labels)
+        ecc = CounterMetricFamily(
+            PREFIX + "gpu_ecc_errors",
+            "ECC errors since the driver loaded (volatile)",
+            labels=[*labels, "type"],
+        )
+        xid = CounterMetricFamily(
+            PREFIX + "gpu_xid_errors", "XID critical errors seen", labels=[*labels, "xid"]
+        )
+        uuids: dict[int, str] = {}
+        for i in range(self.count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = _s(nv.nvmlDeviceGetUUID(h))
+            except nv.NVMLError:
+                continue
+            uuids[i] = uuid
+            lv = [str(i), uuid]
+            info.add_metric([*lv, _s(nv.nvmlDeviceGetName(h)), self.driver], 1)
+            rates = _q(nv.nvmlDeviceGetUtilizationRates, h)
+            if rates is not None:
+                util.add_metric(lv, rates.gpu / 100.0)
+                mem_util.add_metric(lv, rates.memory / 100.0)
+            mem = _q(nv.nvmlDeviceGetMemoryInfo, h)
+            if mem is not None:
+                used.add_metric(lv, float(mem.used))
+                total.add_metric(lv, float(mem.total))
+            for fam, value, scale in (
+                (temp, _q(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU), 1.0),
+                (power, _q(nv.nvmlDeviceGetPowerUsage, h), 1000.0),
+                (limit, _q(nv.nvmlDeviceGetEnforcedPowerLimit, h), 1000.0),
+            ):
+                if value is not None:
+                    fam.add_metric(lv, float(value) / scale)
+            for kind, etype in (
+                ("corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                ("uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            ):
+                n = _q(nv.nvmlDeviceGetTotalEccErrors, h, etype, nv.NVML_VOLATILE_ECC)
+                if n is not None:
+                    ecc.add_metric([*lv, kind], float(n))
+        with self._lock:
+            for (idx, code), n in sorted(self.xids.items()):
+                xid.add_metric([str(idx), uuids.get(idx, ""), str(code)], n)
+        yield from (info, util, mem_util, used, total, temp, power, limit, ecc, xid)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _q(fn: Any, *args: Any) -> Any:
+    """One NVML query; None when the GPU does not support it (NotSupported, NoPermission ...)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # any NVMLError subclass
+        log.debug("NVML query %s skipped: %s", getattr(fn, "__name__", fn), exc)
+        return None
+
+
+# --------------------------------------------------------------------------- collector
+
+
+class FleetCollector(Collector):
+    def __init__(
+        self,
+        state_dir: Path,
+        config_dir: Path | None = None,
+        access_log: AccessLogTail | None = None,
+        nvml: Nvml | None = None,
+        use_systemd: bool | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.config_dir = config_dir
+        self.access_log = access_log
+        self.nvml = nvml
+        self.use_systemd = systemd_available() if use_systemd is None else use_systemd
+
+    def collect(self) -> Iterable[Metric]:
+        started = time.monotonic()
+        instances, errors = read_instances(self.state_dir, self.config_dir)
+        yield from self._instance_metrics(instances)
+        if self.use_systemd:
+            restarts = unit_restarts([i.name for i in instances])
+            fam = CounterMetricFamily(
+                PREFIX + "instance_restarts",
+                "Automatic restarts of vllm@NAME.service (systemd NRestarts)",
+                labels=["instance", "model", "unit"],
+            )
+            for i in instances:
+                if i.name in restarts:
+                    fam.add_metric([i.name, i.model, f"vllm@{i.name}.service"], restarts[i.name])
+            yield fam
+        if self.access_log is not None:
+            yield from self.access_log.metrics()
+        if self.nvml is not None and self.nvml.available:
+            yield from self.nvml.metrics()
+        yield CounterMetricFamily(
+            PREFIX + "exporter_read_errors", "State/config files that could not be read", value=errors
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "exporter_scrape_duration_seconds",
+            "Time this scrape took",
+            value=time.monotonic() - started,
+        )
+
+    def _instance_metrics(self, instances: list[Instance]) -> Iterator[Metric]:
+        lbl = ["instance", "model"]
+        state = GaugeMetricFamily(
+            PREFIX + "instance_state",
+            "Launcher state: 1 for the current state (state file)",
+            labels=[*lbl, "state"],
+        )
+        present = GaugeMetricFamily(
+            PREFIX + "instance_state_present", "1 when the launcher wrote a state file", labels=lbl
+        )
+        load = GaugeMetricFamily(
+            PREFIX + "instance_load_duration_seconds", "Start to ready, last start", labels=lbl
+        )
+        started = GaugeMetricFamily(
+            PREFIX + "instance_started_timestamp_seconds", "Launcher start time", labels=lbl
+        )
+        ready = GaugeMetricFamily(
+            PREFIX + "instance_ready_timestamp_seconds", "Time the engine became ready", labels=lbl
+        )
+        updated = GaugeMetricFamily(
+            PREFIX + "instance_state_updated_timestamp_seconds", "Last state write", labels=lbl
+        )
+        probe_ok = GaugeMetricFamily(
+            PREFIX + "probe_success", "1 when the last generation probe succeeded", labels=lbl
+        )
+        probe_lat = GaugeMetricFamily(
+            PREFIX + "probe_latency_seconds", "Latency of the last probe", labels=lbl
+        )
+        probe_at = GaugeMetricFamily(
+            PREFIX + "probe_last_timestamp_seconds", "Time of the last probe", labels=lbl
+        )
+        probes = CounterMetricFamily(PREFIX + "probes", "Probes since the launcher started", labels=lbl)
+        failures = CounterMetricFamily(
+            PREFIX + "probe_failures", "Failed probes since the launcher started", labels=lbl
+        )
+        for i in instances:
+            lv = [i.name, i.model]
+            st = i.state or {}
+            present.add_metric(lv, 1 if i.state is not None else 0)
+            current = st.get("state")
+            for s in STATES:
+                state.add_metric([*lv, s], 1 if current == s else 0)
+            for fam, key in (
+                (load, "load_duration_seconds"),
+                (started, "started_at"),
+                (ready, "ready_at"),
+                (updated, "updated_at"),
+                (probe_lat, "last_probe_latency_seconds"),
+                (probe_at, "last_probe_at"),
+            ):
+                if isinstance(st.get(key), (int, float)):
+                    fam.add_metric(lv, float(st[key]))
+            if isinstance(st.get("last_probe_ok"), bool):
+                probe_ok.add_metric(lv, 1 if st["last_probe_ok"] else 0)
+            for cfam, key in ((probes, "probes_total"), (failures, "probe_failures_total")):
+                if isinstance(st.get(key), (int, float)):
+                    cfam.add_metric(lv, float(st[key]))
+        yield from (
+            state,
+            present,
+            load,
+            started,
+            ready,
+            updated,
+            probe_ok,
+            probe_lat,
+            probe_at,
+            probes,
+            failures,
+        )
+
+
+def build_registry(args: argparse.Namespace) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    tail = (
+        AccessLogTail(Path(args.access_log), from_start=args.access_log_from_start)
+        if args.access_log
+        else None
+    )
+    nvml = None if args.no_nvml else Nvml()
+    registry.register(
+        FleetCollector(Path(args.state_dir), Path(args.config_dir) if args.config_dir else None, tail, nvml)
+    )
+    return registry
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    registry = build_registry(args)
+    if args.once:
+        print(generate_latest(registry).decode(), end="")
+        return 0
+    addr, _, port = args.listen.rpartition(":")
+    server, thread = start_http_server(int(port), addr=addr or "0.0.0.0", registry=registry)
+    log.info("serving metrics on http://%s:%s/metrics", addr or "0.0.0.0", port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    thread.join(5)
+    return 0
+
+
+@command(
+    "exporter", "host exporter: launcher states, probes, restarts, NVML GPU metrics, gateway log (Prometheus)"
+)
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:9400", help="ADDRESS:PORT to serve /metrics on")
+    p.add_argument("--state-dir", default="/run/vllm-fleet", help="launcher state files (*.json)")
+    p.add_argument("--config-dir", default="/etc/vllm-fleet/instances", help="instance configs (*.json)")
+    p.add_argument(
+        "--access-log", default=os.environ.get("VLLM_FLEET_ACCESS_LOG", ""), help="gateway JSON access log"
+    )
+    p.add_argument("--access-log-from-start", action="store_true", help="count the existing log too (tests)")
+    p.add_argument("--no-nvml", action="store_true", help="do not export GPU metrics")
+    p.add_argument("--once", action="store_true", help="print the metrics once and exit")
+    p.set_defaults(handler=_run)

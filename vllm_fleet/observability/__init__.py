@@ -1,0 +1,125 @@
+"""Observability helpers shared by the alert rules, the dashboards and their tests.
+
+``VLLM_METRICS`` is the list of metric names vLLM 0.32 exports (read from a live engine's /metrics, see
+docs/observability.md). Queries must use only these (and the exporters' names); the live test proves it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from ..spec import FleetSpec
+
+# vLLM 0.32 /metrics (labels model_name, engine). Counters carry _total, histograms _bucket/_sum/_count.
+VLLM_GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:kv_cache_usage_perc",
+    "vllm:engine_sleep_state",
+    "vllm:cache_config_info",
+)
+VLLM_COUNTERS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:admission_rejections_total",
+)
+VLLM_HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:iteration_tokens_total",
+)
+VLLM_METRICS = frozenset(
+    [*VLLM_GAUGES, *VLLM_COUNTERS] + [h + s for h in VLLM_HISTOGRAMS for s in ("_bucket", "_sum", "_count")]
+)
+
+# vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
+# bounds is an interpolation artefact: the SLO must be one of these, or the engine needs
+# --custom-histogram-buckets with that bound.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+# request-latency family (e2e, queue, prefill, decode)
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+MONITORING_FOLDERS = ("alerts", "monitoring", "dashboards")
+
+
+def _custom_ttft_buckets(extra_args: list[str]) -> list[float] | None:
+    """TTFT bounds given with --custom-histogram-buckets JSON, if any."""
+    import json
+
+    for n, arg in enumerate(extra_args):
+        value = None
+        if arg == "--custom-histogram-buckets" and n + 1 < len(extra_args):
+            value = extra_args[n + 1]
+        elif arg.startswith("--custom-histogram-buckets="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                data = json.loads(value)
+                return [float(b) for b in data.get("time_to_first_token", [])] or None
+            except (ValueError, AttributeError, TypeError):
+                return None
+    return None
+
+
+def check_alert_thresholds(spec: FleetSpec) -> list[tuple[str, str]]:
+    """Plan-time checks of the alert thresholds: (field path, reason) pairs."""
+    problems: list[tuple[str, str]] = []
+    for i, m in enumerate(spec.models):
+        buckets = _custom_ttft_buckets(m.extra_args) or list(TTFT_BUCKETS)
+        own = m.alerts.ttft_p99_slo_seconds
+        slo, path = (own, f"models[{i}].alerts.ttft_p99_slo_seconds") if own is not None else (
+            spec.alerts.ttft_p99_slo_seconds, "alerts.ttft_p99_slo_seconds")  # fmt: skip
+        if not any(abs(slo - b) < 1e-9 for b in buckets):
+            near = sorted(buckets, key=lambda b: abs(b - slo))[:2]
+            problems.append(
+                (
+                    path,
+                    f"TTFT SLO {slo}s is not a bound of {m.name}'s time_to_first_token histogram, so p99 > SLO "
+                    f"would be an interpolation guess; use a bucket bound (nearest: {sorted(near)}) or add it "
+                    "with --custom-histogram-buckets",
+                )
+            )
+    return problems
+
+
+def render_monitoring(
+    spec: FleetSpec, out_dir: Path, folders: tuple[str, ...] = MONITORING_FOLDERS
+) -> list[Path]:
+    """Render only the monitoring artifacts (alerts/, monitoring/, dashboards/) of every host into
+    ``out_dir/HOST/...`` — what the observability tests use, independent of other template folders."""
+    from ..context import repo_root
+    from ..render import render_host
+
+    root = repo_root()
+    written: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="vf-monitoring-root-") as tmp:
+        for f in folders:
+            if (root / f / "artifacts.yml").exists():
+                (Path(tmp) / f).symlink_to(root / f)
+        for h in spec.hosts:
+            for r in render_host(spec, h.name, root=Path(tmp)):
+                target = out_dir / h.name / r.dest.lstrip("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(r.content)
+                written.append(target)
+    return written
