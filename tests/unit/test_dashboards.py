@@ -1,0 +1,365 @@
+"""Dashboards (grafanalib) and Grafana provisioning files: shapes checked against Grafana's documented
+file-provisioning schema (no Grafana server can run here), thresholds drawn at the spec's alert values."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from vllm_fleet.observability import VLLM_METRICS, render_monitoring
+from vllm_fleet.observability.dashboards import INSTANCE_UID, OVERVIEW_UID, panel_queries
+from vllm_fleet.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+PROV = "etc/grafana/provisioning"
+DASH = "var/lib/grafana/dashboards/vllm-fleet"
+
+# --- Grafana's file-provisioning formats (grafana.com/docs/grafana/latest/administration/provisioning/ and
+# .../alerting/set-up/provision-alerting-resources/file-provisioning/), as JSON Schema
+DATASOURCES = {
+    "type": "object",
+    "required": ["apiVersion", "datasources"],
+    "properties": {
+        "apiVersion": {"const": 1},
+        "datasources": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["name", "type", "access", "url", "uid"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "type": {"const": "prometheus"},
+                    "access": {"enum": ["proxy", "direct"]},
+                    "url": {"type": "string", "pattern": "^https?://"},
+                    "uid": {"type": "string", "maxLength": 40},
+                    "isDefault": {"type": "boolean"},
+                    "editable": {"type": "boolean"},
+                    "jsonData": {"type": "object"},
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+    "additionalProperties": False,
+}
+PROVIDERS = {
+    "type": "object",
+    "required": ["apiVersion", "providers"],
+    "properties": {
+        "apiVersion": {"const": 1},
+        "providers": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "type", "options"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "orgId": {"type": "integer"},
+                    "folder": {"type": "string"},
+                    "folderUid": {"type": "string"},
+                    "type": {"const": "file"},
+                    "disableDeletion": {"type": "boolean"},
+                    "allowUiUpdates": {"type": "boolean"},
+                    "updateIntervalSeconds": {"type": "integer"},
+                    "options": {
+                        "type": "object",
+                        "required": ["path"],
+                        "properties": {
+                            "path": {"type": "string"},
+                            "foldersFromFilesStructure": {"type": "boolean"},
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+}
+DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
+QUERY = {
+    "type": "object",
+    "required": ["refId", "datasourceUid", "model", "relativeTimeRange"],
+    "properties": {
+        "refId": {"type": "string"},
+        "datasourceUid": {"type": "string"},
+        "relativeTimeRange": {
+            "type": "object",
+            "required": ["from", "to"],
+            "properties": {
+                "from": {"type": "integer", "minimum": 0},
+                "to": {"type": "integer", "minimum": 0},
+            },
+        },
+        "model": {"type": "object", "required": ["refId"]},
+        "queryType": {"type": "string"},
+    },
+    "additionalProperties": False,
+}
+ALERT_RULES = {
+    "type": "object",
+    "required": ["apiVersion", "groups"],
+    "properties": {
+        "apiVersion": {"const": 1},
+        "groups": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["orgId", "name", "folder", "interval", "rules"],
+                "properties": {
+                    "orgId": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "folder": {"type": "string"},
+                    "interval": DURATION,
+                    "rules": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": [
+                                "uid",
+                                "title",
+                                "condition",
+                                "data",
+                                "noDataState",
+                                "execErrState",
+                                "for",
+                            ],
+                            "properties": {
+                                "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"},
+                                "title": {"type": "string"},
+                                "condition": {"type": "string"},
+                                "data": {"type": "array", "minItems": 1, "items": QUERY},
+                                "noDataState": {"enum": ["Alerting", "NoData", "OK"]},
+                                "execErrState": {"enum": ["Alerting", "Error", "OK"]},
+                                "for": DURATION,
+                                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                "isPaused": {"type": "boolean"},
+                            },
+                            "additionalProperties": False,
+                        },
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+    "additionalProperties": False,
+}
+CONTACT_POINTS = {
+    "type": "object",
+    "required": ["apiVersion", "contactPoints"],
+    "properties": {
+        "apiVersion": {"const": 1},
+        "contactPoints": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["orgId", "name", "receivers"],
+                "properties": {
+                    "orgId": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "receivers": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["uid", "type", "settings"],
+                            "properties": {
+                                "uid": {"type": "string"},
+                                "type": {"const": "slack"},
+                                "disableResolveMessage": {"type": "boolean"},
+                                "settings": {
+                                    "type": "object",
+                                    "anyOf": [{"required": ["url"]}, {"required": ["token", "recipient"]}],
+                                },
+                            },
+                            "additionalProperties": False,
+                        },
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+}
+POLICIES = {
+    "type": "object",
+    "required": ["apiVersion", "policies"],
+    "properties": {
+        "apiVersion": {"const": 1},
+        "policies": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["orgId", "receiver"],
+                "properties": {
+                    "orgId": {"type": "integer"},
+                    "receiver": {"type": "string"},
+                    "group_by": {"type": "array", "items": {"type": "string"}},
+                    "group_wait": DURATION,
+                    "group_interval": DURATION,
+                    "repeat_interval": DURATION,
+                    "routes": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["receiver"],
+                            "properties": {
+                                "receiver": {"type": "string"},
+                                "object_matchers": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "array",
+                                        "minItems": 3,
+                                        "maxItems": 3,
+                                        "prefixItems": [
+                                            {"type": "string"},
+                                            {"enum": ["=", "!=", "=~", "!~"]},
+                                        ],
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+}
+
+
+def spec_data() -> dict[str, Any]:
+    data = yaml.safe_load((REPO / "alerts" / "tests" / "spec.yml").read_text())
+    data["slack"] = {"enabled": True, "webhook_url_file": "/etc/vllm-fleet/secrets/slack_webhook_url"}
+    data["alerts"].update(kv_cache_warning=0.913, kv_cache_critical=0.971, queue_wait_p99_seconds=1.5)
+    data["alerts"].update(ttft_p99_slo_seconds=5.0, preemptions_per_second=0.37, gateway_5xx_ratio=0.021)
+    data["alerts"]["decode_rate_floor"] = 42
+    return data
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("grafana")
+    render_monitoring(parse_spec(spec_data()), d, folders=("dashboards",))
+    return d / "h1"
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def test_provisioning_files_match_grafana_schema(out: Path) -> None:
+    jsonschema.validate(_yaml(out / PROV / "datasources/vllm-fleet.yml"), DATASOURCES)
+    jsonschema.validate(_yaml(out / PROV / "dashboards/vllm-fleet.yml"), PROVIDERS)
+    jsonschema.validate(_yaml(out / PROV / "alerting/vllm-fleet-rules.yml"), ALERT_RULES)
+    jsonschema.validate(_yaml(out / PROV / "alerting/vllm-fleet-contact-points.yml"), CONTACT_POINTS)
+    jsonschema.validate(_yaml(out / PROV / "alerting/vllm-fleet-policies.yml"), POLICIES)
+
+
+def test_schema_rejects_the_unconverted_grafanalib_shape() -> None:
+    """AlertRulev9.to_json_data() (Ruler API shape, nested under grafana_alert) is not file provisioning."""
+    from vllm_fleet.observability.grafana import rules
+
+    ctx_vf = {**parse_spec(spec_data()).model_dump(mode="json")}
+    raw = rules(ctx_vf)[0].to_json_data()
+    doc = {
+        "apiVersion": 1,
+        "groups": [{"orgId": 1, "name": "g", "folder": "f", "interval": "1m", "rules": [raw]}],
+    }
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(json.dumps(raw and doc)), ALERT_RULES)
+
+
+def test_alert_rules_are_consistent(out: Path) -> None:
+    doc = _yaml(out / PROV / "alerting/vllm-fleet-rules.yml")
+    for rule in doc["groups"][0]["rules"]:
+        refs = {q["refId"] for q in rule["data"]}
+        assert rule["condition"] in refs
+        prom = [q for q in rule["data"] if q["datasourceUid"] != "-100"]
+        assert prom and all(q["datasourceUid"] == "vllm-fleet-prom" for q in prom)
+        assert all(q["model"]["datasource"] == {"type": "prometheus", "uid": "vllm-fleet-prom"} for q in prom)
+        assert rule["noDataState"] == "OK" and rule["execErrState"] == "Error"
+        assert rule["annotations"]["runbook_url"].endswith(f"/{rule['title']}.md")
+    math = {r["title"]: r["data"][-1]["model"]["expression"] for r in doc["groups"][0]["rules"]}
+    assert math["VllmKvCacheUsageCritical"] == "$B > 0.971"
+    assert math["VllmQueueWaitHigh"] == "$B > 1.5"
+    assert math["VllmTtftSloBreached"] == "$B > 5.0"
+
+
+def test_contact_point_reads_the_secret_file(out: Path) -> None:
+    cp = _yaml(out / PROV / "alerting/vllm-fleet-contact-points.yml")
+    settings = cp["contactPoints"][0]["receivers"][0]["settings"]
+    assert settings["url"] == "$__file{/etc/vllm-fleet/secrets/slack_webhook_url}"
+    pol = _yaml(out / PROV / "alerting/vllm-fleet-policies.yml")
+    names = {c["name"] for c in cp["contactPoints"]}
+    assert pol["policies"][0]["receiver"] in names
+    assert all(r["receiver"] in names for r in pol["policies"][0]["routes"])
+    for f in (out / PROV).rglob("*.yml"):
+        assert "hooks.slack" not in f.read_text()
+
+
+def _dash(out: Path, uid: str) -> dict[str, Any]:
+    d = json.loads((out / DASH / f"{uid}.json").read_text())
+    assert isinstance(d, dict)
+    return d
+
+
+def test_dashboards_shape_and_datasource(out: Path) -> None:
+    ds = _yaml(out / PROV / "datasources/vllm-fleet.yml")["datasources"][0]["uid"]
+    for uid in (OVERVIEW_UID, INSTANCE_UID):
+        d = _dash(out, uid)
+        assert d["uid"] == uid and d["title"]
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)) and len(ids) >= 9
+        for p in d["panels"]:
+            assert p["datasource"] == {"type": "prometheus", "uid": ds}
+            assert p["targets"] and all(t["expr"] for t in p["targets"])
+            assert p["gridPos"]["w"] > 0
+        names = [t["name"] for t in d["templating"]["list"]]
+        assert names == (["model"] if uid == OVERVIEW_UID else ["instance", "host"])
+
+
+def _steps(d: dict[str, Any], title: str) -> list[float]:
+    panel = next(p for p in d["panels"] if p["title"].startswith(title))
+    return [
+        s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None
+    ]
+
+
+def test_thresholds_drawn_at_the_alert_thresholds(out: Path) -> None:
+    ov = _dash(out, OVERVIEW_UID)
+    assert _steps(ov, "KV cache usage") == [0.913, 0.971]
+    assert _steps(ov, "Queue wait p99") == [1.5]
+    assert _steps(ov, "Time to first token") == [5.0]
+    assert _steps(ov, "Preemptions/s") == [0.37]
+    assert _steps(ov, "Errors") == [0.021]
+    inst = _dash(out, INSTANCE_UID)
+    assert _steps(inst, "Decode rate") == [42]
+    assert _steps(inst, "KV cache usage") == [0.913, 0.971]
+
+
+def test_panel_queries_use_only_real_metric_names() -> None:
+    exporter = re.compile(r"^vllm_fleet_[a-z_]+$")
+    for where, expr, _gpu in panel_queries(parse_spec(spec_data()).alerts.model_dump()):
+        for name in re.findall(r"(?<![\w:$])([a-zA-Z_][\w:]*)\s*\{", expr):
+            assert name in VLLM_METRICS or exporter.match(name) or name == "up", (where, name)
+        assert "gpu_cache_usage" not in expr and "time_per_output_token_seconds" not in expr
+
+
+def test_generator_entries_are_importable() -> None:
+    from vllm_fleet.render import _generator
+
+    entries = yaml.safe_load((REPO / "dashboards" / "artifacts.yml").read_text())
+    gens = [e["generator"] for e in entries if "generator" in e]
+    assert len(gens) == 3
+    for g in gens:
+        assert callable(_generator(g))

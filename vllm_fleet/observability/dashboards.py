@@ -1,0 +1,348 @@
+"""Grafana dashboards (grafanalib): fleet overview and instance drill-down with GPU panels.
+
+Render generators (dashboards/artifacts.yml) call ``overview_json(ctx)`` / ``instance_json(ctx)`` with the
+template context; thresholds are drawn at the alert thresholds of ``vf.alerts``. ``panel_queries()`` lists
+every query with the variables it needs, for the live test that runs each one against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import grafanalib.core as G
+from grafanalib._gen import DashboardEncoder
+
+OVERVIEW_UID = "vllm-fleet-overview"
+INSTANCE_UID = "vllm-fleet-instance"
+RI = "$__rate_interval"
+M = 'model=~"$model"'
+I = 'instance="$instance"'  # noqa: E741 - PromQL selector fragment
+H = 'host=~"$host"'
+
+
+@dataclass
+class PanelDef:
+    title: str
+    exprs: list[tuple[str, str]]  # (expr, legend)
+    unit: str = ""
+    thresholds: list[tuple[str, float]] | None = None  # (color, value) lines at alert thresholds
+    gpu_only: bool = False
+    description: str = ""
+    stat: bool = False
+
+
+def _p(quantile: float, metric: str, sel: str, by: str) -> str:
+    return f"histogram_quantile({quantile}, sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RI}])))"
+
+
+def overview_panels(a: dict[str, Any]) -> list[PanelDef]:
+    by = "model"
+    return [
+        PanelDef(
+            "Requests/s (finished)",
+            [(f"sum by (model) (rate(vllm:request_success_total{{{M}}}[{RI}]))", "{{model}}")],
+            "reqps",
+        ),
+        PanelDef(
+            "Tokens/s",
+            [
+                (f"sum by (model) (rate(vllm:generation_tokens_total{{{M}}}[{RI}]))", "{{model}} generated"),
+                (f"sum by (model) (rate(vllm:prompt_tokens_total{{{M}}}[{RI}]))", "{{model}} prompt"),
+            ],
+            "short",
+        ),
+        PanelDef(
+            "Time to first token p50 / p99",
+            [
+                (_p(0.5, "vllm:time_to_first_token_seconds", M, by), "{{model}} p50"),
+                (_p(0.99, "vllm:time_to_first_token_seconds", M, by), "{{model}} p99"),
+            ],
+            "s",
+            [("red", a["ttft_p99_slo_seconds"])],
+        ),
+        PanelDef(
+            "Inter-token latency p50 / p99",
+            [
+                (_p(0.5, "vllm:inter_token_latency_seconds", M, by), "{{model}} p50"),
+                (_p(0.99, "vllm:inter_token_latency_seconds", M, by), "{{model}} p99"),
+            ],
+            "s",
+        ),
+        PanelDef(
+            "End-to-end latency p50 / p99",
+            [
+                (_p(0.5, "vllm:e2e_request_latency_seconds", M, by), "{{model}} p50"),
+                (_p(0.99, "vllm:e2e_request_latency_seconds", M, by), "{{model}} p99"),
+            ],
+            "s",
+        ),
+        PanelDef(
+            "Queue wait p99",
+            [(_p(0.99, "vllm:request_queue_time_seconds", M, by), "{{model}} p99")],
+            "s",
+            [("orange", a["queue_wait_p99_seconds"])],
+        ),
+        PanelDef(
+            "KV cache usage (max over instances)",
+            [(f"max by (model, instance) (vllm:kv_cache_usage_perc{{{M}}})", "{{model}} {{instance}}")],
+            "percentunit",
+            [("orange", a["kv_cache_warning"]), ("red", a["kv_cache_critical"])],
+        ),
+        PanelDef(
+            "Requests running / waiting",
+            [
+                (f"sum by (model) (vllm:num_requests_running{{{M}}})", "{{model}} running"),
+                (f"sum by (model) (vllm:num_requests_waiting{{{M}}})", "{{model}} waiting"),
+            ],
+            "short",
+        ),
+        PanelDef(
+            "Preemptions/s",
+            [(f"sum by (model) (rate(vllm:num_preemptions_total{{{M}}}[{RI}]))", "{{model}}")],
+            "short",
+            [("orange", a["preemptions_per_second"])],
+        ),
+        PanelDef(
+            "Prefix cache hit rate",
+            [
+                (
+                    f"sum by (model) (rate(vllm:prefix_cache_hits_total{{{M}}}[{RI}]))"
+                    f" / sum by (model) (rate(vllm:prefix_cache_queries_total{{{M}}}[{RI}]))",
+                    "{{model}}",
+                )
+            ],
+            "percentunit",
+        ),
+        PanelDef(
+            "Errors: gateway 5xx ratio, aborted requests/s",
+            [
+                (
+                    f'sum by (model) (rate(vllm_fleet_gateway_requests_total{{code=~"5..", {M}}}[{RI}]))'
+                    f" / sum by (model) (rate(vllm_fleet_gateway_requests_total{{{M}}}[{RI}]))",
+                    "{{model}} gateway 5xx ratio",
+                ),
+                (
+                    f'sum by (model) (rate(vllm:request_success_total{{finished_reason="abort", {M}}}[{RI}]))',
+                    "{{model}} aborted/s",
+                ),
+            ],
+            "short",
+            [("red", a["gateway_5xx_ratio"])],
+        ),
+        PanelDef(
+            "Failover: backup/fallback traffic, gateway retries",
+            [
+                (
+                    f'sum by (model) (rate(vllm:request_success_total{{role!="primary", {M}}}[{RI}]))',
+                    "{{model}} served by backup/fallback",
+                ),
+                (
+                    f"sum by (model) (rate(vllm_fleet_gateway_upstream_retries_total{{{M}}}[{RI}]))",
+                    "{{model}} retried on another upstream",
+                ),
+            ],
+            "reqps",
+        ),
+        PanelDef(
+            "Instances ready (launcher state)",
+            [(f'sum by (model) (vllm_fleet_instance_state{{state="ready", {M}}})', "{{model}} ready")],
+            "short",
+        ),
+        PanelDef(
+            "Instances scraped (up)",
+            [(f'sum by (model) (up{{job="vllm", {M}}})', "{{model}} up")],
+            "short",
+        ),
+    ]
+
+
+def instance_panels(a: dict[str, Any]) -> list[PanelDef]:
+    by = "instance"
+    g = "gpu, host"
+    return [
+        PanelDef(
+            "Launcher state", [(f"vllm_fleet_instance_state{{{I}}} == 1", "{{state}}")], "short", stat=True
+        ),
+        PanelDef(
+            "Load duration (last start)", [(f"vllm_fleet_instance_load_duration_seconds{{{I}}}", "load")], "s"
+        ),
+        PanelDef(
+            "Generation probe latency / failures",
+            [
+                (f"vllm_fleet_probe_latency_seconds{{{I}}}", "latency"),
+                (f"increase(vllm_fleet_probe_failures_total{{{I}}}[{RI}])", "failures"),
+            ],
+            "s",
+        ),
+        PanelDef(
+            "Unit restarts (systemd NRestarts)",
+            [(f"vllm_fleet_instance_restarts_total{{{I}}}", "restarts")],
+            "short",
+            [("red", float(a["restart_loop_count"]))],
+            description="needs systemd on the host",
+        ),
+        PanelDef(
+            "KV cache usage",
+            [(f"vllm:kv_cache_usage_perc{{{I}}}", "kv cache")],
+            "percentunit",
+            [("orange", a["kv_cache_warning"]), ("red", a["kv_cache_critical"])],
+        ),
+        PanelDef(
+            "Requests running / waiting",
+            [
+                (f"vllm:num_requests_running{{{I}}}", "running"),
+                (f"vllm:num_requests_waiting{{{I}}}", "waiting"),
+            ],
+            "short",
+        ),
+        PanelDef(
+            "Decode rate (generated tokens/s)",
+            [(f"sum by (instance) (rate(vllm:generation_tokens_total{{{I}}}[{RI}]))", "tokens/s")],
+            "short",
+            [("orange", a["decode_rate_floor"])] if a["decode_rate_floor"] > 0 else None,
+        ),
+        PanelDef(
+            "TTFT / ITL / queue wait p99",
+            [
+                (_p(0.99, "vllm:time_to_first_token_seconds", I, by), "TTFT p99"),
+                (_p(0.99, "vllm:inter_token_latency_seconds", I, by), "ITL p99"),
+                (_p(0.99, "vllm:request_queue_time_seconds", I, by), "queue wait p99"),
+                (_p(0.99, "vllm:request_prefill_time_seconds", I, by), "prefill p99"),
+            ],
+            "s",
+            [("red", a["ttft_p99_slo_seconds"])],
+        ),
+        PanelDef(
+            "Preemptions/s",
+            [(f"rate(vllm:num_preemptions_total{{{I}}}[{RI}])", "preemptions/s")],
+            "short",
+            [("orange", a["preemptions_per_second"])],
+        ),
+        PanelDef(
+            "GPU utilisation",
+            [(f"vllm_fleet_gpu_utilization_ratio{{{H}}}", "GPU {{gpu}}")],
+            "percentunit",
+            gpu_only=True,
+        ),
+        PanelDef(
+            "GPU memory used",
+            [
+                (
+                    f"vllm_fleet_gpu_memory_used_bytes{{{H}}} / vllm_fleet_gpu_memory_total_bytes{{{H}}}",
+                    "GPU {{gpu}}",
+                )
+            ],
+            "percentunit",
+            gpu_only=True,
+        ),
+        PanelDef(
+            "GPU temperature / power",
+            [
+                (f"vllm_fleet_gpu_temperature_celsius{{{H}}}", "GPU {{gpu}} °C"),
+                (f"vllm_fleet_gpu_power_watts{{{H}}}", "GPU {{gpu}} W"),
+            ],
+            "short",
+            gpu_only=True,
+        ),
+        PanelDef(
+            "GPU ECC / XID errors",
+            [
+                (f"sum by ({g}, type) (vllm_fleet_gpu_ecc_errors_total{{{H}}})", "GPU {{gpu}} ECC {{type}}"),
+                (f"sum by ({g}, xid) (vllm_fleet_gpu_xid_errors_total{{{H}}})", "GPU {{gpu}} XID {{xid}}"),
+            ],
+            "short",
+            gpu_only=True,
+        ),
+    ]
+
+
+def _panel(p: PanelDef, ds: dict[str, str], n: int) -> G.Panel:
+    targets = [
+        G.Target(expr=e, legendFormat=legend, refId=chr(ord("A") + k), datasource=ds)
+        for k, (e, legend) in enumerate(p.exprs)
+    ]
+    pos = G.GridPos(h=8, w=12, x=(n % 2) * 12, y=(n // 2) * 8)
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    steps += [{"color": c, "value": v} for c, v in (p.thresholds or [])]
+    desc = p.description or None
+    if p.stat:
+        return G.Stat(title=p.title, dataSource=ds, targets=targets, gridPos=pos, reduceCalc="lastNotNull",
+                      textMode="name", graphMode="none", description=desc)  # fmt: skip
+    return G.TimeSeries(
+        title=p.title + (" (GPU hosts)" if p.gpu_only else ""),
+        dataSource=ds,
+        targets=targets,
+        gridPos=pos,
+        unit=p.unit,
+        thresholds=steps,
+        thresholdsStyleMode="line" if p.thresholds else "off",
+        description=desc,
+    )
+
+
+def _ds(vf: dict[str, Any]) -> dict[str, str]:
+    return {"type": "prometheus", "uid": vf["monitoring"]["grafana"]["datasource_uid"]}
+
+
+def _dashboard(
+    vf: dict[str, Any], title: str, uid: str, panels: list[PanelDef], templates: list[G.Template]
+) -> str:
+    ds = _ds(vf)
+    d = G.Dashboard(
+        title=title,
+        uid=uid,
+        tags=["vllm", "vllm-fleet", vf["name"]],
+        timezone="utc",
+        refresh="30s",
+        schemaVersion=39,
+        panels=[_panel(p, ds, n) for n, p in enumerate(panels)],
+        templating=G.Templating(list=templates),
+        time=G.Time("now-3h", "now"),
+    ).auto_panel_ids()
+    return json.dumps(d.to_json_data(), cls=DashboardEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def _var(name: str, query: str, ds: dict[str, str], include_all: bool = False) -> G.Template:
+    return G.Template(
+        name=name,
+        label=name,
+        query=query,
+        dataSource=ds,
+        includeAll=include_all,
+        multi=include_all,
+        allValue=".*" if include_all else None,
+        refresh=2,
+        default="$__all" if include_all else None,
+    )
+
+
+def overview_json(ctx: dict[str, Any]) -> str:
+    vf = ctx["vf"]
+    ds = _ds(vf)
+    templates = [_var("model", "label_values(vllm:num_requests_running, model)", ds, include_all=True)]
+    return _dashboard(
+        vf, f"vLLM fleet / overview ({vf['name']})", OVERVIEW_UID, overview_panels(vf["alerts"]), templates
+    )
+
+
+def instance_json(ctx: dict[str, Any]) -> str:
+    vf = ctx["vf"]
+    ds = _ds(vf)
+    templates = [
+        _var("instance", 'label_values(up{job="vllm"}, instance)', ds),
+        _var("host", 'label_values(up{job="vllm", instance="$instance"}, host)', ds),
+    ]
+    return _dashboard(
+        vf, f"vLLM fleet / instance ({vf['name']})", INSTANCE_UID, instance_panels(vf["alerts"]), templates
+    )
+
+
+def panel_queries(alerts: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(dashboard uid / panel title, expr, gpu_only) for every query of both dashboards."""
+    out: list[tuple[str, str, bool]] = []
+    for uid, panels in ((OVERVIEW_UID, overview_panels(alerts)), (INSTANCE_UID, instance_panels(alerts))):
+        for p in panels:
+            out += [(f"{uid} / {p.title}", e, p.gpu_only) for e, _ in p.exprs]
+    return out
