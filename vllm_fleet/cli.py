@@ -14,7 +14,9 @@ Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
 
 
-def command(name: str, help_text: str) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[..., None]]:
+def command(
+    name: str, help_text: str
+) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[..., None]]:
     """Register ``name``: the decorated function adds arguments; it must set ``handler`` on the parser."""
 
     def deco(fn: Callable[[argparse.ArgumentParser], None]) -> Callable[..., None]:
@@ -96,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.add_argument("spec", help="fleet spec YAML")
         sp.add_argument(
-            "--models-dir", action="append", default=[], metavar="DIR",
+            "--models-dir",
+            action="append",
+            default=[],
+            metavar="DIR",
             help="where local copies of models are looked up for config.json (repeatable)",
         )
         sp.set_defaults(handler=fn)
@@ -125,7 +130,17 @@ def _load_plugins() -> None:
     """Sub-commands that live in their own modules register themselves here."""
     import importlib
 
-    for mod in ("launcher", "gateway", "exporter", "bench.cli", "doctor", "fetch", "lock", "sandbox"):
+    for mod in (
+        "launcher",
+        "gateway",
+        "exporter",
+        "bench.cli",
+        "doctor",
+        "fetch",
+        "lock",
+        "manifest",
+        "sandbox",
+    ):
         try:
             importlib.import_module(f"vllm_fleet.{mod}")
         except ModuleNotFoundError as exc:

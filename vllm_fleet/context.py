@@ -56,7 +56,11 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
         name = inst["served_model_name"]
         up = out.setdefault(
             name,
-            {"model": name, "upstream": "m_" + "".join(c if c.isalnum() else "_" for c in name), "servers": []},
+            {
+                "model": name,
+                "upstream": "m_" + "".join(c if c.isalnum() else "_" for c in name),
+                "servers": [],
+            },
         )
         same_host = spec.gateway_host == inst["host"]
         address = "127.0.0.1" if same_host and inst["listen_address"] == "127.0.0.1" else inst["host_address"]
@@ -79,7 +83,9 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
-    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)  # nginx templates (vllm_fleet/gateway_routes.py)
+    vf["gateway_routes"] = gateway_routes(
+        vf["upstreams"], mml
+    )  # nginx templates (vllm_fleet/gateway_routes.py)
     vf["gateway_host"] = spec.gateway_host
     vf["monitoring_host"] = spec.monitoring_host
     vf["spec_hash"] = spec_hash(spec)

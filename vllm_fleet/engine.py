@@ -20,7 +20,10 @@ def model_path(spec: FleetSpec, m: ModelInstance) -> str:
 def listen_address(spec: FleetSpec, m: ModelInstance) -> str:
     """Engines never listen on a public address: loopback when gateway and monitoring are on the same host,
     otherwise the host's private address (firewalled to gateway and Prometheus hosts)."""
-    remote = {spec.gateway_host if spec.gateway.enabled else m.host, spec.monitoring_host if spec.monitoring.enabled else m.host}
+    remote = {
+        spec.gateway_host if spec.gateway.enabled else m.host,
+        spec.monitoring_host if spec.monitoring.enabled else m.host,
+    }
     if remote <= {m.host}:
         return "127.0.0.1"
     host = spec.host(m.host)

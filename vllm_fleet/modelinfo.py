@@ -155,7 +155,7 @@ def facts_for(model: ModelInstance, search_dirs: list[Path]) -> ModelFacts:
 def weight_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
     if model.quantization:
         return QUANT_WEIGHT_BYTES[model.quantization]
-    dtype = model.dtype
+    dtype: str = model.dtype
     if dtype == "auto":
         dtype = facts.torch_dtype or "bfloat16"
     return DTYPE_BYTES.get(dtype, 2.0)
@@ -164,7 +164,7 @@ def weight_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
 def kv_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
     if model.kv_cache_dtype.startswith("fp8"):
         return 1.0
-    dtype = model.dtype
+    dtype: str = model.dtype
     if dtype == "auto":
         dtype = facts.torch_dtype or "bfloat16"
     b = DTYPE_BYTES.get(dtype, 2.0)

@@ -118,14 +118,20 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
         ports: dict[int, str] = {}
         for port, owner in _host_service_ports(spec, host.name).items():
             if port in ports:
-                problems.append(Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}"))
+                problems.append(
+                    Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}")
+                )
             ports[port] = owner
         for i, m in enumerate(spec.models):
             if m.host != host.name:
                 continue
             path = f"models[{i}]"
             if m.port in ports:
-                problems.append(Problem(f"{path}.port", f"port {m.port} on {host.name} is already used by {ports[m.port]}"))
+                problems.append(
+                    Problem(
+                        f"{path}.port", f"port {m.port} on {host.name} is already used by {ports[m.port]}"
+                    )
+                )
             else:
                 ports[m.port] = f"{path} ({m.name})"
             if spec.stack.profile == "gpu":
@@ -140,7 +146,10 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
                     bad = [g for g in m.gpus if g >= host.gpus.count]
                     if bad:
                         problems.append(
-                            Problem(f"{path}.gpus", f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)")
+                            Problem(
+                                f"{path}.gpus",
+                                f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)",
+                            )
                         )
                 for g in m.gpus:
                     if g in gpu_owner:
@@ -168,7 +177,9 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
                         )
                     )
             elif m.tensor_parallel_size != 1:
-                problems.append(Problem(f"{path}.tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1"))
+                problems.append(
+                    Problem(f"{path}.tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1")
+                )
         # shared GPUs: memory utilisation must add up
         for g, names in gpu_map.items():
             if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
@@ -210,7 +221,12 @@ def suggest_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:
 
 
 def _plan_memory(
-    spec: FleetSpec, i: int, m: ModelInstance, search_dirs: list[Path], problems: list[Problem], ip: InstancePlan
+    spec: FleetSpec,
+    i: int,
+    m: ModelInstance,
+    search_dirs: list[Path],
+    problems: list[Problem],
+    ip: InstancePlan,
 ) -> None:
     path = f"models[{i}]"
     host = spec.host(m.host)
@@ -258,9 +274,7 @@ def _plan_memory(
             )
             return
         if host.memory_gib:
-            used = sum(
-                (x.kv_cache_memory_bytes or 0) + CPU_OVERHEAD_BYTES for x in spec.models_on(host.name)
-            )
+            used = sum((x.kv_cache_memory_bytes or 0) + CPU_OVERHEAD_BYTES for x in spec.models_on(host.name))
             if used > host.memory_gib * GIB:
                 problems.append(
                     Problem(
@@ -378,7 +392,13 @@ def format_plan(plan: Plan) -> str:
     )
     out += ["", header, "-" * len(header)]
     for ip in plan.instances:
-        params = "-" if ip.params is None else f"{ip.params / 1e9:.2f}B" if ip.params >= 1e8 else f"{ip.params / 1e6:.2f}M"
+        params = (
+            "-"
+            if ip.params is None
+            else f"{ip.params / 1e9:.2f}B"
+            if ip.params >= 1e8
+            else f"{ip.params / 1e6:.2f}M"
+        )
         out.append(
             f"{ip.name:<16} {ip.host:<10} {ip.port:>5} {','.join(map(str, ip.gpus)) or '-':<8} {ip.role:<8} "
             f"{params:>8} {_gib(ip.weight_bytes):>8} {ip.kv_bytes_per_token or '-':>9} {_gib(ip.kv_cache_bytes):>7} "
@@ -390,7 +410,9 @@ def format_plan(plan: Plan) -> str:
             out.append(f"    note: {n}")
         if ip.start_after:
             out.append(f"    starts after: {', '.join(ip.start_after)} (shared GPU)")
-    out.append("(weights and KV in GiB; KV/tok in bytes; seqs@max = sequences of max_model_len that fit at once)")
+    out.append(
+        "(weights and KV in GiB; KV/tok in bytes; seqs@max = sequences of max_model_len that fit at once)"
+    )
     for w in plan.warnings:
         out.append(f"warning: {w}")
     if plan.problems:
@@ -399,4 +421,3 @@ def format_plan(plan: Plan) -> str:
     else:
         out.append("\nOK")
     return "\n".join(out)
-

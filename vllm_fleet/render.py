@@ -96,7 +96,9 @@ def make_env(root: Path | None = None) -> jinja2.Environment:
     )
     # filters the Ansible template module also has, so templates render the same in both
     env.filters["to_json"] = lambda v, **kw: __import__("json").dumps(v, **kw)
-    env.filters["to_nice_json"] = lambda v, indent=4: __import__("json").dumps(v, indent=indent, sort_keys=True)
+    env.filters["to_nice_json"] = lambda v, indent=4: __import__("json").dumps(
+        v, indent=indent, sort_keys=True
+    )
     env.filters["to_nice_yaml"] = lambda v, indent=2: yaml.safe_dump(v, indent=indent, sort_keys=False)
     env.filters["quote"] = lambda v: __import__("shlex").quote(str(v))
     return env
@@ -116,7 +118,7 @@ def _hosts_for(spec: FleetSpec, scope: str) -> list[str]:
 
 def _generator(path: str) -> Callable[[dict[str, Any]], str]:
     mod, _, fn = path.partition(":")
-    return getattr(importlib.import_module(mod), fn)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(mod), fn)
 
 
 def render_host(
@@ -156,7 +158,9 @@ def render_host(
     return out
 
 
-def render_fleet(spec: FleetSpec, out_dir: Path, plan: Plan | None = None, root: Path | None = None) -> list[Path]:
+def render_fleet(
+    spec: FleetSpec, out_dir: Path, plan: Plan | None = None, root: Path | None = None
+) -> list[Path]:
     """Write every host's artifacts under ``out_dir/HOST/<absolute dest>``. Returns the written paths."""
     plan = plan or make_plan(spec)
     written: list[Path] = []
@@ -170,7 +174,9 @@ def render_fleet(spec: FleetSpec, out_dir: Path, plan: Plan | None = None, root:
     return written
 
 
-def artifact_list(spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None) -> list[dict[str, Any]]:
+def artifact_list(
+    spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None
+) -> list[dict[str, Any]]:
     """What the Ansible role loops over: template source (absolute), dest, mode, component, instance."""
     root = root or repo_root()
     plan = plan or make_plan(spec)

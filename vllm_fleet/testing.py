@@ -29,7 +29,11 @@ def free_port() -> int:
 
 
 def http_json(
-    method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 30, headers: dict[str, str] | None = None
+    method: str,
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 30,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
@@ -101,7 +105,9 @@ class EngineProcess:
         self.port = port or free_port()
         self.served_name = served_name
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vllm-engine-"))
-        self.argv = engine_argv(self.model_dir, self.port, served_name, extra, shutdown_timeout=shutdown_timeout)
+        self.argv = engine_argv(
+            self.model_dir, self.port, served_name, extra, shutdown_timeout=shutdown_timeout
+        )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / f"engine-{self.port}.log"
 
@@ -112,7 +118,11 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=engine_env(self.workdir), start_new_session=True
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=engine_env(self.workdir),
+            start_new_session=True,
         )
         return self
 
@@ -140,7 +150,11 @@ class EngineProcess:
             return ""
 
     def chat(self, content: str = "hello", max_tokens: int = 8, **kw: Any) -> tuple[int, Any]:
-        body = {"model": self.served_name, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        body = {
+            "model": self.served_name,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+        }
         body.update(kw)
         return http_json("POST", self.url + "/v1/chat/completions", body)
 

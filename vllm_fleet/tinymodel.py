@@ -87,7 +87,7 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
 
     vocab = len(AutoTokenizer.from_pretrained(str(out)))
     torch.manual_seed(seed)
-    eos_id = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<|im_end|>")
+    eos_id = int(AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
     cfg = Qwen3Config(
         vocab_size=vocab,
         hidden_size=64,
@@ -100,10 +100,12 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
         tie_word_embeddings=True,
         eos_token_id=eos_id,
         bos_token_id=eos_id,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(str(out), safe_serialization=True)
+    for f in out.iterdir():  # readable by the engine's service user
+        f.chmod(0o644)
     gen = {"eos_token_id": eos_id, "max_new_tokens": 64, "do_sample": True, "temperature": 1.0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     marker.write_text(json.dumps(want))

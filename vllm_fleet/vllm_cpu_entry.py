@@ -23,7 +23,7 @@ def _version(name: str) -> str:
     return _real_version(name)
 
 
-_md.version = _version
+_md.version = _version  # type: ignore[assignment]
 
 
 def main() -> None:

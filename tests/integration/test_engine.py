@@ -32,13 +32,19 @@ def test_anthropic_messages(engine: EngineProcess) -> None:
 def test_metrics_page_has_current_names(engine: EngineProcess) -> None:
     engine.chat("warm", max_tokens=2)
     text = urllib.request.urlopen(engine.url + "/metrics", timeout=10).read().decode()
-    for name in ("vllm:kv_cache_usage_perc", "vllm:generation_tokens_total", "vllm:request_queue_time_seconds_bucket"):
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:request_queue_time_seconds_bucket",
+    ):
         assert name in text, name
     assert "vllm:gpu_cache_usage_perc" not in text  # removed upstream; dashboards must not use it
 
 
 def test_unknown_model_is_404(engine: EngineProcess) -> None:
-    status, body = http_json(
-        "POST", engine.url + "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    status, _ = http_json(
+        "POST",
+        engine.url + "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
     )
     assert status == 404

