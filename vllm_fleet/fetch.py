@@ -1,0 +1,247 @@
+"""Model download and integrity: ``vllm-fleet fetch SPEC [--host H]``.
+
+Sources (``models[].source``): Hugging Face (``huggingface_hub.snapshot_download`` at the pinned revision into
+the model folder: resumable, progress bars), ModelScope (its ``snapshot_download`` when the ``modelscope``
+package is installed) or a local path (already on the host, or copied from ``--from DIR``). After a fetch every
+file is hashed (sha256), checked against ``source.checksums`` and written to a checksum manifest
+``.vllm-fleet-checksums.json`` in the model folder. Later runs re-hash only files whose size or mtime changed,
+so a rerun is cheap and reports ``changed: false``. Engines then run offline (``HF_HUB_OFFLINE=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cli import command
+from .engine import model_path
+from .spec import FleetSpec, ModelInstance, load_spec
+
+MANIFEST = ".vllm-fleet-checksums.json"
+SKIP_DIRS = {".cache", ".git", ".huggingface", "._____temp"}
+
+
+class FetchError(Exception):
+    pass
+
+
+@dataclass
+class FetchResult:
+    instance: str
+    path: str
+    source: str
+    revision: str
+    changed: bool
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_files(root: Path) -> list[Path]:
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for f in sorted(filenames):
+            if f == MANIFEST or f.endswith(".incomplete") or f.endswith(".lock"):
+                continue
+            out.append(Path(dirpath) / f)
+    return out
+
+
+def source_identity(m: ModelInstance) -> dict[str, str]:
+    return {"kind": m.source.kind, "repo": m.source.repo, "revision": m.source.revision}
+
+
+def read_manifest(root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def hash_tree(root: Path, previous: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {sha256, size, mtime}}; reuses ``previous`` entries whose size and mtime match."""
+    old = (previous or {}).get("files", {})
+    out: dict[str, dict[str, Any]] = {}
+    for p in model_files(root):
+        rel = p.relative_to(root).as_posix()
+        st = p.stat()
+        prev = old.get(rel)
+        if prev and prev.get("size") == st.st_size and prev.get("mtime") == st.st_mtime_ns:
+            out[rel] = prev
+        else:
+            out[rel] = {"sha256": sha256_file(p), "size": st.st_size, "mtime": st.st_mtime_ns}
+    return out
+
+
+def verify(files: dict[str, dict[str, Any]], expected: dict[str, str]) -> list[str]:
+    """Problems: files named in ``expected`` that are missing or hash differently."""
+    problems = []
+    for rel, sha in sorted(expected.items()):
+        got = files.get(rel)
+        if got is None:
+            problems.append(f"{rel}: missing")
+        elif got["sha256"].lower() != sha.lower():
+            problems.append(f"{rel}: sha256 {got['sha256']} != expected {sha}")
+    return problems
+
+
+def _download_hf(m: ModelInstance, dest: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    assert m.source.hf
+    # local_dir downloads resume from .incomplete files; tqdm progress goes to stderr
+    snapshot_download(repo_id=m.source.hf.repo, revision=m.source.hf.revision, local_dir=str(dest))
+
+
+def _download_modelscope(m: ModelInstance, dest: Path) -> None:
+    try:
+        from modelscope import snapshot_download
+    except ImportError:
+        raise FetchError(
+            "source.modelscope needs the `modelscope` package on this host (pip install modelscope)"
+        ) from None
+    assert m.source.modelscope
+    snapshot_download(m.source.modelscope.repo, revision=m.source.modelscope.revision, local_dir=str(dest))
+
+
+def _copy_tree(src: Path, dest: Path) -> None:
+    for p in model_files(src):
+        target = dest / p.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (
+            target.exists()
+            and target.stat().st_size == p.stat().st_size
+            and sha256_file(target) == sha256_file(p)
+        ):
+            continue
+        shutil.copy2(p, target)
+
+
+def fetch_instance(
+    spec: FleetSpec,
+    m: ModelInstance,
+    dest: Path | None = None,
+    copy_from: Path | None = None,
+    verify_all: bool = False,
+) -> FetchResult:
+    root = dest or Path(model_path(spec, m))
+    ident = source_identity(m)
+    previous = read_manifest(root)
+    up_to_date = previous is not None and previous.get("source") == ident and not verify_all
+    changed = False
+    if not up_to_date or not root.is_dir():
+        if copy_from is not None:
+            if not copy_from.is_dir():
+                raise FetchError(f"--from {copy_from}: not a folder")
+            root.mkdir(parents=True, exist_ok=True)
+            _copy_tree(copy_from, root)
+        elif m.source.kind == "hf":
+            root.mkdir(parents=True, exist_ok=True)
+            _download_hf(m, root)
+        elif m.source.kind == "modelscope":
+            root.mkdir(parents=True, exist_ok=True)
+            _download_modelscope(m, root)
+        elif not root.is_dir():
+            raise FetchError(
+                f"source.path {root} does not exist on this host (copy it there, or use --from DIR)"
+            )
+        previous = None if verify_all else previous
+    files = hash_tree(root, previous if up_to_date else None)
+    problems = verify(files, m.source.checksums)
+    if problems:
+        raise FetchError(f"models[{m.name}] at {root}: checksum mismatch:\n  " + "\n  ".join(problems))
+    if not any(files):
+        raise FetchError(f"models[{m.name}] at {root}: no files")
+    new = {"source": ident, "files": files}
+    if previous is None or previous.get("source") != ident or previous.get("files") != files:
+        new["verified_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        (root / MANIFEST).write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
+        changed = True
+    return FetchResult(
+        m.name,
+        str(root),
+        m.source.kind,
+        m.source.revision,
+        changed,
+        {k: v["sha256"] for k, v in files.items()},
+    )
+
+
+def fetch_all(
+    spec: FleetSpec,
+    host: str | None = None,
+    instance: str | None = None,
+    dest_dir: Path | None = None,
+    copy_from: Path | None = None,
+    verify_all: bool = False,
+) -> list[FetchResult]:
+    """Fetch each distinct model folder once (instances sharing a path share the download)."""
+    done: dict[str, FetchResult] = {}
+    out: list[FetchResult] = []
+    for m in spec.models:
+        if (host and m.host != host) or (instance and m.name != instance):
+            continue
+        dest = dest_dir / m.name if dest_dir else Path(model_path(spec, m))
+        key = str(dest)
+        if key in done:
+            r = done[key]
+            out.append(FetchResult(m.name, r.path, r.source, r.revision, False, r.files))
+            continue
+        src = None
+        if copy_from is not None:
+            src = copy_from / m.name if (copy_from / m.name).is_dir() else copy_from / dest.name
+        r = fetch_instance(spec, m, dest, src, verify_all)
+        done[key] = r
+        out.append(r)
+    return out
+
+
+@command("fetch", "download models (HF / ModelScope / local path), verify sha256 checksums")
+def _register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="fleet spec YAML")
+    p.add_argument("--host", help="only the models of this host")
+    p.add_argument("--instance", help="only this instance")
+    p.add_argument(
+        "--dest", help="download into DEST/INSTANCE instead of the host's model folders (controller)"
+    )
+    p.add_argument("--from", dest="copy_from", help="copy from FOLDER/INSTANCE (or FOLDER/<folder name>)")
+    p.add_argument("--verify", action="store_true", help="re-hash every file even if unchanged")
+    p.add_argument("--json", action="store_true", help="one JSON object: {changed, models: [...]}")
+    p.set_defaults(handler=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    spec = load_spec(a.spec)
+    try:
+        results = fetch_all(
+            spec, a.host, a.instance, Path(a.dest) if a.dest else None,
+            Path(a.copy_from) if a.copy_from else None, a.verify,
+        )  # fmt: skip
+    except FetchError as exc:
+        print(f"fetch: {exc}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(
+            json.dumps({"changed": any(r.changed for r in results), "models": [r.__dict__ for r in results]})
+        )
+    else:
+        for r in results:
+            state = "fetched/verified" if r.changed else "unchanged"
+            print(f"{r.instance}: {r.path} ({r.source} @ {r.revision}, {len(r.files)} files) {state}")
+    return 0

