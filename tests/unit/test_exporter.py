@@ -1,0 +1,146 @@
+"""The host exporter: launcher state files, instance configs, the gateway access log, the CLI's exposition."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_fleet.exporter import AccessLogTail, FleetCollector, read_instances, unit_restarts
+
+STATE = {
+    "instance": "qwen3", "served_model_name": "qwen3-8b", "port": 8001, "state": "ready", "launcher_pid": 123,
+    "engine_pid": 456, "started_at": 1795940000.1, "ready_at": 1795940030.2, "load_duration_seconds": 30.1,
+    "phase": "loading weights", "last_probe_at": 1795940100.0, "last_probe_ok": True,
+    "last_probe_latency_seconds": 0.071, "probes_total": 12, "probe_failures_total": 2, "updated_at": 1795940100.0,
+}  # fmt: skip
+
+
+def scrape(collector: FleetCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    reg = CollectorRegistry()
+    reg.register(collector)
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def lbl(**kw: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(kw.items()))
+
+
+def test_state_file_metrics(tmp_path: Path) -> None:
+    (tmp_path / "qwen3.json").write_text(json.dumps(STATE))
+    m = scrape(FleetCollector(tmp_path, None, use_systemd=False))
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    assert m[("vllm_fleet_instance_state", lbl(**i, state="ready"))] == 1
+    for s in ("loading", "draining", "failed", "stopped"):
+        assert m[("vllm_fleet_instance_state", lbl(**i, state=s))] == 0
+    assert m[("vllm_fleet_instance_load_duration_seconds", lbl(**i))] == 30.1
+    assert m[("vllm_fleet_probe_latency_seconds", lbl(**i))] == 0.071
+    assert m[("vllm_fleet_probe_success", lbl(**i))] == 1
+    assert m[("vllm_fleet_probes_total", lbl(**i))] == 12
+    assert m[("vllm_fleet_probe_failures_total", lbl(**i))] == 2
+    assert m[("vllm_fleet_instance_state_present", lbl(**i))] == 1
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+
+
+def test_state_changes_are_seen_at_the_next_scrape(tmp_path: Path) -> None:
+    c = FleetCollector(tmp_path, None, use_systemd=False)
+    (tmp_path / "qwen3.json").write_text(json.dumps({**STATE, "state": "loading", "last_probe_ok": False}))
+    m = scrape(c)
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    assert m[("vllm_fleet_instance_state", lbl(**i, state="loading"))] == 1
+    assert m[("vllm_fleet_probe_success", lbl(**i))] == 0
+    (tmp_path / "qwen3.json").write_text(json.dumps({**STATE, "state": "failed"}))
+    m = scrape(c)
+    assert m[("vllm_fleet_instance_state", lbl(**i, state="failed"))] == 1
+    assert m[("vllm_fleet_instance_state", lbl(**i, state="loading"))] == 0
+
+
+def test_configured_instance_without_state_file_and_bad_files(tmp_path: Path) -> None:
+    cfg, st = tmp_path / "cfg", tmp_path / "st"
+    cfg.mkdir()
+    st.mkdir()
+    (cfg / "a.json").write_text(json.dumps({"name": "a", "served_model_name": "m-a", "port": 8001}))
+    (st / "broken.json").write_text("{not json")
+    instances, errors = read_instances(st, cfg)
+    assert [(i.name, i.model, i.state) for i in instances] == [("a", "m-a", None)]
+    assert errors == 1
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert m[("vllm_fleet_instance_state_present", lbl(instance="a", model="m-a"))] == 0
+    assert m[("vllm_fleet_instance_state", lbl(instance="a", model="m-a", state="ready"))] == 0
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 1
+
+
+def _line(status: int, model: str, upstream: str = "127.0.0.1:8001", t: float = 0.2) -> str:
+    return json.dumps({"status": status, "model": model, "upstream_addr": upstream, "request_time": t}) + "\n"
+
+
+def test_access_log_tail_counts_codes_retries_and_survives_rotation(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    log.write_text(_line(200, "old"))  # before the exporter started: not counted
+    tail = AccessLogTail(log)
+    c = FleetCollector(tmp_path / "none", None, access_log=tail, use_systemd=False)
+    scrape(c)
+    with log.open("a") as f:
+        f.write(_line(200, "m") + _line(200, "m") + _line(502, "m", "127.0.0.1:8001, 127.0.0.1:8002", 3.0))
+        f.write("garbage\n" + _line(404, ""))
+        f.write('{"status": 200, "model": "m"')  # a partial line: counted once complete
+    m = scrape(c)
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="200"))] == 2
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="502"))] == 1
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="none", code="404"))] == 1
+    assert ("vllm_fleet_gateway_requests_total", lbl(model="old", code="200")) not in m
+    assert m[("vllm_fleet_gateway_upstream_retries_total", lbl(model="m"))] == 1
+    assert m[("vllm_fleet_gateway_log_bad_lines_total", ())] == 1
+    assert m[("vllm_fleet_gateway_request_duration_seconds_bucket", lbl(model="m", le="2.5"))] == 2
+    assert m[("vllm_fleet_gateway_request_duration_seconds_count", lbl(model="m"))] == 3
+    with log.open("a") as f:
+        f.write("}\n")
+    assert scrape(c)[("vllm_fleet_gateway_requests_total", lbl(model="m", code="200"))] == 3
+    # logrotate: the file is moved away and a new one created
+    os.rename(log, tmp_path / "access.log.1")
+    log.write_text(_line(503, "m"))
+    m = scrape(c)
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="503"))] == 1
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="200"))] == 3
+
+
+def test_real_gateway_log_format_is_parsed(tmp_path: Path) -> None:
+    """A line in the gateway's vf_json format (nginx/vllm-fleet.conf.j2)."""
+    line = (
+        '{"time":"2026-11-29T08:34:49+00:00","request_id":"d4","remote_addr":"127.0.0.1","client":"alice",'
+        '"method":"POST","uri":"/v1/completions","status":200,"model":"tiny-qwen3","route":"body","priority":"",'
+        '"upstream":"m_tiny_qwen3__default","upstream_addr":"127.0.0.1:18101","upstream_status":"200",'
+        '"request_time":0.005,"upstream_connect_time":"0.001","upstream_header_time":"0.005",'
+        '"upstream_response_time":"0.005","request_length":207,"bytes_sent":331,"limit_req":"PASSED"}\n'
+    )
+    log = tmp_path / "a.log"
+    log.write_text(line)
+    tail = AccessLogTail(log, from_start=True)
+    m = scrape(FleetCollector(tmp_path / "none", None, access_log=tail, use_systemd=False))
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="tiny-qwen3", code="200"))] == 1
+
+
+def test_unit_restarts_without_systemd_is_empty() -> None:
+    # no systemd on the test machine: systemctl is missing or cannot talk to PID 1 -> no numbers, no crash
+    assert unit_restarts([]) == {}
+    assert isinstance(unit_restarts(["nope"]), dict)
+
+
+def test_cli_once_prints_the_exposition(tmp_path: Path) -> None:
+    (tmp_path / "qwen3.json").write_text(json.dumps(STATE))
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-fleet"), "exporter", "--once", "--no-nvml", "--state-dir", str(tmp_path),
+         "--config-dir", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert 'vllm_fleet_instance_state{instance="qwen3",model="qwen3-8b",state="ready"} 1.0' in r.stdout
