@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 from .cli import command
 from .notify import Notifier
-from .probe import ProbeResult, health, probe
+from .probe import ProbeResult, health, inflight, probe
 
 EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
 EXIT_ENGINE_DIED = 1
@@ -205,6 +205,7 @@ class Launcher:
         self.consecutive_failures = 0
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._drained = threading.Event()
         self._probe_thread: threading.Thread | None = None
         self._probe_result: ProbeResult | None = None
         self._probe_started = 0.0
@@ -367,6 +368,30 @@ class Launcher:
             self.probe_failures_total += 1
             self.consecutive_failures += 1
 
+    # ------------------------------------------------------------------ drain
+    def _start_drain_wait(self, timeout: float) -> None:
+        """vLLM's own drain (SIGTERM + --shutdown-timeout) finishes the requests in the engine core but can
+        cut streams whose last chunks the API server has not sent yet (seen under CPU contention). So wait
+        until the engine reports nothing running or waiting (twice in a row), at most ``timeout``; then
+        the engine gets SIGTERM and drains whatever arrived meanwhile."""
+
+        def run() -> None:
+            deadline = time.monotonic() + timeout
+            idle = 0
+            while time.monotonic() < deadline and not self._drained.is_set():
+                n = inflight(self.cfg.probe_host, self.cfg.port, 2.0)
+                if n is None:
+                    break  # no answer: nothing to wait for
+                idle = idle + 1 if n == 0 else 0
+                if idle >= 2:
+                    break
+                self.n.status(f"Stopping: waiting for {n} in-flight request(s)")
+                time.sleep(0.5)
+            self._drained.set()
+            self._wake.set()
+
+        threading.Thread(target=run, name="drain", daemon=True).start()
+
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal != signal.SIGABRT:
@@ -413,6 +438,8 @@ class Launcher:
         next_status = 0.0
         next_probe = time.monotonic() + 1.0
         stop_at: float | None = None
+        term_at: float | None = None
+        killed = False
         loading_when_stopped = False
         extend = max(30.0, svc.start_timeout_seconds)
         while True:
@@ -429,19 +456,26 @@ class Launcher:
                 return self.fail(
                     EXIT_WATCHDOG, "watchdog timeout: no successful probe in time; engine killed"
                 )
-            if sig in (signal.SIGTERM, signal.SIGINT) and stop_at is None:
-                stop_at = now
-                loading_when_stopped = self.state == "loading"
-                self.state = "draining"
-                self.n.send(
-                    "STOPPING=1", f"STATUS=Stopping: draining requests (up to {cfg.shutdown_timeout:g}s)"
-                )
-                _log(
-                    "stop requested: SIGTERM to the engine"
-                    + (" (still loading)" if loading_when_stopped else "")
-                )
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                if stop_at is None:
+                    stop_at = now
+                    loading_when_stopped = self.state == "loading"
+                    self.state = "draining"
+                    self.n.send("STOPPING=1", f"STATUS=Stopping: draining (up to {cfg.shutdown_timeout:g}s)")
+                    self.save()
+                    if loading_when_stopped:
+                        _log("stop requested while loading: SIGTERM to the engine")
+                        self.signal_engine(signal.SIGTERM)
+                        term_at = now
+                    else:
+                        _log("stop requested: waiting for in-flight requests, then SIGTERM to the engine")
+                        self._start_drain_wait(cfg.shutdown_timeout)
+                elif term_at is None:  # a second stop request: no more waiting
+                    self._drained.set()
+            if stop_at is not None and term_at is None and self._drained.is_set():
+                _log(f"engine idle after {now - stop_at:.1f}s: SIGTERM to the engine")
                 self.signal_engine(signal.SIGTERM)
-                self.save()
+                term_at = now
 
             # --- engine exit
             rc = self.proc.poll()
@@ -462,16 +496,19 @@ class Launcher:
 
             # --- stopping: escalate
             if stop_at is not None:
-                limit = (
-                    svc.stop_kill_after_loading_seconds if loading_when_stopped else cfg.shutdown_timeout + 10
-                )
-                if now - stop_at > limit:
-                    _log(
-                        f"engine still running {now - stop_at:.0f}s after SIGTERM: SIGKILL to its group",
-                        4,
+                if term_at is not None:
+                    limit = (
+                        svc.stop_kill_after_loading_seconds
+                        if loading_when_stopped
+                        else cfg.shutdown_timeout + 10
                     )
-                    self.kill_group(signal.SIGKILL)
-                    stop_at = now + 3600  # wait for the exit, do not repeat
+                    if now - term_at > limit and not killed:
+                        _log(
+                            f"engine still running {now - term_at:.0f}s after SIGTERM: SIGKILL to its group",
+                            4,
+                        )
+                        self.kill_group(signal.SIGKILL)
+                        killed = True
                 continue
 
             res = self._take_probe()
@@ -496,7 +533,7 @@ class Launcher:
                         continue
                     if res.stage == "decode":
                         self.phase = "waiting for the first decode"
-                    next_probe = now + 1.0
+                    next_probe = now + 0.5
                 if now >= next_status:
                     next_status = now + 2.0
                     fields = [f"STATUS={self.loading_status()}"]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from dataclasses import dataclass
+
+_INFLIGHT_RE = re.compile(r"^vllm:num_requests_(running|waiting)[{ ]")
 
 
 @dataclass
@@ -70,3 +73,22 @@ def probe(host: str, port: int, model: str, timeout: float, health_timeout: floa
     remaining = max(0.5, timeout - (time.monotonic() - t0))
     ok, err = decode(host, port, model, remaining)
     return ProbeResult(ok, time.monotonic() - t0, err, "" if ok else "decode")
+
+
+def inflight(host: str, port: int, timeout: float = 3.0) -> int | None:
+    """Requests the engine is running or queueing (``vllm:num_requests_running`` + ``_waiting`` summed over
+    labels, from ``/metrics``), or None when the engine does not answer."""
+    try:
+        status, raw = _request(host, port, "GET", "/metrics", None, timeout)
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    total = 0.0
+    for line in raw.decode(errors="replace").splitlines():
+        if _INFLIGHT_RE.match(line):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return int(total)

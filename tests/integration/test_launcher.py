@@ -226,6 +226,7 @@ def test_sigterm_drains_inflight_stream(run: Run) -> None:
             "max_tokens": 900,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
@@ -239,6 +240,10 @@ def test_sigterm_drains_inflight_stream(run: Run) -> None:
                 done = True
                 break
             d = json.loads(line[6:])
+            if d.get("usage"):
+                result["tokens"] = d["usage"]["completion_tokens"]
+            if not d["choices"]:
+                continue
             chunks += 1
             if chunks == 1:
                 result["first"] = time.monotonic()
@@ -268,14 +273,17 @@ def test_sigterm_drains_inflight_stream(run: Run) -> None:
     for t in threads:
         t.join(60)
     out = run.output()
-    assert "draining in-flight requests" in out, "the stream had finished before SIGTERM reached the engine"
+    # the launcher waited for the in-flight requests before it sent SIGTERM to the engine
+    assert "waiting for in-flight requests" in out and "engine idle after" in out, out[-3000:]
+    waits = [v for v in run.notify.values("STATUS") if v.startswith("Stopping: waiting for")]
+    assert waits, "the requests had finished before the stop request"
     assert result.get("status") == 200 and result.get("done"), result
-    assert result["finish"] == "length" and result["chunks"] >= 800, result  # not "abort"
+    assert result["finish"] == "length" and result.get("tokens") == 900, result  # not "abort"
     assert rc == 0, out[-3000:]
     assert group_alive(pid) == []
     assert run.state()["state"] == "stopped"
     print(
-        f"drain: launcher exited {t_exit - t_term:.1f}s after SIGTERM, stream complete ({result['chunks']} chunks)"
+        f"drain: launcher exited {t_exit - t_term:.1f}s after SIGTERM, stream complete ({result['tokens']} tokens)"
     )
 
 

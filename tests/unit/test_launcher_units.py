@@ -189,7 +189,7 @@ def test_template_unit_directives(tmp_path: Path) -> None:
         assert line in u.splitlines(), line
     assert "DeviceAllow" not in u  # cpu profile: no devices at all
     drop = _unit(out, "h1", "vllm@tiny.service.d/10-fleet.conf")
-    assert "TimeoutStopSec=50" in drop  # shutdown_timeout 20 + 30
+    assert "TimeoutStopSec=70" in drop  # 2 x shutdown_timeout 20 + 30
     assert "WatchdogSec=60" in drop and "After=" not in drop
     target = _unit(out, "h1", "vllm-fleet.target")
     assert "Wants=vllm@tiny.service" in target

