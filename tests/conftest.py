@@ -12,6 +12,9 @@ from vllm_fleet.testing import EngineProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
+# sandbox hosts (systemd-nspawn): the ``sandbox_factory`` session fixture, see tests/sandbox_fixtures.py
+pytest_plugins = ["sandbox_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

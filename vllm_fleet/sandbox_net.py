@@ -19,6 +19,7 @@ from pathlib import Path
 from .sandbox_image import SandboxError, cache_dir, debian_mirror, file_lock
 
 DEFAULT_BRIDGE = "vfbr0"
+DEFAULT_SUBNET = "10.77.0"  # the /24 hosts get addresses from when none is given
 APT_PROXY_PORT = 3142
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$")
 
@@ -63,6 +64,15 @@ def parse_address(address: str) -> HostAddress:
     if ip in (net.network_address, net.broadcast_address, gateway):
         raise SandboxError(f"sandbox address {address}: .0, .1 (the bridge) and .255 of {net} are reserved")
     return HostAddress(str(ip), net, str(gateway))
+
+
+def free_address(taken: set[str], subnet: str = DEFAULT_SUBNET) -> str:
+    """The first address from ``subnet``.10 to .254 that is not in ``taken``."""
+    for last in range(10, 255):
+        candidate = f"{subnet}.{last}"
+        if candidate not in taken:
+            return str(parse_address(candidate).address)
+    raise SandboxError(f"no free sandbox address left in {subnet}.0/24")
 
 
 def network_file(addr: HostAddress) -> str:

@@ -1,0 +1,64 @@
+"""pytest plugin: sandbox hosts (real systemd hosts as systemd-nspawn containers) for integration tests.
+
+Loaded from tests/conftest.py (``pytest_plugins``). Use::
+
+    @pytest.mark.sandbox
+    def test_x(sandbox_factory):
+        h1 = sandbox_factory("myarea-h1")                       # base image, free address on vfbr0
+        h2 = sandbox_factory("myarea-h2", engine=True, model_dir=tiny_model)
+        assert h1.run("systemctl is-system-running").stdout.strip() == "running"
+
+Every host a session boots is powered off and removed at the end of the session (also when tests fail).
+Skips with a clear reason when not root or systemd-nspawn is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from vllm_fleet.sandbox import SandboxHost, down, list_hosts, up
+
+SandboxFactory = Callable[..., SandboxHost]
+
+
+def sandbox_skip_reason() -> str | None:
+    """Why sandbox hosts cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "sandbox hosts need root (systemd-nspawn, bridges, mounts)"
+    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "ssh", "ip"):
+        if shutil.which(tool) is None:
+            return f"sandbox hosts need {tool} (apt-get install systemd-container debootstrap openssh-client)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def sandbox_factory() -> Iterator[SandboxFactory]:
+    """``sandbox_factory(name, address=None, **up_kwargs)`` → a booted :class:`SandboxHost`.
+
+    ``address`` defaults to a free one on 10.77.0.0/24 (the default bridge's subnet); other keywords go to
+    :func:`vllm_fleet.sandbox.up` (``engine``, ``wheelhouse``, ``model_dir``, ``apt_proxy``, ``binds_ro``).
+    A name still running from an earlier, killed session is taken down first."""
+    reason = sandbox_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    started: list[str] = []
+
+    def make(name: str, address: str | None = None, **kw: Any) -> SandboxHost:
+        if any(h.name == name for h in list_hosts()):
+            down(name)  # a leftover of a killed session: never let it make this session fail
+        started.append(name)
+        return up(name, address, **kw)
+
+    try:
+        yield make
+    finally:
+        for name in reversed(started):
+            try:
+                down(name)
+            except Exception as exc:  # keep tearing down the others
+                print(f"sandbox_factory: down {name} failed: {exc}")
