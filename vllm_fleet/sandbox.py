@@ -43,7 +43,7 @@ from .sandbox_net import (
     check_name,
     ensure_apt_proxy,
     ensure_bridge,
-    free_address,
+    first_free_address,
     inventory_text,
     network_file,
     parse_address,
@@ -52,7 +52,17 @@ from .sandbox_net import (
     stop_apt_proxy,
 )
 
-__all__ = ["SandboxError", "SandboxHost", "down", "down_all", "ensure_image", "list_hosts", "up"]
+__all__ = [
+    "SandboxError",
+    "SandboxHost",
+    "down",
+    "down_all",
+    "ensure_image",
+    "free_address",
+    "list_hosts",
+    "up",
+    "write_inventory",
+]
 
 MODELS_MOUNT = "/mnt/models"
 BOOT_TIMEOUT = 120.0
@@ -330,7 +340,7 @@ def up(
         with file_lock(hosts_dir() / ".alloc.lock"):
             taken = {h.address: h.name for h in list_hosts() if h.name != name}
             if addr is None:
-                addr = parse_address(free_address(set(taken), subnet))
+                addr = parse_address(first_free_address(set(taken), subnet))
             elif addr.address in taken:
                 raise SandboxError(f"address {addr.address} is taken by sandbox host {taken[addr.address]}")
             ensure_bridge(bridge, addr)
@@ -483,6 +493,12 @@ def list_hosts() -> list[SandboxHost]:
         with contextlib.suppress(SandboxError, TypeError):
             out.append(SandboxHost.load(state.parent.name))
     return out
+
+
+def free_address(subnet: str = DEFAULT_SUBNET) -> str:
+    """An address of ``subnet``.0/24 no sandbox host uses now (not reserved: ``up(name)`` without an address
+    allocates atomically; use this when the address must be known before ``up``, e.g. for a fleet spec)."""
+    return first_free_address({h.address for h in list_hosts()}, subnet)
 
 
 def down_all() -> list[str]:

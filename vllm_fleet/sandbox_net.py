@@ -66,7 +66,7 @@ def parse_address(address: str) -> HostAddress:
     return HostAddress(str(ip), net, str(gateway))
 
 
-def free_address(taken: set[str], subnet: str = DEFAULT_SUBNET) -> str:
+def first_free_address(taken: set[str], subnet: str = DEFAULT_SUBNET) -> str:
     """The first address from ``subnet``.10 to .254 that is not in ``taken``."""
     for last in range(10, 255):
         candidate = f"{subnet}.{last}"

@@ -11,7 +11,7 @@ from vllm_fleet.sandbox_image import SandboxError, filter_report, parse_mirror
 from vllm_fleet.sandbox_net import (
     apt_proxy_conf,
     check_name,
-    free_address,
+    first_free_address,
     inventory_text,
     network_file,
     parse_address,
@@ -35,12 +35,12 @@ def test_parse_address_derives_bridge_end_and_rejects_reserved() -> None:
             parse_address(bad)
 
 
-def test_free_address_skips_taken() -> None:
-    assert free_address(set()) == "10.77.0.10"
-    assert free_address({"10.77.0.10", "10.77.0.11"}, "10.9.9") == "10.9.9.10"
-    assert free_address({"10.77.0.10", "10.77.0.12"}) == "10.77.0.11"
+def test_first_free_address_skips_taken() -> None:
+    assert first_free_address(set()) == "10.77.0.10"
+    assert first_free_address({"10.77.0.10", "10.77.0.11"}, "10.9.9") == "10.9.9.10"
+    assert first_free_address({"10.77.0.10", "10.77.0.12"}) == "10.77.0.11"
     with pytest.raises(SandboxError):
-        free_address({f"10.5.5.{i}" for i in range(10, 255)}, "10.5.5")
+        first_free_address({f"10.5.5.{i}" for i in range(10, 255)}, "10.5.5")
 
 
 def test_check_name() -> None:
