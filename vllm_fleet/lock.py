@@ -218,18 +218,68 @@ def self_wheel(dest: Path, python: str = sys.executable) -> Path:
 
 
 def build_wheelhouse(
-    lock: Path, dest: Path, python: str = sys.executable, pip_args: list[str] | None = None
+    lock: Path,
+    dest: Path,
+    python: str = sys.executable,
+    pip_args: list[str] | None = None,
+    reuse: list[Path] | None = None,
 ) -> Path:
-    """Download the locked wheels (hash-checked) and vllm-fleet's own wheel into ``dest``."""
+    """Put the locked files (hash-checked) and vllm-fleet's own wheel into ``dest``.
+
+    Files with a locked hash found in ``reuse`` folders are linked instead of downloaded. Packages published
+    only as sources (e.g. sdnotify) are built into wheels here, from the hash-checked source; ``dest/lock.txt``
+    is the lock plus those wheels' hashes: the file hosts install from (``--no-index --require-hashes``).
+    """
     dest.mkdir(parents=True, exist_ok=True)
-    _pip(
-        [python, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
-         "-r", str(lock), "-d", str(dest), *(pip_args or [])]
-    )  # fmt: skip
+    pins = parse_lock(lock.read_text())
+    have = {sha256_file(f): f for f in dest.iterdir() if f.is_file() and f.suffix in (".whl", ".gz", ".zip")}
+    for folder in reuse or []:
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix in (".whl", ".gz", ".zip"):
+                have.setdefault(sha256_file(f), f)
+    missing = []
+    for p in pins:
+        src = have.get(p.sha256)
+        if src is None:
+            missing.append(p)
+        elif src.parent != dest:
+            target = dest / src.name
+            target.unlink(missing_ok=True)
+            try:
+                target.hardlink_to(src)
+            except OSError:
+                shutil.copy2(src, target)
+    if missing:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as tmp:
+            tmp.write("\n".join(f"{p.name}=={p.version} --hash=sha256:{p.sha256}" for p in missing) + "\n")
+        try:
+            _pip([python, "-m", "pip", "download", "--no-deps", "--require-hashes", "-r", tmp.name,
+                  "-d", str(dest), *(pip_args or [])])  # fmt: skip
+        finally:
+            Path(tmp.name).unlink()
+    extra: dict[str, list[str]] = {}
+    sdists = {sha256_file(f): f for f in dest.iterdir() if f.name.endswith((".tar.gz", ".zip"))}
+    for p in pins:
+        sd = sdists.get(p.sha256)
+        if sd is None:
+            continue
+        before = set(dest.glob("*.whl"))
+        _pip([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dest), str(sd)])
+        built = [w for w in set(dest.glob("*.whl")) - before if normalize(w.name.split("-")[0]) == p.name]
+        built = built or [w for w in dest.glob("*.whl") if normalize(w.name.split("-")[0]) == p.name]
+        extra[p.name] = [sha256_file(w) for w in built]
     for old in dest.glob("vllm_fleet-*.whl"):
         old.unlink()
-    shutil.copy(self_wheel(dest / ".self", python), dest)
-    (dest / lock.name).write_text(lock.read_text())
+    shutil.copy(self_wheel(dest.parent / f".{dest.name}-self", python), dest)
+    lines = []
+    for p in pins:
+        hashes = [p.sha256, *extra.get(p.name, [])]
+        lines.append(f"{p.name}=={p.version} \\\n" + " \\\n".join(f"    --hash=sha256:{h}" for h in hashes))
+    header = [ln for ln in lock.read_text().splitlines() if ln.startswith("#")]
+    header.append(
+        "# wheelhouse copy: packages published as sources also carry the hash of the wheel built here"
+    )
+    (dest / "lock.txt").write_text("\n".join(header + lines) + "\n")
     sums = [f"{sha256_file(w)}  {w.name}" for w in sorted(dest.glob("*.whl"))]
     (dest / "SHA256SUMS").write_text("\n".join(sums) + "\n")
     return dest
@@ -243,9 +293,15 @@ def _pip(cmd: list[str]) -> None:
 
 
 def check_wheelhouse(lock: Path, wheelhouse: Path) -> list[str]:
-    """Names of locked packages with no wheel of the pinned hash in ``wheelhouse``."""
-    have = {sha256_file(w) for w in wheelhouse.glob("*.whl")}
-    return [f"{p.name}=={p.version}" for p in parse_lock(lock.read_text()) if p.sha256 not in have]
+    """Locked packages with no file of a pinned hash in ``wheelhouse`` (checks its ``lock.txt`` when given the
+    wheelhouse's own copy)."""
+    have = {sha256_file(w) for w in wheelhouse.iterdir() if w.suffix in (".whl", ".gz", ".zip")}
+    missing = []
+    for line in lock.read_text().replace("\\\n", " ").splitlines():
+        m = LINE_RE.match(line.strip())
+        if m and not set(HASH_RE.findall(line)) & have:
+            missing.append(f"{m.group(1)}=={m.group(2)}")
+    return missing
 
 
 @command("lock", "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse")
@@ -260,6 +316,9 @@ def _register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capture-args", action="store_true", help="also store `vllm serve --help=all`")
     p.add_argument("--lock", help="wheelhouse: the lock file (default: OUT/PROFILE-VERSION.txt)")
     p.add_argument("--dest", help="wheelhouse: output folder")
+    p.add_argument(
+        "--reuse", action="append", default=[], help="wheelhouse: link files of a locked hash from DIR"
+    )
     p.add_argument(
         "--pip-arg", action="append", default=[], help="extra pip argument (e.g. --extra-index-url=...)"
     )
@@ -276,8 +335,8 @@ def _run(a: argparse.Namespace) -> int:
         if not a.dest:
             print("lock wheelhouse: --dest is required", file=sys.stderr)
             return 2
-        dest = build_wheelhouse(lock, Path(a.dest), a.python, a.pip_arg)
-        missing = check_wheelhouse(lock, dest)
+        dest = build_wheelhouse(lock, Path(a.dest), a.python, a.pip_arg, [Path(r) for r in a.reuse])
+        missing = check_wheelhouse(dest / "lock.txt", dest)
         for m in missing:
             print(f"missing from wheelhouse: {m}", file=sys.stderr)
         print(f"{dest}: {len(list(dest.glob('*.whl')))} wheels")

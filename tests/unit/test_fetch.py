@@ -1,0 +1,84 @@
+"""vllm-fleet fetch: local-path source, copy from a folder, sha256 verification, checksum manifest, reruns."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_fleet.fetch import MANIFEST, FetchError, fetch_all
+from vllm_fleet.spec import parse_spec
+
+
+def _spec(model_dir: Path, checksums: dict[str, str] | None = None, name: str = "m") -> object:
+    return parse_spec(
+        {
+            "stack": {"profile": "cpu"},
+            "hosts": [{"name": "h1", "address": "127.0.0.1"}],
+            "models": [
+                {
+                    "name": name,
+                    "host": "h1",
+                    "port": 8101,
+                    "source": {"path": str(model_dir), "checksums": checksums or {}},
+                },
+                {"name": f"{name}2", "host": "h1", "port": 8102, "source": {"path": str(model_dir)}},
+            ],
+        }
+    )
+
+
+def _model(d: Path) -> dict[str, str]:
+    d.mkdir(parents=True)
+    files = {"config.json": b'{"a": 1}', "sub/weights.safetensors": b"\x00" * 1000}
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+
+
+def test_verify_write_manifest_then_unchanged(tmp_path: Path) -> None:
+    sums = _model(tmp_path / "tiny")
+    spec = _spec(tmp_path / "tiny", sums)
+    first = fetch_all(spec, host="h1")  # type: ignore[arg-type]
+    assert first[0].changed and first[0].files == sums
+    assert not first[1].changed and first[1].path == first[0].path  # shared folder: fetched once
+    manifest = json.loads((tmp_path / "tiny" / MANIFEST).read_text())
+    assert manifest["source"] == {"kind": "path", "repo": str(tmp_path / "tiny"), "revision": "local"}
+    assert {k: v["sha256"] for k, v in manifest["files"].items()} == sums
+    again = fetch_all(spec, host="h1")  # type: ignore[arg-type]
+    assert not again[0].changed
+
+
+def test_checksum_mismatch_names_the_file(tmp_path: Path) -> None:
+    sums = _model(tmp_path / "tiny")
+    sums["config.json"] = "0" * 64
+    with pytest.raises(FetchError, match=r"config.json: sha256 .* != expected 0{64}"):
+        fetch_all(_spec(tmp_path / "tiny", sums))  # type: ignore[arg-type]
+
+
+def test_tampered_file_is_detected_on_rerun(tmp_path: Path) -> None:
+    sums = _model(tmp_path / "tiny")
+    spec = _spec(tmp_path / "tiny", sums)
+    fetch_all(spec)  # type: ignore[arg-type]
+    (tmp_path / "tiny" / "config.json").write_bytes(b'{"a": 2}')
+    with pytest.raises(FetchError, match=r"config\.json"):
+        fetch_all(spec)  # type: ignore[arg-type]
+
+
+def test_missing_expected_file(tmp_path: Path) -> None:
+    sums = _model(tmp_path / "tiny")
+    sums["tokenizer.json"] = "1" * 64
+    with pytest.raises(FetchError, match=r"tokenizer\.json: missing"):
+        fetch_all(_spec(tmp_path / "tiny", sums))  # type: ignore[arg-type]
+
+
+def test_missing_path_and_copy_from(tmp_path: Path) -> None:
+    sums = _model(tmp_path / "src" / "tiny")
+    spec = _spec(tmp_path / "dest" / "tiny", sums)
+    with pytest.raises(FetchError, match="does not exist"):
+        fetch_all(spec)  # type: ignore[arg-type]
+    res = fetch_all(spec, copy_from=tmp_path / "src")  # type: ignore[arg-type]
+    assert res[0].changed and (tmp_path / "dest" / "tiny" / "sub" / "weights.safetensors").is_file()

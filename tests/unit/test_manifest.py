@@ -1,0 +1,45 @@
+"""vllm-fleet manifest: content from the spec + fetch checksums; rewritten only when something changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_fleet import manifest
+from vllm_fleet.fetch import fetch_all
+from vllm_fleet.manifest import build_manifest, write_manifest
+from vllm_fleet.spec import parse_spec
+
+
+def test_manifest_content_and_idempotent_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's own answer is read in a subprocess on real hosts (testinfra checks it there); here: metadata only
+    monkeypatch.setattr(manifest, "_py_json", lambda code, timeout=0: (None, "skipped"))
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = parse_spec(
+        {
+            "name": "t",
+            "stack": {"profile": "cpu", "vllm_version": "0.32.0"},
+            "hosts": [{"name": "h1", "address": "127.0.0.1"}],
+            "models": [
+                {"name": "a", "host": "h1", "port": 8101, "source": {"path": str(model)}, "max_num_seqs": 4}
+            ],
+        }
+    )
+    fetch_all(spec)
+    data = build_manifest(spec, "h1")
+    assert data["profile"] == "cpu" and data["pinned_vllm"] == "0.32.0" and len(data["spec_hash"]) == 16
+    assert data["stack"]["vllm"] == "0.32.0" and data["stack"]["torch"].startswith("2.13.0")
+    inst = data["instances"][0]
+    assert inst["unit"] == "vllm@a.service" and "--max-num-seqs" in inst["args"]
+    assert list(inst["model"]["checksums"]) == ["config.json"]
+    out = tmp_path / "m" / "manifest.json"
+    assert write_manifest(data, out)
+    first = json.loads(out.read_text())
+    assert "generated_at" in first
+    assert not write_manifest(data, out)  # only the time would change
+    data["instances"][0]["port"] = 9999
+    assert write_manifest(data, out)
