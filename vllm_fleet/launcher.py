@@ -206,6 +206,7 @@ class Launcher:
         self._signal: int | None = None
         self._wake = threading.Event()
         self._drained = threading.Event()
+        self.drain_result = "second stop request"
         self._probe_thread: threading.Thread | None = None
         self._probe_result: ProbeResult | None = None
         self._probe_started = 0.0
@@ -378,12 +379,15 @@ class Launcher:
         def run() -> None:
             deadline = time.monotonic() + timeout
             idle = 0
+            self.drain_result = f"still busy after {timeout:g}s"
             while time.monotonic() < deadline and not self._drained.is_set():
                 n = inflight(self.cfg.probe_host, self.cfg.port, 2.0)
                 if n is None:
-                    break  # no answer: nothing to wait for
+                    self.drain_result = "no answer from /metrics"
+                    break
                 idle = idle + 1 if n == 0 else 0
                 if idle >= 2:
+                    self.drain_result = "idle"
                     break
                 self.n.status(f"Stopping: waiting for {n} in-flight request(s)")
                 time.sleep(0.5)
@@ -473,7 +477,9 @@ class Launcher:
                 elif term_at is None:  # a second stop request: no more waiting
                     self._drained.set()
             if stop_at is not None and term_at is None and self._drained.is_set():
-                _log(f"engine idle after {now - stop_at:.1f}s: SIGTERM to the engine")
+                _log(
+                    f"drain wait over after {now - stop_at:.1f}s ({self.drain_result}): SIGTERM to the engine"
+                )
                 self.signal_engine(signal.SIGTERM)
                 term_at = now
 

@@ -274,7 +274,7 @@ def test_sigterm_drains_inflight_stream(run: Run) -> None:
         t.join(60)
     out = run.output()
     # the launcher waited for the in-flight requests before it sent SIGTERM to the engine
-    assert "waiting for in-flight requests" in out and "engine idle after" in out, out[-3000:]
+    assert "waiting for in-flight requests" in out and "drain wait over after" in out, out[-3000:]
     waits = [v for v in run.notify.values("STATUS") if v.startswith("Stopping: waiting for")]
     assert waits, "the requests had finished before the stop request"
     assert result.get("status") == 200 and result.get("done"), result
