@@ -32,6 +32,7 @@ from .sandbox_image import (
     ensure_image,
     ensure_wheelhouse,
     file_lock,
+    gc_images,
     log,
     nspawn_exec,
 )
@@ -502,9 +503,11 @@ def free_address(subnet: str = DEFAULT_SUBNET) -> str:
 
 
 def down_all() -> list[str]:
+    """Take every host down; then remove outdated image folders nothing uses any more."""
     names = [h.name for h in list_hosts()]
     for n in names:
         down(n)
+    gc_images({h.image for h in list_hosts()})
     return names
 
 

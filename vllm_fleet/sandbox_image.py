@@ -193,11 +193,41 @@ def nspawn_exec(
 
 
 def base_image() -> Path:
-    return images_dir() / "base"
+    """Image folders are named after their recipe: a new recipe builds a new folder, and hosts still running
+    on the old one keep their lower layer until ``gc_images`` removes it once nothing uses it."""
+    return images_dir() / BASE_RECIPE
 
 
 def engine_image() -> Path:
-    return images_dir() / "engine"
+    return images_dir() / ENGINE_RECIPE
+
+
+def _adopt_legacy(final: Path, legacy_name: str, recipe: str) -> bool:
+    """True when ``final`` is ready, taking over a same-recipe image from the unversioned folder name the
+    first version of this tool used (call with the images lock held)."""
+    if (read_stamp(final) or {}).get("recipe") == recipe:
+        return True
+    legacy = images_dir() / legacy_name
+    if (read_stamp(legacy) or {}).get("recipe") == recipe and not final.exists():
+        legacy.rename(final)
+        return True
+    return False
+
+
+def gc_images(in_use: set[str]) -> list[Path]:
+    """Remove image folders of old recipes and builds interrupted by a dead process, unless in ``in_use``."""
+    current = {base_image().name, engine_image().name}
+    removed = []
+    with file_lock(images_dir() / ".lock"):
+        for d in sorted(images_dir().iterdir() if images_dir().is_dir() else []):
+            if not d.is_dir() or d.name in current or str(d) in in_use:
+                continue
+            m = re.search(r"\.tmp-(\d+)$", d.name)
+            if m and Path(f"/proc/{m.group(1)}").exists():
+                continue  # a build in progress
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], check=False)
+            removed.append(d)
+    return removed
 
 
 def ensure_base_image() -> Path:
@@ -206,7 +236,7 @@ def ensure_base_image() -> Path:
     if (read_stamp(final) or {}).get("recipe") == BASE_RECIPE:
         return final
     with file_lock(images_dir() / ".lock"):
-        if (read_stamp(final) or {}).get("recipe") == BASE_RECIPE:
+        if _adopt_legacy(final, "base", BASE_RECIPE):
             return final
         started = time.time()
         logf = cache_dir() / "logs" / "image-base.log"
@@ -400,7 +430,7 @@ def ensure_engine_image() -> Path:
     base = ensure_base_image()
     wh = ensure_wheelhouse()
     with file_lock(images_dir() / ".lock"):
-        if (read_stamp(final) or {}).get("recipe") == ENGINE_RECIPE:
+        if _adopt_legacy(final, "engine", ENGINE_RECIPE):
             return final
         started = time.time()
         logf = cache_dir() / "logs" / "image-engine.log"
