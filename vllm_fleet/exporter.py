@@ -127,18 +127,21 @@ class _ModelStats:
 
 class AccessLogTail:
     """Follows the gateway's JSON access log (one object per line: status, model, upstream_addr,
-    request_time — nginx/vllm-fleet.conf.j2's ``vf_json``). Starts at the end of the file, survives
+    request_time — nginx/vllm-fleet.conf.j2's ``vf_json``). Counts what is written after it was created, survives
     rotation (new inode or truncation), keeps counters for the exporter's lifetime."""
 
     def __init__(self, path: Path, from_start: bool = False) -> None:
         self.path = path
-        self._inode: int | None = None
-        self._pos = 0
         self._buf = b""
-        self._from_start = from_start
         self.stats: dict[str, _ModelStats] = {}
         self.bad_lines = 0
         self._lock = threading.Lock()
+        # lines written from now on count; a file that appears later is read from its start
+        try:
+            st = path.stat()
+            self._inode, self._pos = st.st_ino, 0 if from_start else st.st_size
+        except OSError:
+            self._inode, self._pos = -1, 0
 
     def poll(self) -> None:
         with self._lock:
@@ -146,10 +149,7 @@ class AccessLogTail:
                 st = self.path.stat()
             except OSError:
                 return
-            if self._inode is None:
-                self._inode = st.st_ino
-                self._pos = 0 if self._from_start else st.st_size
-            elif st.st_ino != self._inode or st.st_size < self._pos:
+            if st.st_ino != self._inode or st.st_size < self._pos:
                 self._inode, self._pos, self._buf = st.st_ino, 0, b""
             if st.st_size == self._pos:
                 return
@@ -307,7 +307,11 @@ class Nvml:
             if rates is not None:
                 util.add_metric(lv, rates.gpu / 100.0)
                 mem_util.add_metric(lv, rates.memory / 100.0)
-            mem = _q(nv.nvmlDeviceGetMemoryInfo, h)
+            # v2 excludes driver-reserved memory, like nvidia-smi (v1 "used" counts it: ~0.6 GiB more on an H200)
+            mem = (
+                _q(nv.nvmlDeviceGetMemoryInfo, h, nv.nvmlMemory_v2) if hasattr(nv, "nvmlMemory_v2") else None
+            )
+            mem = mem or _q(nv.nvmlDeviceGetMemoryInfo, h)
             if mem is not None:
                 used.add_metric(lv, float(mem.used))
                 total.add_metric(lv, float(mem.total))
