@@ -391,6 +391,13 @@ def build_self_wheel() -> Path:
         shutil.copytree(
             src / "vllm_fleet", tree / "vllm_fleet", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )
+        # the same sources as the last build: reuse its wheel (building takes 5-20 s)
+        digest = tree_digest(tree)
+        stamp = wh / ".vllm_fleet-wheel.json"
+        with contextlib.suppress(OSError, ValueError):
+            last = json.loads(stamp.read_text())
+            if last.get("digest") == digest and (wh / last["wheel"]).is_file():
+                return wh / str(last["wheel"])
         out = Path(td) / "out"
         run(
             [
@@ -412,7 +419,18 @@ def build_self_wheel() -> Path:
         tmp = wh / f".{built.name}.tmp-{os.getpid()}"
         shutil.copy(built, tmp)
         os.replace(tmp, final)  # atomic: readers see the old or the new wheel, never half of one
+        stamp_tmp = wh / f".vllm_fleet-wheel.json.tmp-{os.getpid()}"
+        stamp_tmp.write_text(json.dumps({"digest": digest, "wheel": final.name}) + "\n")
+        os.replace(stamp_tmp, stamp)
     return final
+
+
+def tree_digest(tree: Path) -> str:
+    """sha256 over the relative paths and contents of every file under ``tree``."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in tree.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(tree)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def file_digest(path: Path) -> str:
