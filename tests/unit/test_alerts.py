@@ -208,3 +208,53 @@ def test_example_specs_render_valid_rules(tmp_path: Path) -> None:
         path = tmp_path / example.stem / spec.monitoring_host / RULES_DEST
         r = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
         assert r.returncode == 0, (example, r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("slack", [False, True])
+def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, slack: bool) -> None:
+    data = spec_data()
+    data["hosts"][1]["gpus"] = {"count": 2}
+    data["monitoring"] = {"host": "h1", "gpu_exporter_port": 9401}
+    secret = tmp_path / "slack_url"
+    secret.write_text("http://127.0.0.1:9/slack\n")
+    data["slack"] = {"enabled": slack, "webhook_url_file": str(secret)}
+    spec = parse_spec(data)
+    render_monitoring(spec, tmp_path, folders=("alerts", "monitoring"))
+    etc = tmp_path / "h1" / "etc" / "prometheus"
+    r = subprocess.run(
+        ["promtool", "check", "config", str(etc / "prometheus.yml")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 1 rule files found" in r.stdout + r.stderr
+    prom = yaml.safe_load((etc / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert set(jobs) == {"prometheus", "alertmanager", "vllm", "node", "vllm-fleet-exporter", "nginx", "gpu"}
+    engines = {c["labels"]["instance"]: c for c in jobs["vllm"]["static_configs"]}
+    assert engines["tiny"]["targets"] == ["127.0.0.1:8101"]  # on the monitoring host: loopback
+    assert (
+        engines["tiny-b"]["targets"] == ["10.0.0.2:8101"] and engines["tiny-b"]["labels"]["role"] == "backup"
+    )
+    assert jobs["gpu"]["static_configs"][0]["labels"]["host"] == "h2"
+    if shutil.which("amtool"):
+        r = subprocess.run(
+            ["amtool", "check-config", str(etc / "alertmanager.yml")], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+    am = yaml.safe_load((etc / "alertmanager.yml").read_text())
+    text = (etc / "alertmanager.yml").read_text()
+    assert "http://127.0.0.1:9/slack" not in text  # the secret stays in its file
+    inhibit = am["inhibit_rules"][0]
+    assert inhibit["source_matchers"] == ['alertname = "VllmInstanceDown"'] and inhibit["equal"] == [
+        "instance"
+    ]
+    if slack:
+        assert am["global"]["slack_api_url_file"] == str(secret)
+        cfg = next(r for r in am["receivers"] if r["name"] == "slack")["slack_configs"][0]
+        assert cfg["send_resolved"] is True and "runbook_url" in cfg["title_link"]
+        assert (
+            ".Labels.model" in cfg["text"]
+            and ".Labels.host" in cfg["text"]
+            and ".Annotations.description" in cfg["text"]
+        )
+    else:
+        assert am["route"]["receiver"] == "blackhole"
