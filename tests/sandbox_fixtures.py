@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +38,10 @@ def sandbox_skip_reason() -> str | None:
     return None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def sandbox_factory() -> Iterator[SandboxFactory]:
     """``sandbox_factory(name, address=None, **up_kwargs)`` → a booted :class:`SandboxHost`.
@@ -47,6 +53,13 @@ def sandbox_factory() -> Iterator[SandboxFactory]:
     if reason:
         pytest.skip(reason)
     started: list[str] = []
+    # a CI timeout or `kill` sends SIGTERM: turn it into KeyboardInterrupt so pytest still runs the teardown
+    # below (hosts run in their own sessions and would otherwise outlive the test run)
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _interrupt)
 
     def make(name: str, address: str | None = None, **kw: Any) -> SandboxHost:
         if any(h.name == name for h in list_hosts()):
