@@ -203,7 +203,7 @@ class Launcher:
         self.probes_total = 0
         self.probe_failures_total = 0
         self.consecutive_failures = 0
-        self._signal: int | None = None
+        self._signals: list[int] = []
         self._wake = threading.Event()
         self._drained = threading.Event()
         self.drain_result = "second stop request"
@@ -398,8 +398,7 @@ class Launcher:
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self._signal != signal.SIGABRT:
-            self._signal = signum
+        self._signals.append(signum)  # list.append is atomic: no signal is lost
         self._wake.set()
 
     def install_signals(self) -> None:
@@ -452,7 +451,10 @@ class Launcher:
             now = time.monotonic()
 
             # --- signals
-            sig, self._signal = self._signal, None
+            pending: list[int] = []
+            while self._signals:
+                pending.append(self._signals.pop(0))
+            sig = signal.SIGABRT if signal.SIGABRT in pending else (pending[0] if pending else None)
             if sig == signal.SIGABRT:
                 # systemd's watchdog fired: the engine is hung; it cannot drain, so kill it now
                 self.kill_group(signal.SIGKILL)
