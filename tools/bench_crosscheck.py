@@ -37,20 +37,27 @@ from vllm_fleet.bench.workload import parse_profile  # noqa: E402
 from vllm_fleet.testing import EngineProcess, engine_env, http_json  # noqa: E402
 
 
-def vllm_round(a: argparse.Namespace, model: str, out: Path, i: int) -> dict[str, float]:
-    fname = f"vllm-{i}.json"
-    argv = [
-        sys.executable, "-m", "vllm_fleet.vllm_cpu_entry", "bench", "serve",
+def vllm_argv(a: argparse.Namespace, model: str, out: Path, fname: str, seed: int) -> list[str]:
+    """The arguments of `vllm bench serve` (after `bench serve`) for one round."""
+    return [
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
         "--base-url", a.url, "--model", model, "--tokenizer", a.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(a.input_len),
         "--random-output-len", str(a.output_len), "--random-range-ratio", "0",
         "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--request-rate", "inf",
-        "--ignore-eos", "--num-warmups", "0", "--disable-tqdm", "--seed", str(i),
+        "--ignore-eos", "--num-warmups", "0", "--disable-tqdm", "--seed", str(seed),
         "--save-result", "--result-dir", str(out), "--result-filename", fname,
     ]  # fmt: skip
-    env = engine_env(out / "vllm-cache")
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+
+
+def vllm_round(a: argparse.Namespace, model: str, out: Path, i: int) -> dict[str, float]:
+    """One `vllm bench serve` run, the CLI itself in a fresh process (≈ 1 min of imports before it starts
+    sending: not part of its figures). Running its code in this process instead was tried: with torch and
+    vLLM imported the client side slowed down (2-3× lower throughput), so that would not be a fair check."""
+    fname = f"vllm-{i}.json"
+    args = vllm_argv(a, model, out, fname, i)
+    argv = [sys.executable, "-m", "vllm_fleet.vllm_cpu_entry", "bench", "serve", *args]
+    r = subprocess.run(argv, env=engine_env(out / "vllm-cache"), capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     d = json.loads((out / fname).read_text())

@@ -162,6 +162,8 @@ async def send(
         rec.error, rec.detail = err, f"finish_reason {st.finish_reason}"
     elif not st.times:
         rec.error = errors.NO_TOKENS
+    elif rec.stream and st.finish_reason is None:
+        rec.error, rec.detail = errors.INCOMPLETE, "the stream ended without a finish reason"
     else:
         rec.ok = True
     return rec

@@ -12,6 +12,7 @@ TIMEOUT = "timeout"  # no answer or the stream stalled past the per-request time
 DISCONNECTED = "disconnected"  # the connection closed mid-response
 STREAM_ERROR = "stream_error"  # an error event inside a 200 stream
 ABORTED = "aborted"  # finish_reason "abort" (the engine aborted the request, e.g. on SIGTERM)
+INCOMPLETE = "incomplete"  # a stream that ended without a finish reason (cut short, cleanly closed)
 NO_TOKENS = "no_tokens"  # a 200 answer with no generated output
 BAD_RESPONSE = "bad_response"  # a body that is not the expected JSON/SSE
 OTHER = "other"
