@@ -1,0 +1,550 @@
+"""Live observability: a real Prometheus scraping a real vLLM-CPU engine, the vllm-fleet exporter, node-exporter,
+the real nginx gateway and its nginx exporter; real Alertmanager posting to a local Slack-compatible receiver.
+
+- every alert expression's selectors and every dashboard query return at least one series (except the
+  GPU-only and systemd-only ones listed in docs/observability.md); a metric-name typo fails the check;
+- an induced overload of the engine makes VllmQueueWaitHigh fire and reach "Slack", then resolve.
+
+Everything is rendered from one test spec by the same templates production uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.launcher import write_state
+from vllm_fleet.observability import render_monitoring
+from vllm_fleet.observability.dashboards import panel_queries
+from vllm_fleet.probe import probe
+from vllm_fleet.spec import FleetSpec, parse_spec
+from vllm_fleet.testing import EngineProcess, free_port, http_json
+
+REPO = Path(__file__).resolve().parents[2]
+BINARIES = (
+    "prometheus",
+    "prometheus-alertmanager",
+    "prometheus-node-exporter",
+    "prometheus-nginx-exporter",
+    "nginx",
+)
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(any(shutil.which(b) is None and not Path("/usr/sbin/" + b).exists() for b in BINARIES),
+                       reason="Debian prometheus / alertmanager / exporters / nginx missing"),
+]  # fmt: skip
+
+# series that cannot exist on this machine; docs/observability.md lists them
+GPU_ONLY = re.compile(r"vllm_fleet_gpu_")
+SYSTEMD_ONLY = re.compile(r"vllm_fleet_instance_restarts_total")
+QUEUE_WAIT_THRESHOLD = 0.5  # a request-latency bucket bound; the first bound is 0.3 s
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+class SlackReceiver:
+    """A Slack-compatible incoming-webhook endpoint: records every POSTed JSON with its arrival time."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.posts: list[tuple[float, dict[str, Any]]] = []
+        received = self.posts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append((time.time(), json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/services/T000/B000/slack"
+
+    def find(self, alertname: str, status: str) -> list[tuple[float, dict[str, Any]]]:
+        return [
+            (t, p)
+            for t, p in list(self.posts)
+            for a in p.get("attachments", [])
+            if alertname in a.get("title", "") and a.get("title", "").startswith(f"[{status}")
+        ]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@dataclass
+class Procs:
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], logdir: Path) -> subprocess.Popen[bytes]:
+        log = (logdir / f"{name}.log").open("ab")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for _, p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def prom_query(port: int, expr: str) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", (expr, doc)
+    result = doc["data"]["result"]
+    assert isinstance(result, list)
+    return result
+
+
+def prom_api(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return json.loads(r.read())["data"]
+
+
+def wait_until(pred: Any, timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
+
+
+SELECTOR = re.compile(r"((?:vllm:|vllm_fleet_|node_|nginx_)[A-Za-z0-9_:]*|(?<![\w:])up(?=\{))(\{[^}]*\})?")
+
+
+def selectors(expr: str) -> list[str]:
+    """Every vector selector (metric name + its label matchers) in a PromQL expression; `le` matchers
+    are dropped (bucket bounds are not a property of the metric's existence)."""
+    out = []
+    for name, labels in SELECTOR.findall(expr):
+        matchers = [m.strip() for m in labels.strip("{}").split(",") if m.strip()] if labels else []
+        matchers = [m for m in matchers if not m.startswith("le")]
+        out.append(name + ("{" + ", ".join(matchers) + "}" if matchers else ""))
+    return out
+
+
+def missing_series(port: int, expr: str) -> list[str]:
+    """Selectors of ``expr`` with no series now (empty = every metric the expression reads exists)."""
+    prom_query(port, expr)  # the whole expression must at least be valid PromQL
+    return [s for s in selectors(expr) if not prom_query(port, f"count({s})")]
+
+
+def substitute(expr: str, instance: str, host: str, window: str) -> str:
+    return (
+        expr.replace("$__rate_interval", window)
+        .replace('model=~"$model"', 'model=~".*"')
+        .replace("$instance", instance)
+        .replace("$host", host)
+    )
+
+
+# ------------------------------------------------------------------------------------------------ fixture
+@dataclass
+class Live:
+    spec: FleetSpec
+    out: Path
+    prom_port: int
+    am_port: int
+    slack: SlackReceiver
+    engine: EngineProcess
+    gateway_url: str
+    rules: list[dict[str, Any]]
+
+
+def distinct_ports(n: int) -> list[int]:
+    """``n`` free loopback ports, all different (each socket stays bound until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def live_spec(engine: EngineProcess, tiny_model: Path, work: Path, slack_url_file: Path) -> FleetSpec:
+    gone, gw, stub, prom, am, node, ngx, exp = distinct_ports(8)
+    return parse_spec(
+        {
+            "name": "obslive",
+            "stack": {"profile": "cpu"},
+            "hosts": [
+                {"name": "h1", "address": "127.0.0.1", "memory_gib": 16},
+                {"name": "h2", "address": "127.0.0.1", "memory_gib": 16},
+            ],
+            "models": [
+                # the session engine, seen as a primary on h1 and (same engine) as a backup on h2
+                {
+                    "name": "tiny",
+                    "served_model_name": engine.served_name,
+                    "source": {"path": str(tiny_model)},
+                    "host": "h1",
+                    "port": engine.port,
+                    "kv_cache_memory_bytes": 67108864,
+                    "max_model_len": 1024,
+                },
+                {
+                    "name": "tiny-b",
+                    "served_model_name": engine.served_name,
+                    "source": {"path": str(tiny_model)},
+                    "host": "h2",
+                    "port": engine.port,
+                    "role": "backup",
+                    "kv_cache_memory_bytes": 67108864,
+                    "max_model_len": 1024,
+                },
+                # an instance that is down: its model answers 502 through the gateway, its target is down
+                {
+                    "name": "gone",
+                    "served_model_name": "gone-model",
+                    "source": {"path": str(tiny_model)},
+                    "host": "h1",
+                    "port": gone,
+                    "kv_cache_memory_bytes": 67108864,
+                    "max_model_len": 1024,
+                },
+            ],
+            "gateway": {
+                "host": "h1",
+                "listen_address": "127.0.0.1",
+                "port": gw,
+                "stub_status_port": stub,
+                "access_log": str(work / "access.log"),
+                "error_log": str(work / "gateway-error.log"),
+                "connect_timeout_seconds": 1,
+                "next_upstream_timeout_seconds": 2,
+            },
+            "monitoring": {
+                "host": "h1",
+                "prometheus_port": prom,
+                "alertmanager_port": am,
+                "node_exporter_port": node,
+                "nginx_exporter_port": ngx,
+                "exporter_port": exp,
+                "scrape_interval": "1s",
+                "evaluation_interval": "1s",
+            },
+            "alerts": {
+                "queue_wait_p99_seconds": QUEUE_WAIT_THRESHOLD,
+                "queue_wait_for": "3s",
+                "rate_window": "15s",
+                "instance_down_for": "10m",
+                "group_wait": "1s",
+                "group_interval": "2s",
+                "repeat_interval": "1h",
+            },
+            "slack": {"enabled": True, "channel": "#vllm-test", "webhook_url_file": str(slack_url_file)},
+        },
+        "observability-live",
+    )
+
+
+def _state_writer(engine: EngineProcess, state_dir: Path, stop: threading.Event) -> None:
+    """The launcher's own probe and state writer, run against the session engine (which the launcher does
+    not own here): the exporter reads exactly what a launcher writes."""
+    started = time.time()
+    probes = failures = 0
+    while not stop.is_set():
+        res = probe("127.0.0.1", engine.port, engine.served_name, timeout=10)
+        probes += 1
+        failures += 0 if res.ok else 1
+        now = time.time()
+        for name in ("tiny", "tiny-b"):
+            write_state(str(state_dir), name, {
+                "instance": name, "served_model_name": engine.served_name, "port": engine.port,
+                "state": "ready", "launcher_pid": os.getpid(), "engine_pid": engine.proc.pid if engine.proc else None,
+                "started_at": started, "ready_at": started, "load_duration_seconds": 0.0, "phase": "ready",
+                "last_probe_at": now, "last_probe_ok": res.ok, "last_probe_latency_seconds": res.latency,
+                "probes_total": probes, "probe_failures_total": failures, "updated_at": now,
+            })  # fmt: skip
+        stop.wait(1.0)
+
+
+@pytest.fixture(scope="module")
+def live(engine: EngineProcess, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    from vllm_fleet.gateway_nginx import NginxGateway
+
+    work = tmp_path_factory.mktemp("observability")
+    slack = SlackReceiver()
+    url_file = work / "slack_webhook_url"
+    url_file.write_text(slack.url + "\n")
+    spec = live_spec(engine, tiny_model, work, url_file)
+    mon = spec.monitoring
+    render_monitoring(spec, work / "out", folders=("alerts", "monitoring", "dashboards", "nginx", "units"))
+    h1 = work / "out" / "h1"
+    etc = h1 / "etc" / "prometheus"
+    procs = Procs()
+    stop = threading.Event()
+    nginx = NginxGateway(h1 / "etc" / "nginx", work / "nginx-prefix")
+    try:
+        # launcher state files + instance configs for the exporter
+        state_dir = work / "state"
+        threading.Thread(target=_state_writer, args=(engine, state_dir, stop), daemon=True).start()
+        gw_url = f"http://127.0.0.1:{spec.gateway.port}"
+        nginx.start(gw_url + "/health")
+        Path(spec.gateway.access_log).touch()
+        exporter = [
+            str(REPO / ".venv/bin/vllm-fleet"), "exporter", "--listen", f"127.0.0.1:{mon.exporter_port}",
+            "--state-dir", str(state_dir), "--config-dir", str(h1 / "etc/vllm-fleet/instances"),
+            "--access-log", spec.gateway.access_log, "--no-nvml",
+        ]  # fmt: skip
+        node = [
+            "prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{mon.node_exporter_port}",
+            "--collector.disable-defaults", "--collector.loadavg", "--collector.meminfo",
+        ]  # fmt: skip
+        nginx_exporter = [
+            "prometheus-nginx-exporter", "-web.listen-address", f"127.0.0.1:{mon.nginx_exporter_port}",
+            "-nginx.scrape-uri", f"http://127.0.0.1:{spec.gateway.stub_status_port}/stub_status",
+        ]  # fmt: skip
+        alertmanager = [
+            "prometheus-alertmanager", f"--config.file={etc / 'alertmanager.yml'}", f"--storage.path={work / 'am'}",
+            f"--web.listen-address=127.0.0.1:{mon.alertmanager_port}", "--cluster.listen-address=",
+        ]  # fmt: skip
+        prometheus = [
+            "prometheus", f"--config.file={etc / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{mon.prometheus_port}", "--storage.tsdb.retention.time=1h",
+        ]  # fmt: skip
+        for name, argv in (("exporter", exporter), ("node-exporter", node), ("nginx-exporter", nginx_exporter),
+                           ("alertmanager", alertmanager), ("prometheus", prometheus)):  # fmt: skip
+            procs.start(name, argv, work)
+        # traffic: some requests through the gateway (200s), some to the down model (502s)
+        for _ in range(3):
+            http_json(
+                "POST",
+                gw_url + "/v1/chat/completions",
+                {
+                    "model": engine.served_name,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8,
+                },
+            )
+            http_json("POST", gw_url + "/v1/chat/completions",
+                      {"model": "gone-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})  # fmt: skip
+        rules = [
+            r
+            for g in yaml.safe_load((etc / "rules" / "vllm-fleet.rules.yml").read_text())["groups"]
+            for r in g["rules"]
+        ]
+        yield Live(spec, h1, mon.prometheus_port, mon.alertmanager_port, slack, engine, gw_url, rules)
+    finally:
+        stop.set()
+        procs.stop()
+        nginx.stop()
+        slack.close()
+        for name, _ in procs.procs:
+            log = work / f"{name}.log"
+            if log.exists() and os.environ.get("VLLM_FLEET_SHOW_LOGS"):
+                print(f"--- {name}\n" + log.read_text()[-3000:])
+
+
+def _targets_up(live: Live) -> dict[str, str]:
+    targets = prom_api(live.prom_port, "/api/v1/targets")["activeTargets"]
+    return {f"{t['labels']['job']}/{t['labels'].get('instance', '')}": t["health"] for t in targets}
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_every_target_is_scraped(live: Live) -> None:
+    expected_down = {"vllm/gone"}
+
+    def ok() -> bool:
+        health = _targets_up(live)
+        return bool(health) and all((h == "up") != (k in expected_down) for k, h in health.items())
+
+    assert wait_until(ok, 30), _targets_up(live)
+    jobs = {k.split("/")[0] for k in _targets_up(live)}
+    assert jobs == {"prometheus", "alertmanager", "vllm", "node", "vllm-fleet-exporter", "nginx"}
+    # the engine series carry the fleet labels
+    s = prom_query(live.prom_port, 'vllm:num_requests_running{instance="tiny"}')[0]["metric"]
+    assert (s["host"], s["model"], s["role"], s["pool"]) == ("h1", "tiny-qwen3", "primary", "default")
+
+
+def _settle(live: Live) -> None:
+    """Enough scrapes for rate() windows, and the gateway's 200s and 502s counted by the exporter."""
+
+    def ready() -> bool:
+        codes = {r["metric"]["code"] for r in prom_query(live.prom_port, "vllm_fleet_gateway_requests_total")}
+        return {"200", "502"} <= codes and bool(
+            prom_query(live.prom_port, "rate(vllm:prompt_tokens_total[15s]) > 0")
+        )
+
+    if not ready():
+        http_json(
+            "POST",
+            live.gateway_url + "/v1/completions",
+            {"model": "tiny-qwen3", "prompt": "x", "max_tokens": 4},
+        )
+    assert wait_until(ready, 30), prom_query(live.prom_port, "vllm_fleet_gateway_requests_total")
+
+
+def test_metric_name_typo_is_caught(live: Live) -> None:
+    _settle(live)
+    assert missing_series(live.prom_port, "max by (instance) (vllm:kv_cache_usage_perc) > 0.9") == []
+    assert missing_series(live.prom_port, "max by (instance) (vllm:gpu_cache_usage_perc) > 0.9") == [
+        "vllm:gpu_cache_usage_perc"
+    ]
+    assert missing_series(live.prom_port, "rate(vllm:generation_tokens[1m])") == ["vllm:generation_tokens"]
+
+
+def test_every_alert_expression_reads_existing_series(live: Live) -> None:
+    _settle(live)
+    problems = {}
+    for r in live.rules:
+        missing = [s for s in missing_series(live.prom_port, r["expr"]) if not SYSTEMD_ONLY.search(s)]
+        if missing:
+            problems[r["alert"]] = missing
+    assert problems == {}
+    # Watchdog reached Alertmanager: the rule -> Alertmanager path works
+    assert wait_until(lambda: any(a["labels"]["alertname"] == "Watchdog"
+                                  for a in prom_api_am(live, "/api/v2/alerts")), 20)  # fmt: skip
+
+
+def prom_api_am(live: Live, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{live.am_port}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_every_dashboard_query_returns_series(live: Live) -> None:
+    _settle(live)
+    problems = {}
+    checked = 0
+    for where, expr, gpu_only in panel_queries(live.spec.alerts.model_dump()):
+        if gpu_only or GPU_ONLY.search(expr) or SYSTEMD_ONLY.search(expr):
+            continue
+        q = substitute(expr, "tiny", "h1", "30s")
+        checked += 1
+        if not prom_query(live.prom_port, q):
+            problems[where] = (q, missing_series(live.prom_port, q))
+    assert problems == {}
+    assert checked >= 25
+
+
+async def _overload(url: str, model: str, stop: threading.Event, concurrency: int) -> dict[str, int]:
+    """Closed-loop load: ``concurrency`` clients each send long-prompt completions back to back."""
+    import aiohttp
+
+    prompt = " ".join(f"def f{i}(x): return x + {i}" for i in range(60))  # ~ 700 tokens of the tiny BPE
+    body = {"model": model, "prompt": prompt, "max_tokens": 48, "ignore_eos": True}
+    counts: dict[str, int] = {}
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            try:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    key = str(resp.status)
+            except aiohttp.ClientError as exc:
+                key = type(exc).__name__
+                await asyncio.sleep(0.2)
+            counts[key] = counts.get(key, 0) + 1
+
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+    return counts
+
+
+def test_overload_fires_queue_wait_alert_to_slack_and_resolves(live: Live) -> None:
+    port = live.prom_port
+
+    def queue_alert_state() -> str:
+        alerts = prom_api(port, "/api/v1/alerts")["alerts"]
+        states = [a["state"] for a in alerts if a["labels"]["alertname"] == "VllmQueueWaitHigh"]
+        return "firing" if "firing" in states else ("pending" if states else "inactive")
+
+    # silent when it should be: normal traffic does not fire it
+    assert queue_alert_state() == "inactive"
+    assert not live.slack.find("VllmQueueWaitHigh", "FIRING")
+
+    stop = threading.Event()
+    result: dict[str, dict[str, int]] = {}
+    t0 = time.time()
+    loader = threading.Thread(
+        target=lambda: result.update(
+            sent=asyncio.run(_overload(live.engine.url, live.engine.served_name, stop, 160))
+        )
+    )
+    loader.start()
+    try:
+        t_prom = None
+        if wait_until(lambda: queue_alert_state() == "firing", 150, 0.5):
+            t_prom = time.time()
+        fired = (
+            wait_until(lambda: bool(live.slack.find("VllmQueueWaitHigh", "FIRING")), 30, 0.2)
+            if t_prom
+            else False
+        )
+    finally:
+        stop.set()
+        t_stop = time.time()
+        loader.join(300)
+    p99 = prom_query(
+        port, "histogram_quantile(0.99, sum by (le) (rate(vllm:request_queue_time_seconds_bucket[15s])))"
+    )
+    assert t_prom is not None, f"queue-wait alert never fired; p99 now {p99}"
+    assert fired, f"no Slack message; posts: {live.slack.posts[-3:]}"
+    t_slack, payload = live.slack.find("VllmQueueWaitHigh", "FIRING")[0]
+
+    # the Slack payload: channel, colour, title, runbook link, text with model / host / instance / value
+    att = next(a for a in payload["attachments"] if "VllmQueueWaitHigh" in a["title"])
+    assert payload["channel"] == "#vllm-test" and payload["username"] == "vllm-fleet"
+    assert att["title"].startswith("[FIRING:") and "model=tiny-qwen3" in att["title"]
+    assert att["title_link"].endswith("/VllmQueueWaitHigh.md")
+    assert att["color"] == "warning"
+    text = att["text"]
+    assert "model: tiny-qwen3" in text and "host: h" in text and "instance: tiny" in text
+    assert re.search(
+        r"p99 queue wait of tiny\S* \(tiny-qwen3 on h\d\) is [0-9.]+m?s over 15s \(threshold 0\.5s\)", text
+    )
+    assert "runbook: " in text and "/VllmQueueWaitHigh.md" in text and "dashboard: " in text
+
+    assert wait_until(lambda: bool(live.slack.find("VllmQueueWaitHigh", "RESOLVED")), 180, 0.5), (
+        live.slack.posts[-2:]
+    )
+    t_resolved = live.slack.find("VllmQueueWaitHigh", "RESOLVED")[0][0]
+    figures = {
+        "overload_to_prometheus_firing_s": round(t_prom - t0, 1),
+        "overload_to_slack_firing_s": round(t_slack - t0, 1),
+        "load_stop_to_slack_resolved_s": round(t_resolved - t_stop, 1),
+        "overload_responses": result.get("sent", {}),
+        "slack_firing_payload": payload,
+    }
+    print("\nOBSERVABILITY FIGURES " + json.dumps(figures))
+    report = os.environ.get("VLLM_FLEET_OBS_REPORT")
+    if report:
+        Path(report).write_text(json.dumps(figures, indent=2) + "\n")
