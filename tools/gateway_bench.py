@@ -164,7 +164,8 @@ def main() -> int:
             from vllm_fleet.tinymodel import build_tiny_model
 
             model_dir = build_tiny_model(Path(a.model_dir) if a.model_dir else work / "tiny")
-            eng = EngineProcess(model_dir, served_name=a.model, workdir=work / "engine").start().wait_ready()
+            (work / "engine").mkdir()
+            eng = EngineProcess(model_dir, served_name=a.model, workdir=work / "engine").start().wait_ready(900)
             keys = work / "api_keys"
             keys.write_text(f'"{KEY}" bench;\n')
             big = {

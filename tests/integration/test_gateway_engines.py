@@ -244,10 +244,17 @@ def test_kill_9_primary_during_load_loses_nothing(gw: Gateway, engines: Engines)
             killed.set()
             engines.a.kill()  # SIGKILL to the engine's process group
 
+    n = len(gw.log())
     res = load(gw.url + "/v1/chat/completions", 200, 8, headers=AUTH, on_progress=progress)
     assert killed.is_set()
     failed = [r for r in res if r != 200]
     assert failed == [], failed[:5]
+    # the failover path was taken: requests that failed on a (in flight or refused) were re-sent to another
+    # instance by nginx (upstream_status "502, 200") — a POST, so only because of non_idempotent
+    a = engines.addr(engines.a)
+    assert wait_for(lambda: len(gw.log()) >= n + 200, 5)
+    retried = [e for e in gw.log()[n:] if e["upstream_addr"].startswith(a + ", ")]
+    assert retried and all(e["status"] == 200 for e in retried)
 
 
 def test_all_primaries_down_backup_serves(gw: Gateway, engines: Engines) -> None:
@@ -261,7 +268,7 @@ def test_all_primaries_down_backup_serves(gw: Gateway, engines: Engines) -> None
 
 def test_primary_back_traffic_returns(gw: Gateway, engines: Engines, engine_factory: Any) -> None:
     a2 = engine_factory(port=engines.a.port)
-    a2.wait_ready()
+    a2.wait_ready(timeout=600)
 
     # nginx retries a failed server after fail_timeout (5 s): traffic must come back without any reload
     def back() -> bool:
