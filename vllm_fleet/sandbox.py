@@ -24,7 +24,6 @@ from typing import Any
 
 from .cli import command
 from .sandbox_image import (
-    VENV,
     WHEELHOUSE_MOUNT,
     SandboxError,
     build_self_wheel,
@@ -33,8 +32,8 @@ from .sandbox_image import (
     ensure_wheelhouse,
     file_lock,
     gc_images,
+    install_pure_wheel,
     log,
-    nspawn_exec,
 )
 from .sandbox_net import (
     DEFAULT_BRIDGE,
@@ -380,21 +379,8 @@ def up(
             binds.append((str(Path(model_dir).resolve()), MODELS_MOUNT))
         binds += list(binds_ro or [])
         host.binds = [list(b) for b in binds]
-        if engine and wh is not None and self_wheel is not None:
-            install = [
-                f"{VENV}/bin/pip",
-                "install",
-                "--quiet",
-                "--no-index",
-                "--no-deps",
-                "--force-reinstall",
-            ]
-            nspawn_exec(
-                root,
-                [*install, f"{WHEELHOUSE_MOUNT}/{self_wheel.name}"],
-                binds_ro=[(wh, WHEELHOUSE_MOUNT)],
-                log_to=d / "install.log",
-            )
+        if engine and self_wheel is not None:
+            install_pure_wheel(self_wheel, root)  # this checkout's vllm-fleet into the image's venv
         argv = ["systemd-nspawn", "-b", "-D", str(root), "-M", name, "--register=no", "--keep-unit"]
         argv += ["--link-journal=no", f"--network-bridge={bridge}", "--console=read-only"]
         argv += [f"--bind-ro={src}:{dst}" for src, dst in binds]

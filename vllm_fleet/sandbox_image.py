@@ -7,6 +7,7 @@ temporary folder and rename it into place when complete, and leave a stamp namin
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import fcntl
 import hashlib
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -423,6 +425,45 @@ def build_self_wheel() -> Path:
         stamp_tmp.write_text(json.dumps({"digest": digest, "wheel": final.name}) + "\n")
         os.replace(stamp_tmp, stamp)
     return final
+
+
+def install_pure_wheel(wheel: Path, root: Path, venv: str = VENV) -> list[str]:
+    """Install a pure-Python wheel (vllm-fleet's own) into the venv at ``venv`` inside the rootfs ``root``,
+    as pip would: files into site-packages, console scripts into bin/, INSTALLER and RECORD updated.
+    Takes well under a second where ``pip install`` in the 2.5 GB venv took 5-35 s. Returns the scripts."""
+    sites = sorted((root / venv.lstrip("/") / "lib").glob("python3*/site-packages"))
+    if len(sites) != 1:
+        raise SandboxError(f"no single site-packages under {root}{venv}/lib")
+    site, bindir = sites[0], root / venv.lstrip("/") / "bin"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        dist_info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
+        if "Root-Is-Purelib: true" not in z.read(f"{dist_info}/WHEEL").decode():
+            raise SandboxError(f"{wheel.name} is not a pure-Python wheel")
+        if any(n.startswith("/") or ".." in Path(n).parts for n in names):
+            raise SandboxError(f"{wheel.name}: unsafe member paths")
+        z.extractall(site)
+    eps = configparser.ConfigParser(delimiters=("=",))
+    eps.optionxform = str  # type: ignore[assignment,method-assign]
+    eps.read(site / dist_info / "entry_points.txt")
+    scripts = []
+    record = []
+    python = f"{venv}/bin/python3"
+    for name, target in eps["console_scripts"].items() if eps.has_section("console_scripts") else []:
+        module, _, func = target.strip().partition(":")
+        head = func.split(".")[0]
+        text = (
+            f"#!{python}\nimport sys\nfrom {module} import {head}\n\n"
+            f"if __name__ == '__main__':\n    sys.exit({func}())\n"
+        )
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+        scripts.append(name)
+        record.append(f"{os.path.relpath(bindir / name, site)},,")
+    (site / dist_info / "INSTALLER").write_text("vllm-fleet-sandbox\n")
+    with open(site / dist_info / "RECORD", "a") as fh:
+        fh.writelines(line + "\n" for line in [*record, f"{dist_info}/INSTALLER,,"])
+    return scripts
 
 
 def tree_digest(tree: Path) -> str:
