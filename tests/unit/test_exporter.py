@@ -144,3 +144,25 @@ def test_cli_once_prints_the_exposition(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert 'vllm_fleet_instance_state{instance="qwen3",model="qwen3-8b",state="ready"} 1.0' in r.stdout
+
+
+def test_exporter_unit_per_host(tmp_path: Path) -> None:
+    import yaml
+
+    from vllm_fleet.observability import render_monitoring
+    from vllm_fleet.spec import parse_spec
+
+    repo = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((repo / "alerts" / "tests" / "spec.yml").read_text())
+    data["hosts"][1]["private_address"] = "192.168.0.2"
+    spec = parse_spec(data)
+    render_monitoring(spec, tmp_path, folders=("monitoring",))
+    unit = "etc/systemd/system/vllm-fleet-exporter.service"
+    h1 = (tmp_path / "h1" / unit).read_text()  # monitoring + gateway host
+    h2 = (tmp_path / "h2" / unit).read_text()
+    assert "--listen 127.0.0.1:9400" in h1 and "--access-log /var/log/nginx/vllm-fleet.access.log" in h1
+    assert (
+        "--listen 192.168.0.2:9400" in h2 and "--access-log" not in h2
+    )  # reachable by Prometheus on h1 only
+    assert "DynamicUser=yes" in h1 and "SupplementaryGroups=vllm adm" in h1
+    assert "\n# Ansible managed\n" in "\n" + h1
