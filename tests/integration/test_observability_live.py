@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -37,7 +38,6 @@ from vllm_fleet.probe import probe
 from vllm_fleet.spec import FleetSpec, parse_spec
 from vllm_fleet.testing import EngineProcess, free_port, http_json
 
-REPO = Path(__file__).resolve().parents[2]
 BINARIES = (
     "prometheus",
     "prometheus-alertmanager",
@@ -328,7 +328,7 @@ def live(engine: EngineProcess, tiny_model: Path, tmp_path_factory: pytest.TempP
         nginx.start(gw_url + "/health")
         Path(spec.gateway.access_log).touch()
         exporter = [
-            str(REPO / ".venv/bin/vllm-fleet"), "exporter", "--listen", f"127.0.0.1:{mon.exporter_port}",
+            str(Path(sys.executable).parent / "vllm-fleet"), "exporter", "--listen", f"127.0.0.1:{mon.exporter_port}",
             "--state-dir", str(state_dir), "--config-dir", str(h1 / "etc/vllm-fleet/instances"),
             "--access-log", spec.gateway.access_log, "--no-nvml",
         ]  # fmt: skip
