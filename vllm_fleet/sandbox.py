@@ -89,12 +89,21 @@ def ssh_key() -> Path:
     return key
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, cmdline_has: str | None = None) -> bool:
+    """``pid`` runs (not a zombie) and, if given, its command line contains ``cmdline_has`` — so a pid
+    reused by another process (after a reboot, say) is never taken for a host."""
+    if pid <= 0:
+        return False
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        if cmdline_has is not None:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return cmdline_has.encode() in fh.read()
     except (OSError, IndexError):
         return False
+    return True
 
 
 @dataclass
@@ -137,7 +146,7 @@ class SandboxHost:
 
     @property
     def alive(self) -> bool:
-        return _alive(self.nspawn_pid)
+        return _alive(self.nspawn_pid, f"-D\0{self.root}\0")
 
     @property
     def pid1(self) -> int:

@@ -189,7 +189,12 @@ def _listening(address: str, port: int) -> bool:
 def apt_proxy_pid(gateway: str) -> int | None:
     try:
         pid = int((_proxy_dir(gateway) / "pid").read_text().split()[0])
-        os.kill(pid, 0)
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"apt-cacher-ng" not in fh.read():
+                return None  # the pid was reused: ours is gone
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
     except (OSError, ValueError, IndexError):
         return None
     return pid
