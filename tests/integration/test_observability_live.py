@@ -499,6 +499,7 @@ async def _overload(url: str, model: str, stop: threading.Event, concurrency: in
     return counts
 
 
+@pytest.mark.slow
 def test_overload_fires_queue_wait_alert_to_slack_and_resolves(live: Live) -> None:
     port = live.prom_port
 
