@@ -162,3 +162,11 @@ def test_compare_order_and_ratios() -> None:
     r = compare.ratios(rounds)["output_tokens_per_s"]
     assert r["n"] == 3 and r["median"] == pytest.approx(1.02)
     assert r["min"] == pytest.approx(0.99) and r["max"] == pytest.approx(1.2)
+
+
+def test_timeseries_sliding_window() -> None:
+    recs = [_rec("a", 0.0, 0.5, output_tokens=10), _rec("a", 0.0, 1.5, output_tokens=20)]
+    ts = timeseries(recs, bin_s=1.0, window_s=2.0)
+    assert ts[0]["output_tokens_per_s"] == 10  # first second: only 1 s of history
+    assert ts[1]["output_tokens_per_s"] == 15  # (10 + 20) tokens over the 2 s window
+    assert ts[1]["ok"] == 1  # counts stay per bin

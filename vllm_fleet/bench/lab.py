@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         gw = Gateway(gateway_spec(servers, a.workdir / "gw"), a.workdir / "gw").start()
         for e in engines:
             threading.Thread(target=e.watch, daemon=True).start()
-        vf = f"{sys.executable} -m vllm_fleet.cli"
+        # the console script (``python -m vllm_fleet.cli`` would not load the drain/undrain plugins)
+        vf = str(Path(sys.executable).with_name("vllm-fleet"))
         common = (
             f"--upstreams {gw.nginx.upstreams_file} --state {gw.state} --nginx {shlex.quote(gw.nginx_cmd)}"
         )

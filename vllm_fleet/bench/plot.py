@@ -12,20 +12,22 @@ import matplotlib.pyplot as plt
 
 
 def plot(report: dict[str, Any], path: Path, title: str | None = None) -> Path:
-    """Top: TTFT and E2E p50/p95/p99 per second; bottom: output tokens/s and failures per second."""
+    """Top: TTFT and E2E p50/p95/p99; bottom: output tokens/s (sliding window) and failures per second."""
     ts = report.get("timeseries") or []
     t = [r["t"] for r in ts]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     styles = {"p50": "-", "p95": "--", "p99": ":"}
     for key, color in (("e2e", "tab:blue"), ("ttft", "tab:orange")):
         for q, ls in styles.items():
-            ax1.plot(t, [r.get(f"{key}_{q}_ms") for r in ts], ls, color=color, label=f"{key.upper()} {q}")
-    ax1.set_ylabel("latency (ms)")
+            ys = [float("nan") if r.get(f"{key}_{q}_ms") is None else r[f"{key}_{q}_ms"] for r in ts]
+            ax1.plot(t, ys, ls, color=color, label=f"{key.upper()} {q}", marker="." if q == "p50" else None)
+    win = report.get("timeseries_window_s", 1)
+    ax1.set_ylabel(f"latency (ms), last {win:g} s")
     ax1.set_yscale("symlog", linthresh=10)
     ax1.legend(ncol=2, fontsize=8)
     ax1.grid(alpha=0.3)
     ax2.plot(t, [r["output_tokens_per_s"] for r in ts], color="tab:green", label="output tokens/s")
-    ax2.set_ylabel("output tokens/s")
+    ax2.set_ylabel(f"output tokens/s (last {win:g} s)")
     ax2.set_xlabel("seconds since start (by completion time)")
     ax2.grid(alpha=0.3)
     fails = [r["failed"] for r in ts]

@@ -31,7 +31,8 @@ def build(result: LoadResult, meta: dict[str, Any], bin_s: float = 1.0) -> dict[
         "cancelled_at_stop": result.cancelled,
         "overall": summarize(recs, window),
         "classes": summarize_by_class([r for r in recs if not r.warmup], window),
-        "timeseries": timeseries(recs, bin_s),
+        "timeseries_window_s": (win := max(bin_s, round(result.end / 15))),
+        "timeseries": timeseries(recs, bin_s, win),
         "failures": [
             {
                 "start": r.start,

@@ -118,23 +118,26 @@ def measured_window(records: Sequence[RequestRecord], measure_start: float) -> f
     return max(ends) - measure_start if ends else 0.0
 
 
-def timeseries(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[dict[str, Any]]:
-    """Per time bin (by completion time): completed, failed, output tokens/s, TTFT/E2E p50/p95/p99 (ms)."""
+def timeseries(
+    records: Sequence[RequestRecord], bin_s: float = 1.0, window_s: float | None = None
+) -> list[dict[str, Any]]:
+    """Every ``bin_s`` seconds: figures of the requests completed in the last ``window_s`` seconds (a sliding
+    window, ``bin_s`` by default): completed, failed, output tokens/s, TTFT/E2E p50/p95/p99 (ms)."""
     if not records:
         return []
+    win = max(window_s or bin_s, bin_s)
     last = max(r.end for r in records)
-    nbins = int(last // bin_s) + 1
-    bins: list[list[RequestRecord]] = [[] for _ in range(nbins)]
-    for r in records:
-        bins[int(r.end // bin_s)].append(r)
     rows = []
-    for i, rs in enumerate(bins):
+    for i in range(int(last // bin_s) + 1):
+        t = (i + 1) * bin_s
+        rs = [r for r in records if t - win <= r.end < t]
+        in_bin = [r for r in rs if r.end >= t - bin_s]
         ok = [r for r in rs if r.ok]
         row: dict[str, Any] = {
-            "t": (i + 1) * bin_s,
-            "ok": len(ok),
-            "failed": len(rs) - len(ok),
-            "output_tokens_per_s": sum(r.output_tokens for r in ok) / bin_s,
+            "t": t,
+            "ok": sum(r.ok for r in in_bin),
+            "failed": sum(not r.ok for r in in_bin),
+            "output_tokens_per_s": sum(r.output_tokens for r in ok) / min(win, t),
             "warmup": bool(rs) and all(r.warmup for r in rs),
         }
         for key in ("ttft", "e2e"):
