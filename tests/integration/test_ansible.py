@@ -73,10 +73,12 @@ class Fleet:
     hosts: dict[str, Any]
     spec: dict[str, Any]
     gateway_url: str
+    templates: Path
 
     def playbook(self, *args: str, spec: Path | None = None, timeout: float = 1500) -> tuple[int, str, float]:
         env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-                   ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")  # fmt: skip
+                   ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0",
+                   VLLM_FLEET_TEMPLATES=str(self.templates))  # fmt: skip
         cmd = [str(BIN / "ansible-playbook"), "-i", str(self.inventory), "site.yml",
                "-e", f"vllm_fleet_spec={spec or self.spec_path}", *self.extra, *args]  # fmt: skip
         t = time.monotonic()
@@ -135,8 +137,16 @@ def fleet(
     inventory, _ = write_inventory(work / "inventory", list(hosts.values()))
     extra = ["-e", f"vllm_fleet_models_src={models}", "-e", f"vllm_fleet_wheelhouse={wh}",
              "-e", f"vllm_fleet_wheelhouse_remote={WHEELHOUSE_MOUNT}"]  # fmt: skip
+    # snapshot the templates and vllm-fleet's wheel: a checkout edited while the test runs must not make the
+    # rerun report changes
+    from vllm_fleet.lock import self_wheel
+
+    tree = work / "templates"
+    for manifest in REPO.glob("*/artifacts.yml"):
+        shutil.copytree(manifest.parent, tree / manifest.parent.name)
+    extra += ["-e", f"vllm_fleet_self_wheel={self_wheel(work / 'whl')}"]
     gw = hosts[names["h1"]].address
-    yield Fleet(spec_path, inventory, extra, hosts, spec, f"http://{gw}:{spec['gateway']['port']}")
+    yield Fleet(spec_path, inventory, extra, hosts, spec, f"http://{gw}:{spec['gateway']['port']}", tree)
 
 
 def test_refused_spec_stops_in_preflight_before_any_change(fleet: Fleet, tmp_path: Path) -> None:
