@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -259,6 +260,10 @@ class SandboxHost:
                 state = "ssh-timeout"
             if state in ("running", "degraded"):
                 return state
+            if state in ("maintenance", "stopping", "offline"):
+                raise SandboxError(
+                    f"sandbox host {self.name} is {state} while booting:\n{self.console_tail()}"
+                )
             time.sleep(0.25)
         raise SandboxError(
             f"sandbox host {self.name} not running after {timeout:.0f} s (last state: {state})\n"
@@ -511,6 +516,16 @@ def down_all() -> list[str]:
     names = [h.name for h in list_hosts()]
     for n in names:
         down(n)
+    # folders an interrupted ``up`` left without a state file (skipped while some process holds their lock)
+    for d in sorted(hosts_dir().iterdir()) if hosts_dir().is_dir() else []:
+        if d.is_dir() and not (d / "state.json").exists():
+            with open(hosts_dir() / f".{d.name}.lock", "a") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue
+                _rm_rf(d)
+                names.append(d.name)
     gc_images({h.image for h in list_hosts()})
     return names
 
@@ -586,7 +601,7 @@ def _dispatch(a: argparse.Namespace) -> int:
         return 0 if ok else 1
     if a.action == "ssh":
         h = get(a.name)
-        cmd = [c for c in a.cmd if c != "--"] if a.cmd else []
+        cmd = list(a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd)
         argv = ["ssh", *ssh_options(ssh_key())]
         if not cmd and sys.stdin.isatty():
             argv.append("-t")

@@ -154,6 +154,14 @@ def run(cmd: list[str], *, log_to: Path | None = None, check: bool = True, **kw:
         raise SandboxError(f"command failed (exit {rc}): {' '.join(cmd)}\n{tail}\n(log: {log_to})")
 
 
+def need_space(path: Path, gib: float, what: str) -> None:
+    """Fail early, with the numbers, when the cache's file system has less than ``gib`` GiB free."""
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free / 2**30
+    if free < gib:
+        raise SandboxError(f"{what} needs about {gib:.0f} GiB free under {path}; {free:.1f} GiB free")
+
+
 def read_stamp(root: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((root / STAMP).read_text())
@@ -246,6 +254,7 @@ def ensure_base_image() -> Path:
         logf.write_text("")
         tmp = images_dir() / f"base.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        need_space(images_dir(), 1, "the base image")
         mirror = debian_mirror()
         log(f"building the base image with debootstrap (≈ 70 s; log {logf})")
         run(
@@ -347,6 +356,7 @@ def ensure_wheelhouse() -> Path:
             pins = filter_report(json.loads(report.read_text()))
             reqs = Path(td) / "requirements.txt"
             reqs.write_text("\n".join(pins) + "\n")
+            need_space(cache_dir(), 2, "the wheelhouse")
             tmp = cache_dir() / f"wheelhouse.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -494,6 +504,7 @@ def ensure_engine_image() -> Path:
         started = time.time()
         logf = cache_dir() / "logs" / "image-engine.log"
         logf.write_text("")
+        need_space(images_dir(), 4, "the engine image")
         tmp = images_dir() / f"engine.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"building the engine image: offline pip install from the wheelhouse (≈ 1-2 min; log {logf})")
