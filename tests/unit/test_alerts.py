@@ -258,3 +258,23 @@ def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, 
         )
     else:
         assert am["route"]["receiver"] == "blackhole"
+
+
+def test_templates_render_the_same_without_lstrip_blocks() -> None:
+    """Ansible's template module defaults to lstrip_blocks=False; our templates must not depend on it."""
+    from vllm_fleet.context import build_context
+    from vllm_fleet.render import make_env
+
+    data = spec_data()
+    data["slack"] = {"enabled": True}
+    ctx = build_context(parse_spec(data), "h1")
+    ours, ansible_like = make_env(REPO), make_env(REPO)
+    ansible_like.lstrip_blocks = False
+    templates = [
+        p.relative_to(REPO).as_posix()
+        for f in ("alerts", "monitoring", "dashboards")
+        for p in (REPO / f).glob("*.j2")
+    ]
+    assert len(templates) >= 8
+    for t in templates:
+        assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
