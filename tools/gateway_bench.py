@@ -101,6 +101,11 @@ async def bench(a: argparse.Namespace, direct: str, gateway: str) -> dict[str, A
             for side, url in order if i % 2 == 0 else order[::-1]:
                 ttft[side].append(await first_chunk(s, url, a.model))
         diffs = [g - d for d, g in zip(ttft["direct"], ttft["gateway"], strict=True)]
+        print(
+            f"first SSE chunk ms: direct median {statistics.median(ttft['direct']) * 1e3:.1f}, gateway median "
+            f"{statistics.median(ttft['gateway']) * 1e3:.1f}, paired overhead median {statistics.median(diffs) * 1e3:.2f}",
+            file=sys.stderr,
+        )
         rounds: list[dict[str, Any]] = []
         pattern = ["direct", "gateway", "gateway", "direct"]
         for i in range(a.rounds * 2):
@@ -118,7 +123,10 @@ async def bench(a: argparse.Namespace, direct: str, gateway: str) -> dict[str, A
     ratios = []
     for i in range(0, len(rounds) - 1, 2):  # each consecutive pair holds one direct and one gateway round
         pair = {r["side"]: r["rps"] for r in rounds[i : i + 2]}
-        ratios.append(pair["gateway"] / pair["direct"])
+        if pair["direct"] > 0:  # a round that completed nothing (machine saturated) says nothing
+            ratios.append(pair["gateway"] / pair["direct"])
+    if not ratios:
+        raise SystemExit("no round pair completed requests on both sides: use longer --round-seconds")
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {
         "first_chunk_ms": {
@@ -165,7 +173,9 @@ def main() -> int:
 
             model_dir = build_tiny_model(Path(a.model_dir) if a.model_dir else work / "tiny")
             (work / "engine").mkdir()
-            eng = EngineProcess(model_dir, served_name=a.model, workdir=work / "engine").start().wait_ready(900)
+            eng = (
+                EngineProcess(model_dir, served_name=a.model, workdir=work / "engine").start().wait_ready(900)
+            )
             keys = work / "api_keys"
             keys.write_text(f'"{KEY}" bench;\n')
             big = {

@@ -165,8 +165,9 @@ def test_sse_is_not_buffered(gw: Gateway) -> None:
 
 
 def test_drain_and_undrain(gw: Gateway, engines: Engines) -> None:
-    r = drain(gw, "drain", "a")
+    r = drain(gw, "drain", "a", "--wait", "30")  # --wait: until a's /metrics shows no running request
     assert r.returncode == 0, r.stderr
+    assert "a: no running request" in r.stdout
     assert json.loads(gw.state.read_text())["drained"] == ["a"]
     n = len(gw.log())
     assert all(s == 200 for s in load(gw.url + "/v1/chat/completions", 12, 4, headers=AUTH))
