@@ -56,6 +56,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--during", metavar="CMD", help="failover: command run at --at, e.g. 'ssh h1 …'")
     sc.add_argument("--at", type=float, default=10.0, help="failover: when to run --during (s)")
     sc.add_argument("--health-url", help="failover: URL polled until 200 after the command")
+    sc.add_argument("--health-timeout", type=float, default=900.0, help="failover: give up polling after S s")
     sc.add_argument("--after-recovery", type=float, help="failover: end the load S s after recovery")
     sc.add_argument("--instances", help="rolling-restart: NAME[@HOST],… restarted one by one")
     sc.add_argument("--drain-cmd", help="rolling-restart: e.g. 'vllm-fleet drain {name}'")
@@ -71,6 +72,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--settle", type=float, default=3.0, help="rolling-restart: seconds after each undrain")
     sc.add_argument(
         "--start-after", type=float, default=5.0, help="rolling-restart: s of load before the first"
+    )
+    sc.add_argument(
+        "--ready-timeout", type=float, default=900.0, help="rolling-restart: wait ready at most S s"
     )
     sc.add_argument("--cmd-timeout", type=float, default=120.0, help="scenario commands' timeout, seconds")
     p.set_defaults(handler=main)
@@ -114,7 +118,7 @@ def _hooks(a: argparse.Namespace) -> tuple[Hook, ...]:
     if a.scenario == "failover":
         if not a.during:
             raise ProfileError("--scenario failover needs --during CMD")
-        return (scenarios.Failover(a.during, a.at, a.health_url, cmd_timeout=a.cmd_timeout,
+        return (scenarios.Failover(a.during, a.at, a.health_url, a.health_timeout, a.cmd_timeout,
                                    stop_after_recovery=a.after_recovery),)  # fmt: skip
     if a.scenario == "rolling-restart":
         if not a.instances or not a.restart_cmd:
@@ -130,6 +134,7 @@ def _hooks(a: argparse.Namespace) -> tuple[Hook, ...]:
                 start_after=a.start_after,
                 drain_wait=a.drain_wait,
                 settle=a.settle,
+                ready_timeout=a.ready_timeout,
                 cmd_timeout=a.cmd_timeout,
             ),
         )

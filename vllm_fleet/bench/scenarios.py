@@ -75,7 +75,7 @@ class Failover:
     during: str
     at: float
     health_url: str | None = None
-    health_timeout: float = 300.0
+    health_timeout: float = 900.0
     cmd_timeout: float = 60.0
     stop_after_recovery: float | None = None  # end the load this many seconds after recovery
 
@@ -126,7 +126,7 @@ class RollingRestart:
     start_after: float = 5.0
     drain_wait: float = 0.0
     settle: float = 3.0
-    ready_timeout: float = 300.0
+    ready_timeout: float = 900.0
     cmd_timeout: float = 120.0
     steps: list[dict[str, Any]] = field(default_factory=list)
 
@@ -168,8 +168,11 @@ class RollingRestart:
                 step["ok"] = all(
                     step[k]["rc"] == 0 for k in ("drain", "restart", "undrain") if k in step
                 ) and bool(step["wait_ready"]["ready"])
+                if not step["ok"]:
+                    facts["aborted"] = f"step {inst.name} failed: not restarting the next instance"
+                    break
                 await asyncio.sleep(self.settle)
-            facts["completed"] = True
+            facts["completed"] = "aborted" not in facts
             load.stop()
         except asyncio.CancelledError:
             facts["cut_short_by_end_of_load"] = True
