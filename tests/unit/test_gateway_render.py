@@ -194,3 +194,23 @@ def test_set_drained_checks_and_refuses(rendered: NginxGateway, tmp_path: Path) 
         set_drained("b", True, ups, state, nginx, reload=False)
     assert ups.read_text() == before
     conf.write_text(good_conf)
+
+
+@needs_nginx
+def test_apply_restores_the_drained_set_after_a_re_render(rendered: NginxGateway, tmp_path: Path) -> None:
+    """`vllm-fleet drain --apply`: a freshly rendered upstream file gets the state file's drained set back."""
+    state = tmp_path / "drained.json"
+    ups = rendered.upstreams_file
+    fresh = ups.read_text()
+    set_drained("b", True, ups, state, rendered.argv(), reload=False)
+    ups.write_text(fresh)  # what a re-render without the state does
+    assert set_drained(None, True, ups, state, rendered.argv(), reload=False) == {"b"}
+    assert {i for u in parse_upstreams(ups.read_text()) for i, _, d in u.servers if d} == {"b"}
+
+
+def test_retry_policy_follows_the_spec(tmp_path: Path) -> None:
+    for flag in (True, False):
+        spec = gateway_spec([{"name": "a", "port": 9001}], tmp_path, retry_non_idempotent=flag)
+        conf = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
+        assert ("non_idempotent" in conf.split("proxy_next_upstream error")[1].splitlines()[0]) is flag
+        assert "proxy_next_upstream_tries 3;" in conf and "proxy_next_upstream_timeout 10s;" in conf
