@@ -214,3 +214,23 @@ def test_retry_policy_follows_the_spec(tmp_path: Path) -> None:
         conf = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
         assert ("non_idempotent" in conf.split("proxy_next_upstream error")[1].splitlines()[0]) is flag
         assert "proxy_next_upstream_tries 3;" in conf and "proxy_next_upstream_timeout 10s;" in conf
+
+
+def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
+    """Ansible's template module defaults to lstrip_blocks=False; the gateway templates render the same."""
+    keys = tmp_path / "k"
+    spec = gateway_spec(
+        [
+            {"name": "a", "port": 9001},
+            {"name": "b", "port": 9002, "pool": "high"},
+            {"name": "c", "port": 9003, "role": "fallback"},
+        ],
+        tmp_path,
+        api_keys_file=str(keys),
+        tls={"certificate": "/c.pem", "certificate_key": "/k.pem"},
+    )
+    ctx = build_context(spec, "h1")
+    ours, ansible_like = make_env(REPO), make_env(REPO)
+    ansible_like.lstrip_blocks = False
+    for t in ("nginx/vllm-fleet.conf.j2", "nginx/upstreams.conf.j2", "nginx/router.js.j2"):
+        assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
