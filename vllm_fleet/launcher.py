@@ -65,7 +65,7 @@ PHASES: list[tuple[re.Pattern[str], str]] = [
         (r"Application startup complete", "API server up"),
     ]
 ]
-_ERROR_RE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Error:|Exception:)")
+_ERROR_RE = re.compile(r"\b(ERROR|CRITICAL)\b|^Traceback |^\w*(Error|Exception): ")
 
 
 def parse_phase(line: str) -> str | None:

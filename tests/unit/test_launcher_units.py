@@ -66,6 +66,18 @@ def test_parse_phase(line: str, phase: str | None) -> None:
     assert parse_phase(line) == phase
 
 
+def test_error_lines() -> None:
+    from vllm_fleet.launcher import _ERROR_RE
+
+    assert _ERROR_RE.search(
+        "(APIServer pid=1) ERROR 11-29 [serving.py:500] Error in completion stream generator."
+    )
+    assert _ERROR_RE.search("OSError: libnuma.so.1: cannot open shared object file")
+    assert not _ERROR_RE.search(
+        "(Worker pid=871) WARNING 11-29 [utils.py:597] Failed to create oneDNN linear. Exception: could not"
+    )
+
+
 @pytest.mark.parametrize("abstract", [False, True])
 def test_notify_roundtrip(tmp_path: Path, abstract: bool) -> None:
     addr = f"@vllm-fleet-test-{os.getpid()}-{time.monotonic_ns()}" if abstract else str(tmp_path / "n.sock")
