@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="rounds per tool (alternating ABBA)")
+    p.add_argument("--pause", type=float, default=30.0, help="idle seconds before every run (default 30)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args()
     eng = None
@@ -121,6 +123,9 @@ def main() -> int:
         rows: list[dict[str, Any]] = []
         for i, pair in enumerate(order):
             for tool in pair:
+                time.sleep(
+                    a.pause
+                )  # the same idle time before every run (the vllm CLI idles ~1 min importing)
                 fig = ours_round(a, model, i) if tool == "ours" else vllm_round(a, model, out, i)
                 rows.append({"round": i, "tool": tool, **fig})
                 print(json.dumps(rows[-1]), flush=True)

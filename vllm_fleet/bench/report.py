@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ def build(result: LoadResult, meta: dict[str, Any], bin_s: float = 1.0) -> dict[
     return {
         "schema": SCHEMA,
         **meta,
+        "started_at": datetime.fromtimestamp(result.started_at, UTC).isoformat(timespec="seconds"),
         "window": {
             "measure_start_s": result.measure_start,
             "issue_end_s": result.issue_end,

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -59,7 +58,6 @@ async def prepare(
 
 def meta(profile: Profile, opts: Options, target: Target, builder: PromptBuilder) -> dict[str, Any]:
     return {
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "target": {"url": opts.url, "model": target.model, "label": opts.label},
         "profile": profile.model_dump(),
         "stream_override": opts.stream,
