@@ -36,12 +36,14 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(engine_factory: Any, engine: EngineProcess) -> Engines:
-    """a and b: primaries started here; c (the backup, never killed) is the session's shared engine."""
+def engines(engine_factory: Any, request: pytest.FixtureRequest) -> Engines:
+    """a and b: primaries started here; c (the backup, never killed) is the session's shared engine. a and b
+    start while the shared engine starts (if it is not running yet)."""
     a, b = engine_factory(), engine_factory()
-    a.wait_ready()
-    b.wait_ready()
-    return Engines(a, b, engine)
+    c = request.getfixturevalue("engine")
+    a.wait_ready(900)
+    b.wait_ready(900)
+    return Engines(a, b, c)
 
 
 def _start(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:
