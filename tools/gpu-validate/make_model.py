@@ -96,8 +96,15 @@ def make(out: Path) -> Path:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     n = params(cfg)
     (out / "vllm-fleet-gpu-validate.json").write_text(
-        json.dumps({"params": n, "weight_bytes_bf16": 2 * n, "tokenizer_size": size,
-                    "tokenizer_class": tok_cfg.get("tokenizer_class")}, indent=2)
+        json.dumps(
+            {
+                "params": n,
+                "weight_bytes_bf16": 2 * n,
+                "tokenizer_size": size,
+                "tokenizer_class": tok_cfg.get("tokenizer_class"),
+            },
+            indent=2,
+        )
     )
     return out
 

@@ -41,7 +41,9 @@ KV_RE = re.compile(
 
 
 def vf_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "vllm_fleet.cli", *args], text=True, capture_output=True, cwd=REPO, **kw)
+    # the console entry point (``python -m vllm_fleet.cli`` would import cli twice: plugins register in the copy)
+    code = "import sys; from vllm_fleet.cli import main; sys.exit(main())"
+    return subprocess.run([PY, "-c", code, *args], text=True, capture_output=True, cwd=REPO, **kw)
 
 
 def get(url: str, timeout: float = 2.0) -> int:
@@ -69,7 +71,7 @@ def start_bare(wait: float) -> int:
     cfg = render()
     argv = list(cfg["command"])
     argv[argv.index("--port") + 1] = str(BARE_PORT)
-    env = dict(os.environ, **cfg["environment"], VLLM_LOGGING_PREFIX="[bare] ")
+    env = {**os.environ, **cfg["environment"], "VLLM_LOGGING_PREFIX": "[bare] "}
     log = (LOG / "bare.log").open("wb")
     t0 = time.time()
     p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -174,14 +176,33 @@ def kv_tokens(lines: list[str]) -> dict[str, Any]:
 
 
 def bench(out: Path, name: str, profile: str, *extra: str, timeout: float = 400) -> dict[str, Any]:
-    args = ["bench", "--profile", str(REPO / "tools/gpu-validate" / profile), "--out", str(out), "--name", name]
-    args += ["--no-plot", "--quiet", "--no-metrics", "--tokenize-url", f"http://127.0.0.1:{BARE_PORT}/tokenize"]
+    args = [
+        "bench",
+        "--profile",
+        str(REPO / "tools/gpu-validate" / profile),
+        "--out",
+        str(out),
+        "--name",
+        name,
+    ]
+    args += [
+        "--no-plot",
+        "--quiet",
+        "--no-metrics",
+        "--tokenize-url",
+        f"http://127.0.0.1:{BARE_PORT}/tokenize",
+    ]
     t = time.time()
     r = vf_cli(*args, *extra, timeout=timeout)
     print(r.stdout[-3000:], r.stderr[-1500:], flush=True)
     files = sorted(out.glob(f"{name}*.json"))
     rep = json.loads(files[-1].read_text()) if files else {}
-    return {"rc": r.returncode, "seconds": round(time.time() - t, 1), "files": [f.name for f in files], "report": rep}
+    return {
+        "rc": r.returncode,
+        "seconds": round(time.time() - t, 1),
+        "files": [f.name for f in files],
+        "report": rep,
+    }
 
 
 def measure(out: Path) -> int:
@@ -228,7 +249,12 @@ def measure(out: Path) -> int:
     res["ready_seconds"] = ready_s
     res["launcher_rc_before_bench"] = lp.poll()
     state = VF / "run" / f"{NAME}.json"
-    res["state_file"] = json.loads(state.read_text()) if state.exists() else None
+    res["state_file"] = None
+    for _ in range(20):  # the launcher writes the state file just after READY=1
+        res["state_file"] = json.loads(state.read_text()) if state.exists() else None
+        if (res["state_file"] or {}).get("state") != "loading":
+            break
+        time.sleep(0.25)
 
     # --- pinning and per-process GPU memory (both engines on the one GPU)
     res["nvidia_smi_apps"] = gpu_processes()
@@ -260,7 +286,16 @@ def measure(out: Path) -> int:
         rounds = os.environ.get("VF_ROUNDS", "3")
         rdur = os.environ.get("VF_ROUND_S", "20")
         res["compare"] = bench(
-            out, "compare", "bench-gpu.yml", "--compare", a_url, b_url, "--rounds", rounds, "--round-duration", rdur
+            out,
+            "compare",
+            "bench-gpu.yml",
+            "--compare",
+            a_url,
+            b_url,
+            "--rounds",
+            rounds,
+            "--round-duration",
+            rdur,
         )
         res["batch1"] = bench(
             out, "batch1", "batch1.yml", "--compare", a_url, b_url, "--rounds", "2", "--round-duration", "10"
@@ -276,7 +311,11 @@ def measure(out: Path) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(lp.pid, signal.SIGKILL)
         rc = lp.wait(10)
-    res["stop"] = {"rc": rc, "seconds": round(time.monotonic() - ts, 2), "messages": len(lis.messages) - n_before}
+    res["stop"] = {
+        "rc": rc,
+        "seconds": round(time.monotonic() - ts, 2),
+        "messages": len(lis.messages) - n_before,
+    }
     if gw:
         gw.stop()
     with __import__("contextlib").suppress(ProcessLookupError):
@@ -298,14 +337,19 @@ def measure(out: Path) -> int:
         p = LOG / f
         if p.exists():
             lines = p.read_text(errors="replace").splitlines()
-            (out / f).write_text("\n".join(lines[:400] + ["..."] + lines[-200:]) + "\n")
+            (out / f).write_text("\n".join([*lines[:400], "...", *lines[-200:]]) + "\n")
     summary(res)
     return 0
 
 
 def summary(res: dict[str, Any]) -> None:
     print("=== summary")
-    print("READY after", res.get("ready_seconds"), "s; phases:", [p["phase"] for p in res.get("phases_seen", [])])
+    print(
+        "READY after",
+        res.get("ready_seconds"),
+        "s; phases:",
+        [p["phase"] for p in res.get("phases_seen", [])],
+    )
     print("KV launcher:", res.get("kv_launcher_parsed"), "bare:", res.get("kv_bare_parsed"))
     for k in ("compare", "batch1"):
         rep = (res.get(k) or {}).get("report") or {}
@@ -313,10 +357,15 @@ def summary(res: dict[str, Any]) -> None:
         print(k, {n: (v.get("median"), v.get("min"), v.get("max")) for n, v in rat.items()})
         for r in rep.get("rounds", []):
             f = r["figures"]
-            print(f"  round {r['round']} {r['label']}: out tok/s {f['output_tokens_per_s']:.0f} "
-                  f"ttft p50 {f['ttft_p50_ms']} itl p50 {f['itl_p50_ms']} failed {f['failed']}")
+            print(
+                f"  round {r['round']} {r['label']}: out tok/s {f['output_tokens_per_s']:.0f} "
+                f"ttft p50 {f['ttft_p50_ms']} itl p50 {f['itl_p50_ms']} failed {f['failed']}"
+            )
     print("stop", res.get("stop"))
-    print("gpu apps", [(a["pid"], a["used_memory"], a["CUDA_VISIBLE_DEVICES"]) for a in res.get("nvidia_smi_apps", [])])
+    print(
+        "gpu apps",
+        [(a["pid"], a["used_memory"], a["CUDA_VISIBLE_DEVICES"]) for a in res.get("nvidia_smi_apps", [])],
+    )
 
 
 if __name__ == "__main__":

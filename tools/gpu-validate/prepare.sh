@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 G=.gpu
 VLLM=vllm==0.21.0            # pins torch==2.11.0, the device image's torch
+rm -rf $G/bundle/deps  # one version of each wheel: two of one package stop pip --target
 mkdir -p $G/whl $G/bundle/deps $G/bundle/nginx
 # 1. the official wheel, slimmed: FA2 and the MoE kernels are not used by a dense bf16 model on Hopper
 #    (vLLM picks FA3 on cc 9.0; both imports are optional), nor deep_gemm's sources and other-Python builds
