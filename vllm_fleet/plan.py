@@ -355,6 +355,10 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
                 problems.append(Problem(f"models[{i}].extra_args[{j}]", reason))
         instances.append(ip)
     _start_order(spec, instances)
+    # alert thresholds that cannot work (e.g. a TTFT SLO that is not a histogram bucket bound)
+    from .observability import check_alert_thresholds
+
+    problems += [Problem(path, reason) for path, reason in check_alert_thresholds(spec)]
     # every model needs a primary somewhere
     served = {m.served_model_name for m in spec.models}
     for name in sorted(served):

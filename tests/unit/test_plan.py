@@ -234,3 +234,11 @@ def test_cli_plan_exit_codes(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "bogus: unknown field" in r.stderr
+
+
+def test_ttft_slo_must_be_a_bucket_bound() -> None:
+    d = copy.deepcopy(SEED4)
+    d["alerts"]["ttft_p99_slo_seconds"] = 2.0
+    ps = refusals(d)
+    assert len(ps) == 2  # once per model: each may have its own buckets
+    assert all(p.startswith("alerts.ttft_p99_slo_seconds: TTFT SLO 2.0s is not a bound") for p in ps)
