@@ -19,7 +19,7 @@ PY_GET = (
 
 def http_get(host: Any, url: str) -> tuple[int, str]:
     """GET from the host itself (python3 is on every Ansible-managed host)."""
-    out = json.loads(host.check_output(f"python3 -c {json.dumps(PY_GET)} {url}".replace("$", "\\$")))
+    out = json.loads(host.check_output("python3 -c %s %s", PY_GET, url))
     return int(out["status"]), str(out["body"])
 
 
