@@ -91,7 +91,10 @@ def _cmd_validate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-fleet", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="vllm-fleet",
+        description="Deploy and operate vLLM fleets on systemd hosts: plan, render, launch, gateway, monitoring, bench.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def spec_cmd(name: str, help_text: str, fn: Handler) -> argparse.ArgumentParser:
@@ -163,4 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m vllm_fleet.cli` runs this file as __main__; plugins register with the importable module
+    # `vllm_fleet.cli`, so hand over to that one (else sub-commands of plugins would be missing).
+    from vllm_fleet.cli import main as _main
+
+    sys.exit(_main())
