@@ -528,6 +528,7 @@ class Launcher:
                         self.phase = "serving"
                         self.ready_at = time.time()
                         self.load_duration = round(self.elapsed(), 3)
+                        self.save()  # the state file is current before anyone hears READY
                         self.n.send(
                             "READY=1",
                             f"STATUS=Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port} "
@@ -536,7 +537,6 @@ class Launcher:
                         if self.watchdog:
                             self.n.send("WATCHDOG=1")
                         _log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)")
-                        self.save()
                         next_probe = now + self.probe_interval
                         continue
                     if res.stage == "decode":
@@ -562,20 +562,19 @@ class Launcher:
 
             # --- ready: periodic liveness probes feed the watchdog
             if res is not None:
-                self._record(res)
+                was_failing = self.consecutive_failures > 0
+                self._record(res)  # state stays "ready": last_probe_ok carries the probe outcome
+                self.save()  # the state file is current before the notification
                 if res.ok:
                     if self.watchdog:
                         self.n.send("WATCHDOG=1")
-                    if self.state != "ready":
-                        self.state = "ready"
+                    if was_failing:
                         _log("probes succeed again")
                         self.status(f"Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
                 else:
-                    self.state = "ready"  # contract has no 'unhealthy': last_probe_ok carries it
                     msg = f"Probe failing ({self.consecutive_failures}x): {res.error}"
                     self.status(msg)
                     _log(msg, 4)
-                self.save()
                 next_probe = self._probe_started + self.probe_interval
             elif self._probe_thread is not None and now - self._probe_started > self.probe_timeout + 5:
                 # the probe thread is stuck beyond its own timeout: count it and keep not pinging
