@@ -21,7 +21,7 @@ def _bench(tmp_path: Path, *args: str) -> dict:  # type: ignore[type-arg]
 
 def test_short_run_reports_and_plots(engine: EngineProcess, tmp_path: Path) -> None:
     rep = _bench(
-        tmp_path, engine.url, "--profile", "tiny", "--duration", "6", "--warmup", "1", "--concurrency", "4"
+        tmp_path, engine.url, "--profile", "tiny", "--duration", "5", "--warmup", "1", "--concurrency", "4"
     )
     o = rep["overall"]
     assert rep["schema"] == "vllm-fleet-bench/1"
