@@ -9,11 +9,17 @@ import os
 import re
 import sys
 
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
 wanted = {int(p) for p in sys.argv[1:]}
 inodes = {}
 for table in ("/proc/net/tcp", "/proc/net/tcp6"):
     try:
-        lines = open(table).read().splitlines()[1:]
+        lines = _read(table).splitlines()[1:]
     except OSError:
         continue
     for line in lines:
@@ -36,12 +42,12 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         if m and m.group(1) in inodes and inodes[m.group(1)] not in found:
             unit = ""
             try:
-                for cg in open(f"/proc/{pid}/cgroup").read().splitlines():
+                for cg in _read(f"/proc/{pid}/cgroup").splitlines():
                     u = re.search(r"/([^/]+\.service)", cg)
                     if u:
                         unit = u.group(1)
                         break
-                comm = open(f"/proc/{pid}/comm").read().strip()
+                comm = _read(f"/proc/{pid}/comm").strip()
             except OSError:
                 comm = "?"
             found[inodes[m.group(1)]] = {"pid": int(pid), "comm": comm, "unit": unit}
