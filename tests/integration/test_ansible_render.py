@@ -75,7 +75,9 @@ def test_ansible_renders_what_vllm_fleet_render_renders(example: str, tmp_path: 
         got = stage / rel
         assert got.is_file(), f"the role did not write {rel}"
         # known difference: a template ending in a macro call gets one trailing newline less from Ansible
-        assert got.read_text().rstrip("\n") == path.read_text().rstrip("\n"), f"{rel} differs (role vs render)"
+        assert got.read_text().rstrip("\n") == path.read_text().rstrip("\n"), (
+            f"{rel} differs (role vs render)"
+        )
         assert (got.stat().st_mode & 0o777) == (path.stat().st_mode & 0o777), f"{rel}: mode differs"
     extra = {p.relative_to(stage) for p in stage.rglob("*") if p.is_file()} - {
         p.relative_to(expected) for p in written
