@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,8 +161,23 @@ def set_drained(
         raise
     _write_atomic(state, json.dumps({"drained": sorted(drained), "updated": time.time()}, indent=2) + "\n")
     if reload and new != old:
-        _run([*nginx, "-s", "reload"])
+        _run(reload_command(nginx))
     return drained
+
+
+def reload_command(nginx: list[str]) -> list[str]:
+    """How to reload gracefully: through systemd when it manages the default nginx (its ExecReload keeps
+    the unit's view of the master consistent), else ``NGINX -s reload``."""
+    if nginx == ["nginx"] and shutil.which("systemctl"):
+        r = subprocess.run(
+            ["systemctl", "is-active", "--quiet", "nginx.service"],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        if r.returncode == 0:
+            return ["systemctl", "reload", "nginx.service"]
+    return [*nginx, "-s", "reload"]
 
 
 def running_requests(address: str, timeout: float = 3) -> float:

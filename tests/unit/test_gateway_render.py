@@ -234,3 +234,20 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
     ansible_like.lstrip_blocks = False
     for t in ("nginx/vllm-fleet.conf.j2", "nginx/upstreams.conf.j2", "nginx/router.js.j2"):
         assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
+
+
+def test_reload_command_uses_the_given_nginx_outside_systemd() -> None:
+    from vllm_fleet.gateway import reload_command
+
+    # a prefix-run nginx (tests, bench lab) is always reloaded with its own -s reload
+    assert reload_command(["nginx", "-p", "/x", "-c", "/y"]) == [
+        "nginx",
+        "-p",
+        "/x",
+        "-c",
+        "/y",
+        "-s",
+        "reload",
+    ]
+    # the default nginx: through systemd only where systemd manages it (not on this test machine)
+    assert reload_command(["nginx"])[-1] == "reload"
