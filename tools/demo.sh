@@ -60,7 +60,15 @@ step "3/5 ansible-playbook site.yml (preflight -> pinned venv -> model -> units 
 T1=$(date +%s)
 ansible-playbook -i "$WORK/inventory/hosts.yml" site.yml -e "vllm_fleet_spec=$WORK/fleet.yml" \
   -e "vllm_fleet_models_src=$WORK/models" -e "vllm_fleet_wheelhouse=$WH" \
-  -e vllm_fleet_wheelhouse_remote=/mnt/vf-wheelhouse | grep -E '^(PLAY|TASK|changed|fatal|failed)|PLAY RECAP|ok=' || true
+  -e vllm_fleet_wheelhouse_remote=/mnt/vf-wheelhouse >"$WORK/ansible.log" 2>&1 &
+APID=$!
+tail -n +1 -f --pid=$APID "$WORK/ansible.log" | grep --line-buffered -E '^(PLAY|TASK|changed|fatal|failed)|PLAY RECAP|ok=' || true
+if ! wait $APID; then
+  echo "ansible-playbook failed; the whole log: $WORK/ansible.log (kept)" >&2
+  tail -n 40 "$WORK/ansible.log" >&2
+  KEEP=1
+  exit 1
+fi
 T2=$(date +%s)
 ssh_run() { vllm-fleet sandbox ssh "$HOST" "$@"; }
 
