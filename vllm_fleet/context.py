@@ -87,6 +87,7 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
         vf["upstreams"], mml
     )  # nginx templates (vllm_fleet/gateway_routes.py)
     vf["gateway_host"] = spec.gateway_host
+    vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     vf["monitoring_host"] = spec.monitoring_host
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__

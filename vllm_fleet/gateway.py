@@ -1,14 +1,19 @@
 """``vllm-fleet drain NAME`` / ``undrain NAME``: take an engine instance out of / into the gateway's rotation.
 
-Runs on the gateway host. The rendered upstream file (/etc/nginx/vllm-fleet/upstreams.conf) has one line per
-server ending in ``# vf-instance=NAME``; drain sets that line's ``down`` flag in every upstream, checks the
-config with ``nginx -t`` (restoring the old file if it fails) and reloads nginx gracefully: in-flight requests
-finish on the old workers, new ones no longer reach the instance. The drained set is kept in
-``/etc/vllm-fleet/gateway/drained.json`` (``{"drained": [...]}``) so a re-render keeps it: the Ansible role
-reads that file and passes the names to the template as ``vllm_fleet_gateway_drained``; ``vllm-fleet drain
---apply`` re-applies it to a freshly copied upstream file. ``--wait S`` then waits until the instance
-reports no running request (``vllm:num_requests_running`` on its /metrics). Exit codes: 0 done, 1 error,
-3 refused (the model would be left without any server; ``--force`` overrides).
+Runs on the gateway host. The drained set lives in ``/etc/vllm-fleet/gateway/drained.json``
+(``{"drained": [...], "down": [...]}``). The gateway's njs router reads that file on every request and, while
+one instance of an upstream is drained, sends the request to the rendered copy of that upstream without it
+(``NAME__x__INSTANCE``, see gateway_routes.py) — so a drain or undrain changes no nginx configuration and needs
+no reload: new requests stop reaching the instance at once, in-flight ones finish, and no client connection is
+closed (a reload closes the clients' idle keep-alive connections; a client that was just reusing one gets an
+error). Only when an upstream would lose two or more instances, or one it has no copy without (a one-server or
+the fallback upstream), does drain set nginx's ``down`` flag on those servers in the rendered upstream file
+(/etc/nginx/vllm-fleet/upstreams.conf, one line per server ending in ``# vf-instance=NAME``), check it with
+``nginx -t`` (restoring the old file if that fails) and reload nginx gracefully; ``down`` in the state file lists
+the instances so marked, and the Ansible role renders the same marks (so a re-render keeps them;
+``vllm-fleet drain --apply`` re-applies them to a freshly copied file). ``--wait S`` then waits until the
+instance reports no running request (``vllm:num_requests_running`` on its /metrics). Exit codes: 0 done,
+1 error, 3 refused (the model would be left without any server; ``--force`` overrides).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"
 SERVER_RE = re.compile(
     r"^(?P<head>\s*server\s+(?P<addr>\S+))(?P<params>[^;#]*);(?P<tail>.*#\s*vf-instance=(?P<inst>\S+).*)$"
 )
-UPSTREAM_RE = re.compile(r"^\s*upstream\s+(?P<name>\S+)\s*\{")
+UPSTREAM_RE = re.compile(
+    r"^\s*upstream\s+(?P<name>\S+)\s*\{(?:\s*#\s*vf-variant-of=(?P<of>\S+)\s+excludes=(?P<excl>\S+))?"
+)
 MODEL_RE = re.compile(r"^#\s*model\s+(?P<model>.+?)\s*$")
 
 
@@ -53,6 +60,11 @@ class Upstream:
     model: str
     # (instance, address, is_down) per server line
     servers: list[tuple[str, str, bool]] = field(default_factory=list)
+    # a copy of upstream ``variant_of`` without instance ``excludes`` (the router's choice while it is drained)
+    variant_of: str = ""
+    excludes: str = ""
+    # instances drained by the fleet spec (gateway.drained): always ``down``
+    spec_drained: set[str] = field(default_factory=set)
 
 
 def apply_drained(text: str, drained: set[str]) -> str:
@@ -77,10 +89,26 @@ def parse_upstreams(text: str) -> list[Upstream]:
         if mm := MODEL_RE.match(line):
             model = mm["model"]
         elif um := UPSTREAM_RE.match(line):
-            ups.append(Upstream(um["name"], model))
+            ups.append(Upstream(um["name"], model, variant_of=um["of"] or "", excludes=um["excl"] or ""))
         elif (sm := SERVER_RE.match(line)) and ups:
             ups[-1].servers.append((sm["inst"], sm["addr"], "down" in sm["params"].split()))
+            if "spec-drained" in sm["tail"].split():
+                ups[-1].spec_drained.add(sm["inst"])
     return ups
+
+
+def needs_marks(text: str, drained: set[str]) -> bool:
+    """True when the router cannot keep every drained instance out by picking an upstream copy: an upstream
+    loses two or more instances, or one that it has no copy without (then ``down`` marks and a reload do it)."""
+    ups = parse_upstreams(text)
+    copies = {(u.variant_of, u.excludes) for u in ups if u.variant_of}
+    for u in ups:
+        if u.variant_of:
+            continue
+        out = {i for i, _, _ in u.servers} & (drained - u.spec_drained)
+        if len(out) > 1 or (len(out) == 1 and (u.name, next(iter(out))) not in copies):
+            return True
+    return False
 
 
 def instances(text: str) -> dict[str, str]:
@@ -88,22 +116,28 @@ def instances(text: str) -> dict[str, str]:
     return {inst: addr for up in parse_upstreams(text) for inst, addr, _ in up.servers}
 
 
-def stranded_models(text: str) -> list[str]:
-    """Served models with no server left that is not ``down`` (in any of their upstreams)."""
+def stranded_models(text: str, drained: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Served models with no server left that is neither ``down`` nor in ``drained`` (in any upstream)."""
     live: dict[str, bool] = {}
     for up in parse_upstreams(text):
-        live[up.model] = live.get(up.model, False) or any(not down for _, _, down in up.servers)
+        if not up.variant_of:
+            ok = any(not down and i not in drained for i, _, down in up.servers)
+            live[up.model] = live.get(up.model, False) or ok
     return sorted(m for m, ok in live.items() if not ok)
 
 
 def read_state(path: Path) -> set[str]:
+    return set(_state(path).get("drained", []))
+
+
+def _state(path: Path) -> dict[str, list[str]]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return set()
+        return {}
     except ValueError as exc:
         raise DrainError(f"{path}: not valid JSON ({exc})") from None
-    return set(data.get("drained", []))
+    return data if isinstance(data, dict) else {}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -131,35 +165,41 @@ def set_drained(
     force: bool = False,
     reload: bool = True,
 ) -> set[str]:
-    """Add (drain) or remove (undrain) ``name`` — None: re-apply the state file — then nginx -t and reload.
+    """Add (drain) or remove (undrain) ``name`` — None: re-apply the state file — write the state file and,
+    only where the router cannot do it alone (``needs_marks``), the ``down`` marks + nginx -t + reload.
     Returns the drained set."""
     nginx = nginx or ["nginx"]
     old = upstreams.read_text()
     known = instances(old)
-    # the state file plus what the file already marks down (e.g. gateway.drained in the spec)
-    down = {i for up in parse_upstreams(old) for i, _, d in up.servers if d}
-    drained = (read_state(state) | down) & set(known)
+    ups = parse_upstreams(old)
+    spec_drained = {i for up in ups for i in up.spec_drained}
+    # marks from an older drain (before the state file listed them) count as drained too
+    legacy = {i for up in ups for i, _, d in up.servers if d} if "down" not in _state(state) else set()
+    drained = (read_state(state) | spec_drained | legacy) & set(known)
     if name is not None:
         if name not in known:
             raise DrainError(
                 f"unknown instance {name!r} in {upstreams} (instances: {', '.join(sorted(known))})"
             )
         drained = drained | {name} if drain else drained - {name}
-    new = apply_drained(old, drained)
-    stranded = stranded_models(new)
+    stranded = stranded_models(old, drained)
     if stranded and drain and not force:
         raise DrainError(
             f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
             "(--force to do it anyway)",
             code=3,
         )
-    _write_atomic(upstreams, new)
-    try:
-        _run([*nginx, "-t", "-q"])
-    except DrainError:
-        _write_atomic(upstreams, old)
-        raise
-    _write_atomic(state, json.dumps({"drained": sorted(drained), "updated": time.time()}, indent=2) + "\n")
+    marks = drained if needs_marks(old, drained) else spec_drained & drained
+    new = apply_drained(old, marks)
+    if new != old:
+        _write_atomic(upstreams, new)
+        try:
+            _run([*nginx, "-t", "-q"])
+        except DrainError:
+            _write_atomic(upstreams, old)
+            raise
+    doc = {"drained": sorted(drained), "down": sorted(marks - spec_drained), "updated": time.time()}
+    _write_atomic(state, json.dumps(doc, indent=2) + "\n")
     if reload and new != old:
         _run(reload_command(nginx))
     return drained
@@ -260,7 +300,7 @@ def _handler(drain: bool) -> object:
     return run
 
 
-@command("drain", "take an engine instance out of the gateway's rotation (nginx -t + graceful reload)")
+@command("drain", "take an engine instance out of the gateway's rotation (no nginx reload needed)")
 def _drain_cmd(p: argparse.ArgumentParser) -> None:
     _args(p, True)
     p.set_defaults(handler=_handler(True))

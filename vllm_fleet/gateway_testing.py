@@ -32,6 +32,7 @@ def gateway_spec(
         "stub_status_port": free_port(),
         "access_log": str(workdir / "access.log"),
         "error_log": str(workdir / "gateway-error.log"),
+        "state_file": str(workdir / "drained.json"),
     }
     gw.update(gateway)
     models = [
@@ -66,7 +67,7 @@ class Gateway:
         self.nginx = NginxGateway(self.workdir / "out" / "h1" / "etc" / "nginx", self.workdir / "prefix")
         self.url = f"http://127.0.0.1:{spec.gateway.port}"
         self.access_log = Path(spec.gateway.access_log)
-        self.state = self.workdir / "drained.json"
+        self.state = Path(spec.gateway.state_file or self.workdir / "drained.json")
 
     @property
     def nginx_cmd(self) -> str:

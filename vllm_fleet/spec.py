@@ -307,6 +307,9 @@ class Gateway(_Model):
     # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
     # next_upstream_tries/_timeout; nothing is retried after the first byte reached the client): docs/gateway.md
     retry_non_idempotent: bool = True
+    # where `vllm-fleet drain` keeps the drained set; the njs router reads it on every request, so a drain or
+    # undrain needs no reload (docs/gateway.md). Empty: PATHS.CONFIG_DIR/gateway/drained.json
+    state_file: str = ""
     access_log: str = "/var/log/nginx/vllm-fleet.access.log"
     error_log: str = "/var/log/nginx/vllm-fleet.error.log"
 

@@ -185,6 +185,39 @@ def test_drain_and_undrain(gw: Gateway, engines: Engines) -> None:
     assert r.returncode == 1 and "unknown instance" in r.stderr
 
 
+def test_drain_keeps_client_connections(gw: Gateway, engines: Engines) -> None:
+    """Drain and undrain change no nginx config and reload nothing: a client's keep-alive connection to the
+    gateway carries requests before, during and after (a reload would close it while idle), and the drained
+    instance gets none of them (the router picks the upstream's copy without it)."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = json.dumps(chat_body())
+
+    def ask() -> int:
+        conn.request("POST", "/v1/chat/completions", body, {**AUTH, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        return r.status
+
+    try:
+        assert ask() == 200
+        sock = conn.sock
+        conf_before = gw.nginx.upstreams_file.read_text()
+        assert drain(gw, "drain", "b").returncode == 0
+        assert gw.nginx.upstreams_file.read_text() == conf_before  # nothing to reload
+        n = len(gw.log())
+        assert [ask() for _ in range(4)] == [200] * 4
+        assert conn.sock is sock  # the same TCP connection
+        assert wait_for(lambda: len(gw.log()) >= n + 4, 5)
+        assert {served_by(e) for e in gw.log()[n:]} == {engines.addr(engines.a)}
+        assert {e["upstream"] for e in gw.log()[n:]} == {"m_tiny_qwen3__x__b"}
+        assert drain(gw, "undrain", "b").returncode == 0
+        assert [ask() for _ in range(2)] == [200] * 2
+        assert conn.sock is sock
+    finally:
+        conn.close()
+
+
 def test_priority_pool_and_fallback(engines: Engines, tmp_path: Path) -> None:
     """X-Priority: high → the `high` pool (b); none → the default pool (a); every GPU instance down (drained)
     → the `role: fallback` instance (c) serves."""

@@ -13,6 +13,7 @@ from vllm_fleet.gateway import (
     DrainError,
     apply_drained,
     instances,
+    needs_marks,
     parse_upstreams,
     set_drained,
     stranded_models,
@@ -203,9 +204,63 @@ def test_apply_restores_the_drained_set_after_a_re_render(rendered: NginxGateway
     ups = rendered.upstreams_file
     fresh = ups.read_text()
     set_drained("b", True, ups, state, rendered.argv(), reload=False)
+    set_drained(
+        "c", True, ups, state, rendered.argv(), reload=False
+    )  # the main upstream loses b and c: marks
     ups.write_text(fresh)  # what a re-render without the state does
-    assert set_drained(None, True, ups, state, rendered.argv(), reload=False) == {"b"}
-    assert {i for u in parse_upstreams(ups.read_text()) for i, _, d in u.servers if d} == {"b"}
+    assert set_drained(None, True, ups, state, rendered.argv(), reload=False) == {"b", "c"}
+    assert {i for u in parse_upstreams(ups.read_text()) for i, _, d in u.servers if d} == {"b", "c"}
+
+
+def _downs(text: str) -> set[str]:
+    return {i for u in parse_upstreams(text) for i, _, d in u.servers if d}
+
+
+@needs_nginx
+def test_one_drained_instance_needs_no_marks_and_no_reload(rendered: NginxGateway, tmp_path: Path) -> None:
+    """One instance out of an upstream: the router picks the copy without it (state file only, config
+    untouched); a second one out of the same upstream: `down` marks (+ reload); back to one: marks removed."""
+    state = tmp_path / "drained.json"
+    ups = rendered.upstreams_file
+    fresh = ups.read_text()
+    copies = {(u.variant_of, u.excludes): u for u in parse_upstreams(fresh) if u.variant_of}
+    main = next(u for u in parse_upstreams(fresh) if not u.variant_of and u.model == "tiny-qwen3")
+    assert {i for i, _, _ in copies[(main.name, "a")].servers} == {"b", "c"}
+    # a and c drained from the default pool's upstream (a first, b and c backups): b serves as a primary
+    assert needs_marks(fresh, {"a"}) is False and needs_marks(fresh, set()) is False
+    assert set_drained("a", True, ups, state, rendered.argv(), reload=False) == {"a"}
+    assert ups.read_text() == fresh
+    assert json.loads(state.read_text())["down"] == []
+    assert needs_marks(fresh, {"a", "c"}) is True
+    set_drained("c", True, ups, state, rendered.argv(), reload=False)
+    assert _downs(ups.read_text()) == {"a", "c"}
+    assert json.loads(state.read_text())["down"] == ["a", "c"]
+    set_drained("a", False, ups, state, rendered.argv(), reload=False)
+    assert ups.read_text() == fresh and json.loads(state.read_text()) | {"updated": 0} == {
+        "drained": ["c"],
+        "down": [],
+        "updated": 0,
+    }
+    # the fallback upstream (d alone) and the other model's (q alone) have no copy: marks
+    assert needs_marks(fresh, {"d"}) is True and needs_marks(fresh, {"q"}) is True
+
+
+def test_copies_promote_backups_when_no_primary_is_left(tmp_path: Path) -> None:
+    spec = gateway_spec(
+        [{"name": "a", "port": 9001}, {"name": "c", "port": 9003, "role": "backup"}], tmp_path
+    )
+    (rt,) = build_context(spec, "h1")["vf"]["gateway_routes"]
+    (copy_a, copy_c) = rt["variants"]
+    assert (copy_a["excludes"], [(s["instance"], s["backup"]) for s in copy_a["servers"]]) == (
+        "a",
+        [("c", False)],
+    )
+    assert (copy_c["excludes"], [(s["instance"], s["backup"]) for s in copy_c["servers"]]) == (
+        "c",
+        [("a", False)],
+    )
+    assert rt["without"] == {rt["upstream"]: {"a": copy_a["name"], "c": copy_c["name"]}}
+    assert rt["members"] == {rt["upstream"]: ["a", "c"]}
 
 
 def test_retry_policy_follows_the_spec(tmp_path: Path) -> None:
