@@ -56,6 +56,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--during", metavar="CMD", help="failover: command run at --at, e.g. 'ssh h1 …'")
     sc.add_argument("--at", type=float, default=10.0, help="failover: when to run --during (s)")
     sc.add_argument("--health-url", help="failover: URL polled until 200 after the command")
+    sc.add_argument("--health-cmd", help="failover: instead of --health-url, a command retried until exit 0")
     sc.add_argument("--health-timeout", type=float, default=900.0, help="failover: give up polling after S s")
     sc.add_argument("--after-recovery", type=float, help="failover: end the load S s after recovery")
     sc.add_argument("--instances", help="rolling-restart: NAME[@HOST],… restarted one by one")
@@ -119,7 +120,7 @@ def _hooks(a: argparse.Namespace) -> tuple[Hook, ...]:
         if not a.during:
             raise ProfileError("--scenario failover needs --during CMD")
         return (scenarios.Failover(a.during, a.at, a.health_url, a.health_timeout, a.cmd_timeout,
-                                   stop_after_recovery=a.after_recovery),)  # fmt: skip
+                                   stop_after_recovery=a.after_recovery, health_cmd=a.health_cmd),)  # fmt: skip
     if a.scenario == "rolling-restart":
         if not a.instances or not a.restart_cmd:
             raise ProfileError("--scenario rolling-restart needs --instances and --restart-cmd")

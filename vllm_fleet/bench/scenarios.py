@@ -70,6 +70,24 @@ async def wait_for_health(
     return {"down_seen_at_s": down_at, "up_after_s": None, "recovered": False}
 
 
+async def wait_for_cmd(
+    cmd: str, timeout: float, cmd_timeout: float, interval: float = 0.5, want_down_first: float = 0.0
+) -> dict[str, Any]:
+    """``wait_for_health`` with a command (exit 0 = healthy), e.g. ``ssh HOST curl -sf …/health`` for an
+    engine that listens on its host's loopback only."""
+    t0 = time.perf_counter()
+    down_at: float | None = None
+    while time.perf_counter() - t0 < timeout:
+        ok = (await run_cmd(cmd, cmd_timeout))["rc"] == 0
+        now = time.perf_counter() - t0
+        if not ok and down_at is None:
+            down_at = now
+        if ok and (down_at is not None or now >= want_down_first):
+            return {"down_seen_at_s": down_at, "up_after_s": round(now, 3), "recovered": True}
+        await asyncio.sleep(interval)
+    return {"down_seen_at_s": down_at, "up_after_s": None, "recovered": False}
+
+
 @dataclass
 class Failover:
     during: str
@@ -78,6 +96,7 @@ class Failover:
     health_timeout: float = 900.0
     cmd_timeout: float = 60.0
     stop_after_recovery: float | None = None  # end the load this many seconds after recovery
+    health_cmd: str | None = None  # instead of health_url: a command, exit 0 = serving
 
     async def __call__(self, load: Load, session: aiohttp.ClientSession) -> dict[str, Any]:
         facts: dict[str, Any] = {"name": "failover", "command": self.during, "at_s": self.at, "events": []}
@@ -87,12 +106,18 @@ class Failover:
             facts["events"].append({"t": t_cmd, "label": "failover command"})
             facts["run"] = await run_cmd(self.during, self.cmd_timeout)
             facts["command_at_s"] = t_cmd
+            h: dict[str, Any] | None = None
             if self.health_url:
                 h = await wait_for_health(session, self.health_url, self.health_timeout, want_down_first=10.0)
                 facts["health"] = {"url": self.health_url, **h}
-                if h["recovered"]:
-                    facts["serving_again_after_s"] = round(load.now() - t_cmd, 3)
-                    facts["events"].append({"t": load.now(), "label": "healthy again"})
+            elif self.health_cmd:
+                h = await wait_for_cmd(
+                    self.health_cmd, self.health_timeout, self.cmd_timeout, want_down_first=10.0
+                )
+                facts["health"] = {"cmd": self.health_cmd, **h}
+            if h is not None and h["recovered"]:
+                facts["serving_again_after_s"] = round(load.now() - t_cmd, 3)
+                facts["events"].append({"t": load.now(), "label": "healthy again"})
             if self.stop_after_recovery is not None:
                 await asyncio.sleep(self.stop_after_recovery)
                 load.stop()

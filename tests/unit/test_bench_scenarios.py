@@ -1,0 +1,39 @@
+"""Scenario helpers with real commands: the failover health command is retried until it succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from vllm_fleet.bench.scenarios import run_cmd, wait_for_cmd
+
+
+def test_run_cmd_reports_status_and_output() -> None:
+    r = asyncio.run(run_cmd("echo out; exit 3", 10))
+    assert (r["rc"], r["timed_out"], r["output"].strip()) == (3, False, "out")
+    r = asyncio.run(run_cmd("sleep 5", 0.3))
+    assert r["timed_out"] is True and r["rc"] is None
+
+
+def test_wait_for_cmd_sees_down_then_up(tmp_path: Path) -> None:
+    flag = tmp_path / "up"
+
+    async def scenario() -> dict[str, object]:
+        async def bring_up() -> None:
+            await asyncio.sleep(1.0)
+            flag.touch()
+
+        task = asyncio.create_task(bring_up())
+        h = await wait_for_cmd(f"test -f {flag}", timeout=20, cmd_timeout=5, interval=0.1)
+        await task
+        return h
+
+    h = asyncio.run(scenario())
+    assert h["recovered"] is True and h["down_seen_at_s"] is not None
+    assert isinstance(h["up_after_s"], float) and h["up_after_s"] >= 0.9
+
+
+def test_wait_for_cmd_gives_up(tmp_path: Path) -> None:
+    h = asyncio.run(wait_for_cmd("false", timeout=0.5, cmd_timeout=5, interval=0.1))
+    assert h == {"down_seen_at_s": h["down_seen_at_s"], "up_after_s": None, "recovered": False}
+    assert h["down_seen_at_s"] is not None
