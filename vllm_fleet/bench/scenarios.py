@@ -10,6 +10,9 @@ Placeholders in commands and URLs: ``{name}`` and ``{host}`` (instances given as
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +32,8 @@ async def run_cmd(cmd: str, timeout: float) -> dict[str, Any]:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
         rc: int | None = proc.returncode
     except TimeoutError:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole session: a shell's children hold the pipe too
         out, _ = await proc.communicate()
         rc = None
     return {
