@@ -25,6 +25,13 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MARKER = "vllm-fleet-tiny.json"
+QWEN3_8B_CONFIG_FILE = Path(__file__).parent / "data" / "qwen3-8b-config.json"
+
+
+def qwen3_8b_config() -> dict[str, object]:
+    """Qwen3-8B's ``config.json`` (its shape only, no weights): a fresh copy each call."""
+    cfg: dict[str, object] = json.loads(QWEN3_8B_CONFIG_FILE.read_text())
+    return cfg
 
 
 def _training_texts(limit_bytes: int = 3_000_000) -> list[str]:

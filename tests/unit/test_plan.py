@@ -14,24 +14,13 @@ import yaml
 from vllm_fleet.modelinfo import kv_bytes_per_token, params_from_config, read_model_dir
 from vllm_fleet.plan import GIB, OVERHEAD_PER_GPU_BYTES, format_plan, make_plan, suggest_max_num_seqs
 from vllm_fleet.spec import parse_spec
+from vllm_fleet.tinymodel import qwen3_8b_config
 
 REPO = Path(__file__).resolve().parents[2]
 SEED4 = yaml.safe_load((REPO / "examples/seed-004-4xa100.yml").read_text())
 SEED1 = yaml.safe_load((REPO / "examples/seed-001-h100-fp8.yml").read_text())
 
-QWEN3_8B_CONFIG = {
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+QWEN3_8B_CONFIG = qwen3_8b_config()
 
 
 def refusals(data: dict) -> list[str]:

@@ -17,31 +17,6 @@ import string
 import sys
 from pathlib import Path
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000,
-    "rms_norm_eps": 1e-06,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-    "sliding_window": None,
-    "max_window_layers": 36,
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-}
-
 
 def params(cfg: dict[str, object]) -> int:
     """Parameter count of the shape (what --load-format dummy allocates)."""
@@ -82,15 +57,16 @@ def pad_tokenizer(folder: Path, vocab_size: int) -> int:
 
 def make(out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from vllm_fleet.tinymodel import build_tokenizer
+    from vllm_fleet.tinymodel import build_tokenizer, qwen3_8b_config
 
+    qwen3_8b = qwen3_8b_config()
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
-    size = pad_tokenizer(out, int(QWEN3_8B["vocab_size"]))  # type: ignore[call-overload]
+    size = pad_tokenizer(out, int(qwen3_8b["vocab_size"]))  # type: ignore[call-overload]
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     vocab = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
-    cfg = dict(QWEN3_8B, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    cfg = dict(qwen3_8b, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = {"eos_token_id": ids["<|im_end|>"], "do_sample": True, "temperature": 1.0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
