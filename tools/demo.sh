@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# vllm-fleet demo: boot a real systemd host (nspawn sandbox), deploy the tiny CPU fleet to it with
+# vllm-fleet demo: boot real systemd hosts (nspawn sandbox), deploy the tiny CPU fleet to them with
 # `ansible-playbook site.yml`, and finish with a real chat completion through the gateway.
-#   make demo            (KEEP=1 leaves the host running; DEMO_HOST=name picks its name)
+#   make demo                                            one host (examples/tiny-cpu.yml)
+#   make demo DEMO_SPEC=examples/tiny-cpu-2hosts.yml     two hosts: two primaries on h1, a backup on h2
+# KEEP=1 leaves the hosts running; spec host hN becomes sandbox host ${DEMO_PREFIX:-demo-}hN.
 # Needs root, systemd-nspawn and the repository's .venv (see docs/ansible.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 VENV=${VENV:-$REPO/.venv}
 export PATH="$VENV/bin:$PATH" ANSIBLE_CONFIG="$REPO/ansible.cfg"
-HOST=${DEMO_HOST:-demo-h1}
+SPEC=${DEMO_SPEC:-examples/tiny-cpu.yml}
+PREFIX=${DEMO_PREFIX:-demo-}
+read -r -a SPEC_HOSTS <<<"$(python -c "import sys, yaml; print(' '.join(h['name'] for h in yaml.safe_load(open(sys.argv[1]))['hosts']))" "$SPEC")"
+HOSTS=()
+for h in "${SPEC_HOSTS[@]}"; do HOSTS+=("$PREFIX$h"); done
 WORK=$(mktemp -d /tmp/vllm-fleet-demo.XXXXXX)
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 cleanup() {
   if [ "${KEEP:-0}" = 1 ]; then
-    echo "KEEP=1: $HOST stays up (vllm-fleet sandbox ssh $HOST; vllm-fleet sandbox down $HOST); files in $WORK"
+    echo "KEEP=1: ${HOSTS[*]} stay up (vllm-fleet sandbox ssh NAME; vllm-fleet sandbox down NAME); files in $WORK"
   else
-    vllm-fleet sandbox down "$HOST" >/dev/null 2>&1 || true
+    for h in "${HOSTS[@]}"; do vllm-fleet sandbox down "$h" >/dev/null 2>&1 || true; done
     rm -rf "$WORK"
   fi
 }
@@ -32,29 +38,36 @@ if [ ! -f "$WH/lock.txt" ] || [ "$WH/lock.txt" -ot locks/cpu-0.32.0.txt ]; then
 fi
 echo "wheelhouse: $WH ($(ls "$WH"/*.whl | wc -l) wheels)"
 
-step "2/5 boot the sandbox host $HOST (systemd in nspawn, SSH, no route out; apt via a local proxy)"
-vllm-fleet sandbox up "$HOST" --engine --apt-proxy --bind-ro "$WH:/mnt/vf-wheelhouse"
+step "2/5 boot ${HOSTS[*]} (systemd in nspawn, SSH, no route out; apt via a local proxy)"
+for h in "${HOSTS[@]}"; do
+  vllm-fleet sandbox up "$h" --engine --apt-proxy --bind-ro "$WH:/mnt/vf-wheelhouse"
+done
 vllm-fleet sandbox inventory --out "$WORK/inventory" >/dev/null
-ADDR=$(vllm-fleet sandbox list --json | python -c "import json,sys; print(next(h['address'] for h in json.load(sys.stdin) if h['name']=='$HOST'))")
-python - "$HOST" "$ADDR" "$WORK/fleet.yml" <<'PY'
-import sys, yaml
-name, addr, out = sys.argv[1:]
-spec = yaml.safe_load(open("examples/tiny-cpu.yml"))
-spec["hosts"][0].update(name=name, address=addr)
+vllm-fleet sandbox list --json >"$WORK/hosts.json"
+# the spec and the inventory, retargeted to these hosts (names and addresses)
+GW_ADDR=$(python - "$SPEC" "$PREFIX" "$WORK" <<'PY'
+import json, sys, yaml
+spec_path, prefix, work = sys.argv[1:]
+spec = yaml.safe_load(open(spec_path))
+addr = {h["name"]: h["address"] for h in json.load(open(f"{work}/hosts.json"))}
+names = {h["name"]: prefix + h["name"] for h in spec["hosts"]}
+for h in spec["hosts"]:
+    h["name"] = names[h["name"]]
+    h["address"] = addr[h["name"]]
 for m in spec["models"]:
-    m["host"] = name
-spec["gateway"]["host"] = spec["monitoring"]["host"] = name
-yaml.safe_dump(spec, open(out, "w"), sort_keys=False)
-PY
-# only this host in the inventory
-python - "$WORK/inventory/hosts.yml" "$HOST" <<'PY'
-import sys, yaml
-path, name = sys.argv[1:]
-inv = yaml.safe_load(open(path))
-inv["all"]["hosts"] = {name: inv["all"]["hosts"][name]}
+    m["host"] = names[m["host"]]
+for key in ("gateway", "monitoring"):
+    if spec.get(key, {}).get("host"):
+        spec[key]["host"] = names[spec[key]["host"]]
+yaml.safe_dump(spec, open(f"{work}/fleet.yml", "w"), sort_keys=False)
+inv_path = f"{work}/inventory/hosts.yml"
+inv = yaml.safe_load(open(inv_path))
+inv["all"]["hosts"] = {n: inv["all"]["hosts"][n] for n in names.values()}
 inv["all"].pop("children", None)
-yaml.safe_dump(inv, open(path, "w"))
+yaml.safe_dump(inv, open(inv_path, "w"))
+print(addr[spec["gateway"]["host"]])
 PY
+)
 
 step "3/5 ansible-playbook site.yml (preflight -> pinned venv -> model -> units -> gateway -> monitoring)"
 T1=$(date +%s)
@@ -70,10 +83,9 @@ if ! wait $APID; then
   exit 1
 fi
 T2=$(date +%s)
-ssh_run() { vllm-fleet sandbox ssh "$HOST" "$@"; }
 
-step "4/5 a real chat completion through the gateway (http://$ADDR:8000)"
-python - "$ADDR" <<'PY'
+step "4/5 a real chat completion through the gateway (http://$GW_ADDR:8000)"
+python - "$GW_ADDR" <<'PY'
 import json, sys, urllib.request
 body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Say hello to the fleet."}], "max_tokens": 16}
 req = urllib.request.Request(f"http://{sys.argv[1]}:8000/v1/chat/completions", json.dumps(body).encode(),
@@ -86,10 +98,12 @@ print("reply (random tiny model, so gibberish):", repr(out["choices"][0]["messag
 PY
 
 step "5/5 what was deployed, and where"
-ssh_run "python3 -c \"import json; m=json.load(open('/var/lib/vllm-fleet/manifest.json')); s=m['stack']; \
+for h in "${HOSTS[@]}"; do
+  vllm-fleet sandbox ssh "$h" "python3 -c \"import json; m=json.load(open('/var/lib/vllm-fleet/manifest.json')); s=m['stack']; \
 print('host', m['host'], '| fleet', m['fleet'], '| spec', m['spec_hash'], '|', s['vllm_dist'], s['vllm'], '| torch', s['torch']); \
 [print('  ', i['unit'], 'port', i['port'], 'model', i['model']['path'], '(%d files, sha256-verified)' % len(i['model']['checksums'])) for i in m['instances']]\""
-ssh_run "systemctl --no-legend list-units 'vllm@*' nginx.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service | sed 's/^/   /'"
-echo "   gateway:    http://$ADDR:8000/v1  (OpenAI + Anthropic APIs)"
-echo "   prometheus: http://$ADDR:9090 (on the host)   manifest: /var/lib/vllm-fleet/manifest.json"
+  vllm-fleet sandbox ssh "$h" "systemctl --no-legend list-units 'vllm@*' nginx.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service | sed 's/^/   /'"
+done
+echo "   gateway:    http://$GW_ADDR:8000/v1  (OpenAI + Anthropic APIs)"
+echo "   prometheus: http://$GW_ADDR:9090 (on the monitoring host)   manifest: /var/lib/vllm-fleet/manifest.json"
 echo "playbook: $((T2 - T1)) s; demo total: $(( $(date +%s) - T0 )) s"
