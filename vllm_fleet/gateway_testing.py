@@ -3,6 +3,7 @@ read the JSON access log. No mocks: engines are real vLLM-CPU engines (or nothin
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -145,3 +146,80 @@ def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.2) ->
             return True
         time.sleep(interval)
     return pred()
+
+
+class SteadyLoad:
+    """Background traffic until stopped: ``workers`` threads, each on ONE keep-alive connection (like an SDK
+    client's pool), alternating plain and streamed chat completions; no client retries. Every request that
+    does not end in a complete 200 answer (a plain body with choices; a stream up to ``[DONE]``) is a
+    failure, recorded with when it started, whether it streamed and why.
+
+        with SteadyLoad("http://10.77.0.61:8000") as traffic:
+            ...  # a deploy, a restart, a kill
+        assert traffic.failures == []
+    """
+
+    def __init__(self, base_url: str, workers: int = 4, max_tokens: int = 16) -> None:
+        host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
+        self.host, self.port = host, int(port or 80)
+        self.workers, self.max_tokens = workers, max_tokens
+        self.ok = {"plain": 0, "stream": 0}
+        self.failures: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._t0 = 0.0
+
+    def __enter__(self) -> SteadyLoad:
+        self._t0 = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ok.values()) + len(self.failures)
+
+    def _one(self, conn: http.client.HTTPConnection, stream: bool) -> str | None:
+        """None when the request succeeded, else why it failed."""
+        body = json.dumps(chat_body(max_tokens=self.max_tokens, stream=stream))
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            return f"HTTP {r.status}: {data[:200]!r}"
+        if stream:
+            return None if b"data: [DONE]" in data else f"stream ended without [DONE]: {data[-200:]!r}"
+        return None if json.loads(data).get("choices") else f"no choices: {data[:200]!r}"
+
+    def _worker(self, i: int) -> None:
+        conn: http.client.HTTPConnection | None = None
+        n = i
+        while not self._stop.is_set():
+            stream = n % 2 == 1
+            n += 1
+            conn = conn or http.client.HTTPConnection(self.host, self.port, timeout=120)
+            start = time.monotonic() - self._t0
+            try:
+                why = self._one(conn, stream)
+            except Exception as exc:  # a dropped or closed connection is a failed request
+                why = f"{type(exc).__name__}: {exc}"
+                conn.close()
+                conn = None
+            with self._lock:
+                if why is None:
+                    self.ok["stream" if stream else "plain"] += 1
+                else:
+                    self.failures.append({"start_s": round(start, 2), "stream": stream, "error": why})
+            if why is not None:
+                time.sleep(0.2)
+        if conn is not None:
+            conn.close()
