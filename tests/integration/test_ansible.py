@@ -4,7 +4,9 @@ h1: two tiny-model instances + gateway + monitoring, h2: a backup instance (exam
 Installs are offline from the wheelhouse (`vllm-fleet lock wheelhouse`, bound read-only into the hosts, which
 have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment:
 refused spec (nothing changed) → deploy + chat through the gateway → rerun changed=0 → testinfra suite →
---check reports no change → a flag change restarts only that instance (drained first).
+--check reports no change → a flag change restarts only that instance (drained first), under steady client
+traffic that loses no request → kill -9 of a primary under traffic: no plain request fails, systemd serves
+it again.
 """
 
 from __future__ import annotations
@@ -24,19 +26,10 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.gateway_testing import SteadyLoad
 from vllm_fleet.testing import http_json
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.engine,
-    pytest.mark.slow,
-    # Not yet green end to end (issue 4 is open): the flag-change step's drain reload stopped nginx.service
-    # on the sandbox host. Run it on purpose with VLLM_FLEET_ANSIBLE_E2E=1 until that is fixed.
-    pytest.mark.skipif(
-        os.environ.get("VLLM_FLEET_ANSIBLE_E2E") != "1",
-        reason="two-host Ansible e2e not yet green (issue 4): set VLLM_FLEET_ANSIBLE_E2E=1 to run it",
-    ),
-]
+pytestmark = [pytest.mark.sandbox, pytest.mark.engine, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -219,9 +212,14 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     target["max_num_seqs"] = 8
     path = tmp_path / "changed.yml"
     path.write_text(yaml.safe_dump(changed_spec))
-    rc, out, seconds = fleet.playbook(spec=path)
+    # clients keep sending through the gateway the whole time (keep-alive connections, half streamed)
+    with SteadyLoad(fleet.gateway_url, workers=4) as traffic:
+        rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
+    assert traffic.failures == [], traffic.failures[:5]
+    assert min(traffic.ok.values()) > 5, traffic.ok
+    record("flag_change_requests_during", traffic.total)
     after = fleet.unit_pids()
     restarted = sorted(n for n in before if before[n] != after[n])
     assert restarted == [target["name"]], (before, after)
@@ -237,3 +235,34 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     assert cfg["command"][cfg["command"].index("--max-num-seqs") + 1] == "8"
     status, body = fleet.chat()
     assert status == 200, body
+
+
+def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
+    """SIGKILL to every process of tiny-a: plain requests in flight are re-sent by nginx to tiny-b (none
+    fails); only streams tiny-a was sending can break; systemd restarts the unit and it serves again."""
+    name = fleet.spec["models"][0]["name"]  # tiny-a on h1
+    h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
+    port = fleet.spec["models"][0]["port"]
+    before = fleet.unit_pids()[name]
+    with SteadyLoad(fleet.gateway_url, workers=4) as traffic:
+        time.sleep(5)
+        t_kill = time.monotonic()
+        assert h1.run(f"systemctl kill --signal=SIGKILL vllm@{name}.service").returncode == 0
+        deadline = t_kill + 900
+        while time.monotonic() < deadline:
+            pid = fleet.unit_pids()[name]
+            probe = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/health', timeout=3)"
+            up = h1.run(f'python3 -c "{probe}"').returncode == 0
+            if up and pid not in ("", "0", before):
+                break
+            time.sleep(2)
+        serving_again = time.monotonic() - t_kill
+        time.sleep(3)
+    assert serving_again < 900, "tiny-a did not serve again within 900 s"
+    record("kill9_serving_again_seconds", serving_again)
+    record("kill9_requests_during", traffic.total)
+    plain = [f for f in traffic.failures if not f["stream"]]
+    assert plain == [], plain
+    assert len(traffic.failures) <= traffic.workers, traffic.failures  # at most the streams in flight
+    assert traffic.ok["plain"] > 0 and traffic.ok["stream"] > 0
+    assert h1.run(f"systemctl is-active vllm@{name}.service").stdout.strip() == "active"
