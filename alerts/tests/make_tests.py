@@ -47,6 +47,12 @@ def hist(metric: str, labels: str, bounds: list[str], per_min: list[int]) -> str
     )
 
 
+def decoding(labels: str, tokens: str, running: str) -> str:
+    """An engine's generated-tokens counter and its running-requests gauge."""
+    generated = series("vllm:generation_tokens_total", labels, tokens)
+    return generated + series("vllm:num_requests_running", labels, running)
+
+
 def q(v: str) -> str:
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -76,6 +82,11 @@ def alert(name: str, t: str, exps: list[tuple[dict[str, str], str]]) -> str:
     return out
 
 
+def fires_after(name: str, silent_at: str, firing_at: str, exps: list[tuple[dict[str, str], str]]) -> str:
+    """The alert is still silent at ``silent_at`` (its ``for:`` not yet elapsed), fires ``exps`` at ``firing_at``."""
+    return alert(name, silent_at, []) + alert(name, firing_at, exps)
+
+
 def case(title: str, input_series: str, alerts: str) -> str:
     return f"  # {title}\n  - interval: 1m\n    input_series:\n{input_series}    alert_rule_test:\n{alerts}"
 
@@ -97,17 +108,18 @@ def build() -> str:
     doc += case(
         "KV cache: 0.96 -> warning only; 0.99 -> warning and critical",
         series("vllm:kv_cache_usage_perc", T, "0.96x20") + series("vllm:kv_cache_usage_perc", B, "0.99x20"),
-        alert("VllmKvCacheUsageHigh", "4m", [])
-        + alert(
+        fires_after(
             "VllmKvCacheUsageHigh",
+            "4m",
             "6m",
             [
                 ({**LT, **W}, kvw.format(i="tiny", h="h1", v="96%")),
                 ({**LB, **W}, kvw.format(i="tiny-b", h="h2", v="99%")),
             ],
         )
-        + alert("VllmKvCacheUsageCritical", "4m", [])
-        + alert("VllmKvCacheUsageCritical", "6m", [({**LB, **C}, kvc.format(i="tiny-b", h="h2", v="99%"))]),
+        + fires_after(
+            "VllmKvCacheUsageCritical", "4m", "6m", [({**LB, **C}, kvc.format(i="tiny-b", h="h2", v="99%"))]
+        ),
     )
     doc += case(
         "KV cache below the warning threshold stays silent",
@@ -118,22 +130,19 @@ def build() -> str:
         "queue wait: tiny's requests wait 2.5-5 s (fires); tiny-b's under 0.3 s (silent)",
         hist("vllm:request_queue_time_seconds", T, QB, [0, 0, 0, 0, 0, 0, 0, 10, 10, 10])
         + hist("vllm:request_queue_time_seconds", B, QB, [10] * 10),
-        alert("VllmQueueWaitHigh", "4m", [])
-        + alert(
+        fires_after(
             "VllmQueueWaitHigh",
+            "4m",
             "12m",
             [({**LT, **W}, "p99 queue wait of tiny (tiny-qwen3 on h1) is 4.975s over 5m (threshold 1.0s).")],
         ),
     )
     doc += case(
         "decode rate: tiny 1 tok/s < floor 10 with requests running (fires); tiny-b 6 tok/s > its own floor 5 (silent)",
-        series("vllm:generation_tokens_total", T, "0+60x30")
-        + series("vllm:num_requests_running", T, "2x30")
-        + series("vllm:generation_tokens_total", B, "0+360x30")
-        + series("vllm:num_requests_running", B, "1x30"),
-        alert("VllmDecodeRateLow", "10m", [])
-        + alert(
+        decoding(T, "0+60x30", "2x30") + decoding(B, "0+360x30", "1x30"),
+        fires_after(
             "VllmDecodeRateLow",
+            "10m",
             "20m",
             [
                 (
@@ -145,10 +154,7 @@ def build() -> str:
     )
     doc += case(
         "decode rate: tiny-b 3 tok/s < its floor 5 (fires); tiny slow but idle, no request running (silent)",
-        series("vllm:generation_tokens_total", T, "0+60x30")
-        + series("vllm:num_requests_running", T, "0x30")
-        + series("vllm:generation_tokens_total", B, "0+180x30")
-        + series("vllm:num_requests_running", B, "1x30"),
+        decoding(T, "0+60x30", "0x30") + decoding(B, "0+180x30", "1x30"),
         alert(
             "VllmDecodeRateLow",
             "20m",
@@ -166,15 +172,12 @@ def build() -> str:
     )
     doc += case(
         "decode stalled: tiny generates until 5m then stops with 3 requests running (fires 2m later); tiny-b keeps going",
-        series("vllm:generation_tokens_total", T, "0+100x5 500x25")
-        + series("vllm:num_requests_running", T, "3x30")
-        + series("vllm:generation_tokens_total", B, "0+600x30")
-        + series("vllm:num_requests_running", B, "3x30"),
-        alert("VllmDecodeStalled", "6m", []) + alert("VllmDecodeStalled", "8m", [({**LT, **C}, stalled)]),
+        decoding(T, "0+100x5 500x25", "3x30") + decoding(B, "0+600x30", "3x30"),
+        fires_after("VllmDecodeStalled", "6m", "8m", [({**LT, **C}, stalled)]),
     )
     doc += case(
         "decode stalled: no request running and no tokens is idle, not stalled",
-        series("vllm:generation_tokens_total", T, "100x30") + series("vllm:num_requests_running", T, "0x30"),
+        decoding(T, "100x30", "0x30"),
         alert("VllmDecodeStalled", "10m", []),
     )
     up_t = 'job="vllm", host="h1", instance="tiny", model="tiny-qwen3", role="primary", pool="default"'
@@ -186,9 +189,9 @@ def build() -> str:
         + series("up", up_b, "0x10")
         + series("vllm_fleet_instance_state", ex.format(h="h2", i="tiny-b"), "1x10")
         + series("vllm_fleet_instance_state", ex.format(h="h1", i="tiny"), "0x10"),
-        alert("VllmInstanceDown", "30s", [])
-        + alert(
+        fires_after(
             "VllmInstanceDown",
+            "30s",
             "3m",
             [
                 (
@@ -205,9 +208,9 @@ def build() -> str:
         "restart loop: 4 restarts within 15 min on tiny (fires); 1 restart on tiny-b (silent)",
         series("vllm_fleet_instance_restarts_total", rl, "0 1 2 3 4 4 4 4 4 4")
         + series("vllm_fleet_instance_restarts_total", rl2, "0 0 1 1 1 1 1 1 1 1"),
-        alert("VllmUnitRestartLoop", "1m", [])
-        + alert(
+        fires_after(
             "VllmUnitRestartLoop",
+            "1m",
             "5m",
             [
                 (
@@ -224,9 +227,9 @@ def build() -> str:
         + series("vllm_fleet_gateway_requests_total", gl.format(m="tiny-qwen3", c="502"), "0+10x30")
         + series("vllm_fleet_gateway_requests_total", gl.format(m="other", c="200"), "0+100x30")
         + series("vllm_fleet_gateway_requests_total", gl.format(m="other", c="504"), "0+1x30"),
-        alert("VllmGateway5xxRatioHigh", "3m", [])
-        + alert(
+        fires_after(
             "VllmGateway5xxRatioHigh",
+            "3m",
             "12m",
             [
                 (
@@ -259,9 +262,9 @@ def build() -> str:
         "TTFT: tiny 2.5-5 s (> SLO 2.5 s: fires); tiny-b 0.5-0.75 s (> its own SLO 0.5 s: fires)",
         hist("vllm:time_to_first_token_seconds", T, TB, [0, 0, 0, 0, 0, 0, 10, 10, 10, 10])
         + hist("vllm:time_to_first_token_seconds", B, TB, [0, 0, 0, 10, 10, 10, 10, 10, 10, 10]),
-        alert("VllmTtftSloBreached", "10m", [])
-        + alert(
+        fires_after(
             "VllmTtftSloBreached",
+            "10m",
             "20m",
             [
                 (
@@ -285,9 +288,9 @@ def build() -> str:
         "preemptions: 0.2/s on tiny (> 0.1/s: fires); 0.05/s on tiny-b (silent)",
         series("vllm:num_preemptions_total", T, "0+12x30")
         + series("vllm:num_preemptions_total", B, "0+3x30"),
-        alert("VllmPreemptions", "8m", [])
-        + alert(
+        fires_after(
             "VllmPreemptions",
+            "8m",
             "20m",
             [
                 (

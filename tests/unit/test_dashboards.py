@@ -22,72 +22,68 @@ DASH = "var/lib/grafana/dashboards/vllm-fleet"
 
 # --- Grafana's file-provisioning formats (grafana.com/docs/grafana/latest/administration/provisioning/ and
 # .../alerting/set-up/provision-alerting-resources/file-provisioning/), as JSON Schema
-DATASOURCES = {
-    "type": "object",
-    "required": ["apiVersion", "datasources"],
-    "properties": {
-        "apiVersion": {"const": 1},
-        "datasources": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["name", "type", "access", "url", "uid"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "type": {"const": "prometheus"},
-                    "access": {"enum": ["proxy", "direct"]},
-                    "url": {"type": "string", "pattern": "^https?://"},
-                    "uid": {"type": "string", "maxLength": 40},
-                    "isDefault": {"type": "boolean"},
-                    "editable": {"type": "boolean"},
-                    "jsonData": {"type": "object"},
-                },
-                "additionalProperties": False,
-            },
+
+
+def _closed(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
+    """An object with the ``required`` keys and no key outside ``properties``."""
+    return {"type": "object", "required": required, "properties": properties, "additionalProperties": False}
+
+
+def _provisioning_file(
+    key: str, item: dict[str, Any], min_items: int = 0, closed: bool = False
+) -> dict[str, Any]:
+    """A provisioning file: ``apiVersion: 1`` and a list of ``item`` under ``key``."""
+    items: dict[str, Any] = {"type": "array", **({"minItems": min_items} if min_items else {}), "items": item}
+    doc: dict[str, Any] = {
+        "type": "object",
+        "required": ["apiVersion", key],
+        "properties": {"apiVersion": {"const": 1}, key: items},
+    }
+    return {**doc, "additionalProperties": False} if closed else doc
+
+
+DATASOURCES = _provisioning_file(
+    "datasources",
+    _closed(
+        ["name", "type", "access", "url", "uid"],
+        {
+            "name": {"type": "string"},
+            "type": {"const": "prometheus"},
+            "access": {"enum": ["proxy", "direct"]},
+            "url": {"type": "string", "pattern": "^https?://"},
+            "uid": {"type": "string", "maxLength": 40},
+            "isDefault": {"type": "boolean"},
+            "editable": {"type": "boolean"},
+            "jsonData": {"type": "object"},
         },
-    },
-    "additionalProperties": False,
-}
-PROVIDERS = {
-    "type": "object",
-    "required": ["apiVersion", "providers"],
-    "properties": {
-        "apiVersion": {"const": 1},
-        "providers": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name", "type", "options"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "orgId": {"type": "integer"},
-                    "folder": {"type": "string"},
-                    "folderUid": {"type": "string"},
-                    "type": {"const": "file"},
-                    "disableDeletion": {"type": "boolean"},
-                    "allowUiUpdates": {"type": "boolean"},
-                    "updateIntervalSeconds": {"type": "integer"},
-                    "options": {
-                        "type": "object",
-                        "required": ["path"],
-                        "properties": {
-                            "path": {"type": "string"},
-                            "foldersFromFilesStructure": {"type": "boolean"},
-                        },
-                        "additionalProperties": False,
-                    },
-                },
-                "additionalProperties": False,
-            },
+    ),
+    min_items=1,
+    closed=True,
+)
+PROVIDERS = _provisioning_file(
+    "providers",
+    _closed(
+        ["name", "type", "options"],
+        {
+            "name": {"type": "string"},
+            "orgId": {"type": "integer"},
+            "folder": {"type": "string"},
+            "folderUid": {"type": "string"},
+            "type": {"const": "file"},
+            "disableDeletion": {"type": "boolean"},
+            "allowUiUpdates": {"type": "boolean"},
+            "updateIntervalSeconds": {"type": "integer"},
+            "options": _closed(
+                ["path"],
+                {"path": {"type": "string"}, "foldersFromFilesStructure": {"type": "boolean"}},
+            ),
         },
-    },
-}
+    ),
+)
 DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
-QUERY = {
-    "type": "object",
-    "required": ["refId", "datasourceUid", "model", "relativeTimeRange"],
-    "properties": {
+QUERY = _closed(
+    ["refId", "datasourceUid", "model", "relativeTimeRange"],
+    {
         "refId": {"type": "string"},
         "datasourceUid": {"type": "string"},
         "relativeTimeRange": {
@@ -101,140 +97,98 @@ QUERY = {
         "model": {"type": "object", "required": ["refId"]},
         "queryType": {"type": "string"},
     },
-    "additionalProperties": False,
-}
-ALERT_RULES = {
-    "type": "object",
-    "required": ["apiVersion", "groups"],
-    "properties": {
-        "apiVersion": {"const": 1},
-        "groups": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["orgId", "name", "folder", "interval", "rules"],
-                "properties": {
-                    "orgId": {"type": "integer"},
-                    "name": {"type": "string"},
-                    "folder": {"type": "string"},
-                    "interval": DURATION,
-                    "rules": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
+)
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+ALERT_RULE = _closed(
+    ["uid", "title", "condition", "data", "noDataState", "execErrState", "for"],
+    {
+        "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"},
+        "title": {"type": "string"},
+        "condition": {"type": "string"},
+        "data": {"type": "array", "minItems": 1, "items": QUERY},
+        "noDataState": {"enum": ["Alerting", "NoData", "OK"]},
+        "execErrState": {"enum": ["Alerting", "Error", "OK"]},
+        "for": DURATION,
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+        "isPaused": {"type": "boolean"},
+    },
+)
+ALERT_RULES = _provisioning_file(
+    "groups",
+    _closed(
+        ["orgId", "name", "folder", "interval", "rules"],
+        {
+            "orgId": {"type": "integer"},
+            "name": {"type": "string"},
+            "folder": {"type": "string"},
+            "interval": DURATION,
+            "rules": {"type": "array", "minItems": 1, "items": ALERT_RULE},
+        },
+    ),
+    closed=True,
+)
+CONTACT_POINTS = _provisioning_file(
+    "contactPoints",
+    _closed(
+        ["orgId", "name", "receivers"],
+        {
+            "orgId": {"type": "integer"},
+            "name": {"type": "string"},
+            "receivers": {
+                "type": "array",
+                "items": _closed(
+                    ["uid", "type", "settings"],
+                    {
+                        "uid": {"type": "string"},
+                        "type": {"const": "slack"},
+                        "disableResolveMessage": {"type": "boolean"},
+                        "settings": {
                             "type": "object",
-                            "required": [
-                                "uid",
-                                "title",
-                                "condition",
-                                "data",
-                                "noDataState",
-                                "execErrState",
-                                "for",
-                            ],
-                            "properties": {
-                                "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"},
-                                "title": {"type": "string"},
-                                "condition": {"type": "string"},
-                                "data": {"type": "array", "minItems": 1, "items": QUERY},
-                                "noDataState": {"enum": ["Alerting", "NoData", "OK"]},
-                                "execErrState": {"enum": ["Alerting", "Error", "OK"]},
-                                "for": DURATION,
-                                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-                                "isPaused": {"type": "boolean"},
-                            },
-                            "additionalProperties": False,
+                            "anyOf": [{"required": ["url"]}, {"required": ["token", "recipient"]}],
                         },
                     },
-                },
-                "additionalProperties": False,
+                ),
             },
         },
-    },
-    "additionalProperties": False,
-}
-CONTACT_POINTS = {
-    "type": "object",
-    "required": ["apiVersion", "contactPoints"],
-    "properties": {
-        "apiVersion": {"const": 1},
-        "contactPoints": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["orgId", "name", "receivers"],
-                "properties": {
-                    "orgId": {"type": "integer"},
-                    "name": {"type": "string"},
-                    "receivers": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["uid", "type", "settings"],
-                            "properties": {
-                                "uid": {"type": "string"},
-                                "type": {"const": "slack"},
-                                "disableResolveMessage": {"type": "boolean"},
-                                "settings": {
-                                    "type": "object",
-                                    "anyOf": [{"required": ["url"]}, {"required": ["token", "recipient"]}],
-                                },
-                            },
-                            "additionalProperties": False,
-                        },
-                    },
-                },
-                "additionalProperties": False,
-            },
-        },
-    },
-}
-POLICIES = {
-    "type": "object",
-    "required": ["apiVersion", "policies"],
-    "properties": {
-        "apiVersion": {"const": 1},
-        "policies": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["orgId", "receiver"],
-                "properties": {
-                    "orgId": {"type": "integer"},
-                    "receiver": {"type": "string"},
-                    "group_by": {"type": "array", "items": {"type": "string"}},
-                    "group_wait": DURATION,
-                    "group_interval": DURATION,
-                    "repeat_interval": DURATION,
-                    "routes": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["receiver"],
-                            "properties": {
-                                "receiver": {"type": "string"},
-                                "object_matchers": {
-                                    "type": "array",
-                                    "items": {
-                                        "type": "array",
-                                        "minItems": 3,
-                                        "maxItems": 3,
-                                        "prefixItems": [
-                                            {"type": "string"},
-                                            {"enum": ["=", "!=", "=~", "!~"]},
-                                        ],
-                                    },
-                                },
+    ),
+)
+POLICIES = _provisioning_file(
+    "policies",
+    _closed(
+        ["orgId", "receiver"],
+        {
+            "orgId": {"type": "integer"},
+            "receiver": {"type": "string"},
+            "group_by": {"type": "array", "items": {"type": "string"}},
+            "group_wait": DURATION,
+            "group_interval": DURATION,
+            "repeat_interval": DURATION,
+            "routes": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["receiver"],
+                    "properties": {
+                        "receiver": {"type": "string"},
+                        "object_matchers": {
+                            "type": "array",
+                            "items": {
+                                "type": "array",
+                                "minItems": 3,
+                                "maxItems": 3,
+                                "prefixItems": [
+                                    {"type": "string"},
+                                    {"enum": ["=", "!=", "=~", "!~"]},
+                                ],
                             },
                         },
                     },
                 },
-                "additionalProperties": False,
             },
         },
-    },
-}
+    ),
+)
 
 
 def spec_data() -> dict[str, Any]:
