@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,6 +335,34 @@ class Nvml:
         yield from (info, util, mem_util, used, total, temp, power, limit, ecc, xid)
 
 
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _flag(v: Any) -> int | None:
+    return (1 if v else 0) if isinstance(v, bool) else None
+
+
+# how a state-file value becomes a sample: the family, and the value (None: the key is absent or ill-typed)
+_KINDS: dict[str, tuple[type[GaugeMetricFamily | CounterMetricFamily], Callable[[Any], float | None]]] = {
+    "gauge": (GaugeMetricFamily, _number),
+    "flag": (GaugeMetricFamily, _flag),
+    "counter": (CounterMetricFamily, _number),
+}
+# one series per instance from its state file: (kind, metric name, help, state-file key), in exposition order
+STATE_METRICS = (
+    ("gauge", "instance_load_duration_seconds", "Start to ready, last start", "load_duration_seconds"),
+    ("gauge", "instance_started_timestamp_seconds", "Launcher start time", "started_at"),
+    ("gauge", "instance_ready_timestamp_seconds", "Time the engine became ready", "ready_at"),
+    ("gauge", "instance_state_updated_timestamp_seconds", "Last state write", "updated_at"),
+    ("flag", "probe_success", "1 when the last generation probe succeeded", "last_probe_ok"),
+    ("gauge", "probe_latency_seconds", "Latency of the last probe", "last_probe_latency_seconds"),
+    ("gauge", "probe_last_timestamp_seconds", "Time of the last probe", "last_probe_at"),
+    ("counter", "probes", "Probes since the launcher started", "probes_total"),
+    ("counter", "probe_failures", "Failed probes since the launcher started", "probe_failures_total"),
+)
+
+
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -404,31 +432,10 @@ class FleetCollector(Collector):
         present = GaugeMetricFamily(
             PREFIX + "instance_state_present", "1 when the launcher wrote a state file", labels=lbl
         )
-        load = GaugeMetricFamily(
-            PREFIX + "instance_load_duration_seconds", "Start to ready, last start", labels=lbl
-        )
-        started = GaugeMetricFamily(
-            PREFIX + "instance_started_timestamp_seconds", "Launcher start time", labels=lbl
-        )
-        ready = GaugeMetricFamily(
-            PREFIX + "instance_ready_timestamp_seconds", "Time the engine became ready", labels=lbl
-        )
-        updated = GaugeMetricFamily(
-            PREFIX + "instance_state_updated_timestamp_seconds", "Last state write", labels=lbl
-        )
-        probe_ok = GaugeMetricFamily(
-            PREFIX + "probe_success", "1 when the last generation probe succeeded", labels=lbl
-        )
-        probe_lat = GaugeMetricFamily(
-            PREFIX + "probe_latency_seconds", "Latency of the last probe", labels=lbl
-        )
-        probe_at = GaugeMetricFamily(
-            PREFIX + "probe_last_timestamp_seconds", "Time of the last probe", labels=lbl
-        )
-        probes = CounterMetricFamily(PREFIX + "probes", "Probes since the launcher started", labels=lbl)
-        failures = CounterMetricFamily(
-            PREFIX + "probe_failures", "Failed probes since the launcher started", labels=lbl
-        )
+        fams = [
+            (_KINDS[kind][0](PREFIX + name, doc, labels=lbl), key, _KINDS[kind][1])
+            for kind, name, doc, key in STATE_METRICS
+        ]
         for i in instances:
             lv = [i.name, i.model]
             st = i.state or {}
@@ -436,34 +443,13 @@ class FleetCollector(Collector):
             current = st.get("state")
             for s in STATES:
                 state.add_metric([*lv, s], 1 if current == s else 0)
-            for fam, key in (
-                (load, "load_duration_seconds"),
-                (started, "started_at"),
-                (ready, "ready_at"),
-                (updated, "updated_at"),
-                (probe_lat, "last_probe_latency_seconds"),
-                (probe_at, "last_probe_at"),
-            ):
-                if isinstance(st.get(key), (int, float)):
-                    fam.add_metric(lv, float(st[key]))
-            if isinstance(st.get("last_probe_ok"), bool):
-                probe_ok.add_metric(lv, 1 if st["last_probe_ok"] else 0)
-            for cfam, key in ((probes, "probes_total"), (failures, "probe_failures_total")):
-                if isinstance(st.get(key), (int, float)):
-                    cfam.add_metric(lv, float(st[key]))
-        yield from (
-            state,
-            present,
-            load,
-            started,
-            ready,
-            updated,
-            probe_ok,
-            probe_lat,
-            probe_at,
-            probes,
-            failures,
-        )
+            for fam, key, value in fams:
+                v = value(st.get(key))
+                if v is not None:
+                    fam.add_metric(lv, v)
+        yield state
+        yield present
+        yield from (fam for fam, _, _ in fams)
 
 
 def build_registry(args: argparse.Namespace) -> CollectorRegistry:
