@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+Port = Annotated[int, Field(ge=1, le=65535)]  # a TCP port
 
 
 class SpecError(Exception):
@@ -281,14 +282,14 @@ class RateLimit(_Model):
 class Tls(_Model):
     certificate: str
     certificate_key: str
-    port: int = Field(8443, ge=1, le=65535)
+    port: Port = 8443
 
 
 class Gateway(_Model):
     enabled: bool = True
     host: str = ""
     listen_address: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
+    port: Port = 8000
     # path of the API key file on the gateway host; empty = no authentication
     api_keys_file: str = ""
     rate_limit: RateLimit = RateLimit()
@@ -301,7 +302,7 @@ class Gateway(_Model):
     fail_timeout_seconds: int = Field(5, ge=1)
     keepalive: int = Field(32, ge=0)
     tls: Tls | None = None
-    stub_status_port: int = Field(8081, ge=1, le=65535)
+    stub_status_port: Port = 8081
     # instance names taken out of rotation (managed by `vllm-fleet drain`)
     drained: list[str] = []
     # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
@@ -327,12 +328,12 @@ class Grafana(_Model):
 class Monitoring(_Model):
     enabled: bool = True
     host: str = ""
-    prometheus_port: int = Field(9090, ge=1, le=65535)
-    alertmanager_port: int = Field(9093, ge=1, le=65535)
-    node_exporter_port: int = Field(9100, ge=1, le=65535)
-    nginx_exporter_port: int = Field(9113, ge=1, le=65535)
-    exporter_port: int = Field(9400, ge=1, le=65535)
-    gpu_exporter_port: int | None = Field(None, ge=1, le=65535, description="DCGM exporter, optional")
+    prometheus_port: Port = 9090
+    alertmanager_port: Port = 9093
+    node_exporter_port: Port = 9100
+    nginx_exporter_port: Port = 9113
+    exporter_port: Port = 9400
+    gpu_exporter_port: Port | None = Field(None, description="DCGM exporter, optional")
     scrape_interval: str = "15s"
     evaluation_interval: str = "15s"
     retention: str = "15d"
