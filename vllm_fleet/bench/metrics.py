@@ -9,18 +9,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..vllm_metrics import RUN_COUNTERS, RUN_GAUGES, RUN_HISTOGRAMS
+
 # counters and histogram parts whose change over the run is reported (sample names as exposed)
-DELTAS = (
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:num_preemptions_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:request_queue_time_seconds_sum",
-    "vllm:request_queue_time_seconds_count",
-)
-GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+DELTAS = (*RUN_COUNTERS, *(h + s for h in RUN_HISTOGRAMS for s in ("_sum", "_count")))
+GAUGES = RUN_GAUGES
 
 
 def parse(text: str, model: str | None = None) -> dict[str, float]:

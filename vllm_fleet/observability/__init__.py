@@ -1,7 +1,8 @@
 """Observability helpers shared by the alert rules, the dashboards and their tests.
 
 ``VLLM_METRICS`` is the list of metric names vLLM 0.32 exports (read from a live engine's /metrics, see
-docs/observability.md). Queries must use only these (and the exporters' names); the live test proves it.
+docs/observability.md; the catalogue is ``vllm_fleet.vllm_metrics``). Queries must use only these (and the
+exporters' names); the live test proves it.
 """
 
 from __future__ import annotations
@@ -10,41 +11,10 @@ import tempfile
 from pathlib import Path
 
 from ..spec import FleetSpec
-
-# vLLM 0.32 /metrics (labels model_name, engine). Counters carry _total, histograms _bucket/_sum/_count.
-VLLM_GAUGES = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:num_requests_waiting_by_reason",
-    "vllm:kv_cache_usage_perc",
-    "vllm:engine_sleep_state",
-    "vllm:cache_config_info",
-)
-VLLM_COUNTERS = (
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:num_preemptions_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:prompt_tokens_cached_total",
-    "vllm:admission_rejections_total",
-)
-VLLM_HISTOGRAMS = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-    "vllm:iteration_tokens_total",
-)
-VLLM_METRICS = frozenset(
-    [*VLLM_GAUGES, *VLLM_COUNTERS] + [h + s for h in VLLM_HISTOGRAMS for s in ("_bucket", "_sum", "_count")]
-)
+from ..vllm_metrics import VLLM_COUNTERS as VLLM_COUNTERS
+from ..vllm_metrics import VLLM_GAUGES as VLLM_GAUGES
+from ..vllm_metrics import VLLM_HISTOGRAMS as VLLM_HISTOGRAMS
+from ..vllm_metrics import VLLM_METRICS as VLLM_METRICS
 
 # vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
 # bounds is an interpolation artefact: the SLO must be one of these, or the engine needs
