@@ -90,7 +90,9 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(unavailable: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of the built-in commands and the registered plugin commands; ``unavailable`` (command →
+    why its module cannot be imported) are listed too, marked so, and only report that when run."""
     p = argparse.ArgumentParser(
         prog="vllm-fleet",
         description="Deploy and operate vLLM fleets on systemd hosts: plan, render, launch, gateway, monitoring, bench.",
@@ -123,38 +125,79 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(handler=_cmd_tiny_model)
-    for name, (add_args, _, help_text) in sorted(_COMMANDS.items()):
+    broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
+    for name in sorted([*_COMMANDS, *broken]):
+        if name in broken:
+            text = f"UNAVAILABLE: {broken[name]}"
+            sub.add_parser(name, help=text, description=text).set_defaults(handler=_unavailable(name, text))
+            continue
+        add_args, _, help_text = _COMMANDS[name]
         sp = sub.add_parser(name, help=help_text, description=help_text)
         add_args(sp)
     return p
 
 
-def _load_plugins() -> None:
-    """Sub-commands that live in their own modules register themselves here."""
+def _unavailable(name: str, text: str) -> Handler:
+    def handler(a: argparse.Namespace) -> int:
+        print(f"vllm-fleet {name}: {text}", file=sys.stderr)
+        return 1
+
+    return handler
+
+
+BUILTINS = ("validate", "plan", "render", "context", "tiny-model")
+# sub-commands that live in their own modules (registered there with @command), imported only when needed:
+# a module that fails to import breaks its own commands, not the others
+PLUGINS: dict[str, str] = {
+    "bench": "vllm_fleet.bench.cli",
+    "doctor": "vllm_fleet.doctor",
+    "drain": "vllm_fleet.gateway",
+    "exporter": "vllm_fleet.exporter",
+    "fetch": "vllm_fleet.fetch",
+    "launch": "vllm_fleet.launcher",
+    "lock": "vllm_fleet.lock",
+    "manifest": "vllm_fleet.manifest",
+    "sandbox": "vllm_fleet.sandbox",
+    "undrain": "vllm_fleet.gateway",
+}
+
+
+def _import_plugin(module: str) -> bool:
+    """Import ``module`` (it registers its commands). False when it is not there at all: a vllm_fleet
+    module missing from this installation is skipped quietly, its commands are not offered."""
     import importlib
 
-    for mod in (
-        "launcher",
-        "gateway",
-        "exporter",
-        "bench.cli",
-        "doctor",
-        "fetch",
-        "lock",
-        "manifest",
-        "sandbox",
-    ):
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("vllm_fleet"):
+            return False
+        raise
+    return True
+
+
+def _load_plugins(argv: list[str]) -> dict[str, str]:
+    """Import the module of the command being run, that one only (its import error is that command's
+    error). Without a plugin command (``--help``, a built-in command, a mistyped one), built-ins import
+    nothing and the others import every module, guarded: returns command → why its module cannot be
+    imported, for the listing."""
+    cmd = next((x for x in argv if not x.startswith("-")), None)
+    if cmd in PLUGINS and _import_plugin(PLUGINS[cmd]):
+        return {}
+    if cmd in BUILTINS:
+        return {}
+    unavailable: dict[str, str] = {}
+    for name, module in sorted(PLUGINS.items()):
         try:
-            importlib.import_module(f"vllm_fleet.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("vllm_fleet"):
-                continue
-            raise
+            _import_plugin(module)
+        except Exception as exc:
+            unavailable[name] = f"{module} cannot be imported ({type(exc).__name__}: {exc})"
+    return unavailable
 
 
 def main(argv: list[str] | None = None) -> int:
-    _load_plugins()
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_load_plugins(argv))
     a = parser.parse_args(argv)
     try:
         return int(a.handler(a))

@@ -1,0 +1,75 @@
+"""The command line: plugin commands are imported lazily, and a plugin module that fails to import breaks only
+its own command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_fleet import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def broken_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A plugin command whose module raises on import."""
+    (tmp_path / "vf_broken_plugin.py").write_text('raise RuntimeError("boom: broken on import")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help lines at the terminal width
+    monkeypatch.setitem(cli.PLUGINS, "broken", "vf_broken_plugin")
+    return "broken"
+
+
+def test_builtin_command_runs_with_a_broken_plugin(
+    broken_plugin: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--help"])
+    assert exc.value.code == 0
+    assert "usage: vllm-fleet plan" in capsys.readouterr().out
+    assert cli.main(["validate", str(REPO / "examples" / "seed-004-4xa100.yml")]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_plugin_command_runs_with_a_broken_plugin(
+    broken_plugin: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["manifest", "--help"])
+    assert exc.value.code == 0
+    assert "usage: vllm-fleet manifest" in capsys.readouterr().out
+
+
+def test_help_lists_every_command_and_marks_the_broken_one(
+    broken_plugin: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in (*cli.BUILTINS, *cli.PLUGINS):
+        assert f"    {name} " in out or f"    {name}\n" in out, name
+    broken_line = next(line for line in out.splitlines() if line.strip().startswith("broken"))
+    assert "UNAVAILABLE" in broken_line and "vf_broken_plugin" in broken_line
+    assert "RuntimeError" in out and "boom" in out
+
+
+def test_the_broken_command_itself_fails_loudly(broken_plugin: str) -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["broken"])
+
+
+def test_plugin_table_matches_the_registered_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every module in PLUGINS registers exactly the commands the table names for it."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    capsys.readouterr()
+    assert set(cli._COMMANDS) == set(cli.PLUGINS)
+    for name, (add_args, _, _) in cli._COMMANDS.items():
+        assert add_args.__module__ == cli.PLUGINS[name], name
+    parser = cli.build_parser()
+    choices = next(a.choices for a in parser._actions if a.dest == "cmd")
+    assert choices is not None
+    assert set(choices) == set(cli.BUILTINS) | set(cli.PLUGINS)
