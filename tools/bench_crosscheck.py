@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def vllm_round(a: argparse.Namespace, model: str, out: Path, i: int) -> dict[str
     vLLM imported the client side slowed down (2-3× lower throughput), so that would not be a fair check."""
     fname = f"vllm-{i}.json"
     args = vllm_argv(a, model, out, fname, i)
-    argv = [sys.executable, "-m", "vllm_fleet.vllm_cpu_entry", "bench", "serve", *args]
+    argv = [*shlex.split(a.vllm_cmd), "bench", "serve", *args]
     r = subprocess.run(argv, env=engine_env(out / "vllm-cache"), capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -108,6 +109,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds per tool (alternating ABBA)")
     p.add_argument("--pause", type=float, default=30.0, help="idle seconds before every run (default 30)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument(
+        "--vllm-cmd",
+        default=f"{sys.executable} -m vllm_fleet.vllm_cpu_entry",
+        help="how to run the vllm CLI (default: vllm-cpu from this venv; e.g. /opt/vllm-fleet/venv/bin/vllm)",
+    )
+    p.add_argument(
+        "--warmup-requests", type=int, default=16, help="unrecorded requests before the first round"
+    )
     a = p.parse_args()
     eng = None
     if a.start_engine:
@@ -119,6 +128,8 @@ def main() -> int:
         _, models = http_json("GET", a.url.rstrip("/") + "/v1/models")
         model = models["data"][0]["id"]
         out = Path(tempfile.mkdtemp(prefix="bench-crosscheck-"))
+        if a.warmup_requests > 0:  # a fresh engine's first requests are slow: none of that in round 0
+            ours_round(argparse.Namespace(**{**vars(a), "num_prompts": a.warmup_requests}), model, 1000)
         order = [("ours", "vllm") if k % 2 == 0 else ("vllm", "ours") for k in range(a.rounds)]
         rows: list[dict[str, Any]] = []
         for i, pair in enumerate(order):
