@@ -152,17 +152,19 @@ class SteadyLoad:
     """Background traffic until stopped: ``workers`` threads, each on ONE keep-alive connection (like an SDK
     client's pool), alternating plain and streamed chat completions; no client retries. Every request that
     does not end in a complete 200 answer (a plain body with choices; a stream up to ``[DONE]``) is a
-    failure, recorded with when it started, whether it streamed and why.
+    failure, recorded with when it started, whether it streamed and why. ``think``: idle seconds between a
+    worker's requests (the keep-alive connection stays open; nginx closes it only after 75 s idle).
 
         with SteadyLoad("http://10.77.0.61:8000") as traffic:
             ...  # a deploy, a restart, a kill
         assert traffic.failures == []
     """
 
-    def __init__(self, base_url: str, workers: int = 4, max_tokens: int = 16) -> None:
+    def __init__(self, base_url: str, workers: int = 4, max_tokens: int = 16, think: float = 0.0) -> None:
         host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
         self.host, self.port = host, int(port or 80)
         self.workers, self.max_tokens = workers, max_tokens
+        self.think = think  # idle seconds between a worker's requests (keeps a small host responsive)
         self.ok = {"plain": 0, "stream": 0}
         self.failures: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -219,7 +221,6 @@ class SteadyLoad:
                     self.ok["stream" if stream else "plain"] += 1
                 else:
                     self.failures.append({"start_s": round(start, 2), "stream": stream, "error": why})
-            if why is not None:
-                time.sleep(0.2)
+            self._stop.wait(0.2 if why is not None else self.think)
         if conn is not None:
             conn.close()

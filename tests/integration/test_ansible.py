@@ -213,7 +213,7 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     path = tmp_path / "changed.yml"
     path.write_text(yaml.safe_dump(changed_spec))
     # clients keep sending through the gateway the whole time (keep-alive connections, half streamed)
-    with SteadyLoad(fleet.gateway_url, workers=4) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5) as traffic:
         rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
@@ -244,7 +244,7 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
     port = fleet.spec["models"][0]["port"]
     before = fleet.unit_pids()[name]
-    with SteadyLoad(fleet.gateway_url, workers=4) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5) as traffic:
         time.sleep(5)
         t_kill = time.monotonic()
         assert h1.run(f"systemctl kill --signal=SIGKILL vllm@{name}.service").returncode == 0
