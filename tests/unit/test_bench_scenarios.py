@@ -37,3 +37,18 @@ def test_wait_for_cmd_gives_up(tmp_path: Path) -> None:
     h = asyncio.run(wait_for_cmd("false", timeout=0.5, cmd_timeout=5, interval=0.1))
     assert h == {"down_seen_at_s": h["down_seen_at_s"], "up_after_s": None, "recovered": False}
     assert h["down_seen_at_s"] is not None
+
+
+def test_failures_between_leaves_out_warm_up_requests() -> None:
+    from vllm_fleet.bench.scenarios import failures_between
+
+    report = {
+        "failures": [
+            {"start": 0.0, "stream": False, "warmup": True},  # e.g. a 429 while the bench sized its prompts
+            {"start": 5.0, "stream": True, "warmup": False},
+            {"start": 9.0, "stream": False, "warmup": False},
+            {"start": 30.0, "stream": False, "warmup": False},
+        ]
+    }
+    assert failures_between(report, 0.0, None) == {"total": 3, "streaming": 1, "non_streaming": 2}
+    assert failures_between(report, 4.0, 10.0) == {"total": 2, "streaming": 1, "non_streaming": 1}

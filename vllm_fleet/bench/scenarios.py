@@ -209,9 +209,12 @@ class RollingRestart:
 
 
 def failures_between(report: dict[str, Any], start: float, end: float | None) -> dict[str, int]:
-    """Failed requests that started in [start, end] (end None: to the end), by stream kind."""
+    """Measured requests (not warm-up ones, like the overall figures) that failed and started in [start, end]
+    (end None: to the end), by stream kind."""
     out = {"total": 0, "streaming": 0, "non_streaming": 0}
     for f in report.get("failures", []):
+        if f.get("warmup"):
+            continue
         if f["start"] >= start and (end is None or f["start"] <= end):
             out["total"] += 1
             out["streaming" if f["stream"] else "non_streaming"] += 1
