@@ -15,7 +15,9 @@ H1=${P}h1
 GW=$(vllm-fleet sandbox list --json | python -c "import json,sys; print(next(h['address'] for h in json.load(sys.stdin) if h['name']=='$H1'))")
 URL="http://$GW:8000"
 REMOTE=/opt/vllm-fleet/venv/bin/vllm-fleet
-COMMON=(--profile tiny-failover --tokenize-url "$URL/models/tiny-qwen3/tokenize" --no-metrics --out "$OUT")
+# --no-tokenize: sizing prompts exactly probes /tokenize ~150 times at once, which the gateway's per-IP rate limit
+# (burst 100) answers with 429 - approximate prompt sizes are fine for a failure count
+COMMON=(--profile tiny-failover --concurrency ${CONCURRENCY:-4} --no-tokenize --no-metrics --out "$OUT")
 health() {  # a command that exits 0 when the instance on host $1, port $2 answers /health
   echo "vllm-fleet sandbox ssh $1 -- python3 -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:$2/health\", timeout=3)'"
 }
