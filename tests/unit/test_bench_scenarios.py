@@ -52,3 +52,29 @@ def test_failures_between_leaves_out_warm_up_requests() -> None:
     }
     assert failures_between(report, 0.0, None) == {"total": 3, "streaming": 1, "non_streaming": 2}
     assert failures_between(report, 4.0, 10.0) == {"total": 2, "streaming": 1, "non_streaming": 1}
+
+
+def test_ctrl_c_stops_the_load_and_still_writes_the_report(tmp_path: Path) -> None:
+    """The real CLI in a subprocess against a port nobody listens on (every request fails at once): the first
+    SIGINT ends the run gracefully and the JSON report says it was interrupted."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", main, "bench", f"http://127.0.0.1:{port}", "--profile", "tiny",
+           "--model", "m", "--duration", "600", "--no-tokenize", "--no-metrics", "--quiet",
+           "--out", str(tmp_path), "--name", "run"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    rep = json.loads((tmp_path / "run.json").read_text())
+    assert rep["interrupted"] is True, (out, err)
+    assert "stopping" in err

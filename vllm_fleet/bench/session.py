@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -80,6 +83,7 @@ async def run_once(
         watcher = MetricsWatcher(metric_urls, target.model)
         progress = Progress(f"{profile.name}@{opts.label}", profile.warmup + profile.duration, opts.progress)
         load = Load(profile, target, builder, opts.stream, progress)
+        interrupted = _stop_on_signals(load)
         t0 = time.perf_counter()
         await watcher.start(sess, t0)
         load_task = asyncio.ensure_future(load.run(sess, t0))
@@ -94,7 +98,10 @@ async def run_once(
                 hook_out.append(await h)
             except asyncio.CancelledError:
                 hook_out.append({"cancelled": True})
+        _restore_signals()
         rep = report_mod.build(result, meta(profile, opts, target, builder), opts.bin_s)
+        if interrupted:
+            rep["interrupted"] = True  # Ctrl-C / SIGTERM: the load stopped early, figures cover what ran
         rep["engine_metrics"] = await watcher.stop(sess)
         if hook_out:
             rep["scenario"] = hook_out[0] if len(hook_out) == 1 else hook_out
@@ -103,6 +110,42 @@ async def run_once(
     finally:
         if own:
             await sess.close()
+
+
+class _Interrupted:
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __bool__(self) -> bool:
+        return self.hit
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_on_signals(load: Load) -> _Interrupted:
+    """The first Ctrl-C / SIGTERM stops the load gracefully (no new requests, in-flight ones finish, scenario
+    steps are cancelled) so the report of what ran is still written; a second one interrupts at once."""
+    flag = _Interrupted()
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        flag.hit = True
+        load.stop()
+        _restore_signals()
+        print("\nstopping: waiting for in-flight requests (Ctrl-C again to abort)", file=sys.stderr)
+
+    for sig in _SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop)
+    return flag
+
+
+def _restore_signals() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in _SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
 
 
 def _limit(profile: Profile) -> int:
