@@ -69,12 +69,18 @@ def test_ctrl_c_stops_the_load_and_still_writes_the_report(tmp_path: Path) -> No
         port = s.getsockname()[1]
     main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", main, "bench", f"http://127.0.0.1:{port}", "--profile", "tiny",
-           "--model", "m", "--duration", "600", "--no-tokenize", "--no-metrics", "--quiet",
+           "--model", "m", "--duration", "600", "--no-tokenize", "--no-metrics",
            "--out", str(tmp_path), "--name", "run"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)
+    assert p.stderr is not None
+    # the first progress line (after 5 s of load) says the load, and its signal handling, is running
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any("tiny@A" in ln for ln in lines):
+        lines.append(p.stderr.readline())
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    out, rest = p.communicate(timeout=60)
+    err = "".join(lines) + rest
     rep = json.loads((tmp_path / "run.json").read_text())
     assert rep["interrupted"] is True, (out, err)
     assert "stopping" in err
