@@ -107,6 +107,11 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="rounds per tool (alternating ABBA)")
+    p.add_argument(
+        "--tools",
+        default="ours,vllm",
+        help="A,B (each ours or vllm): ours,vllm compares; vllm,vllm or ours,ours measures a tool's own noise",
+    )
     p.add_argument("--pause", type=float, default=30.0, help="idle seconds before every run (default 30)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument(
@@ -130,15 +135,18 @@ def main() -> int:
         out = Path(tempfile.mkdtemp(prefix="bench-crosscheck-"))
         if a.warmup_requests > 0:  # a fresh engine's first requests are slow: none of that in round 0
             ours_round(argparse.Namespace(**{**vars(a), "num_prompts": a.warmup_requests}), model, 1000)
-        order = [("ours", "vllm") if k % 2 == 0 else ("vllm", "ours") for k in range(a.rounds)]
+        tool_a, tool_b = a.tools.split(",")
+        order = [(("A", tool_a), ("B", tool_b)) if k % 2 == 0 else (("B", tool_b), ("A", tool_a))
+                 for k in range(a.rounds)]  # fmt: skip
         rows: list[dict[str, Any]] = []
         for i, pair in enumerate(order):
-            for tool in pair:
+            for side, tool in pair:
                 time.sleep(
                     a.pause
                 )  # the same idle time before every run (the vllm CLI idles ~1 min importing)
-                fig = ours_round(a, model, i) if tool == "ours" else vllm_round(a, model, out, i)
-                rows.append({"round": i, "tool": tool, **fig})
+                seed = 2 * i + (side == "B")  # never the same prompts twice (prefix caching would flatter)
+                fig = ours_round(a, model, seed) if tool == "ours" else vllm_round(a, model, out, seed)
+                rows.append({"round": i, "side": side, "tool": tool, **fig})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if eng is not None:
@@ -147,12 +155,12 @@ def main() -> int:
     ratios: dict[str, dict[str, float]] = {}
     for k in keys:
         per = [
-            next(r[k] for r in rows if r["round"] == i and r["tool"] == "ours")
-            / next(r[k] for r in rows if r["round"] == i and r["tool"] == "vllm")
+            next(r[k] for r in rows if r["round"] == i and r["side"] == "A")
+            / next(r[k] for r in rows if r["round"] == i and r["side"] == "B")
             for i in range(a.rounds)
         ]
         ratios[k] = {"median": statistics.median(per), "min": min(per), "max": max(per)}
-    print(f"\nours / vllm bench serve, {a.rounds} round pairs, {a.num_prompts} prompts of {a.input_len} in /"
+    print(f"\n{tool_a} / {tool_b} (A/B), {a.rounds} round pairs, {a.num_prompts} prompts of {a.input_len} in /"
           f" {a.output_len} out at concurrency {a.concurrency} ({os.uname().nodename}):")  # fmt: skip
     for k, r in ratios.items():
         flag = "ok" if abs(r["median"] - 1) <= 0.05 else "DIFFERS >5 %"
