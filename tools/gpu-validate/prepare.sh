@@ -1,7 +1,7 @@
 #!/bin/bash
 # Local side of the GPU validation (docs/gpu-validation.md): build what travels to the H200 machine.
 # Needs network access to the package registries (pip, apt) here; the device has none.
-# Output (git-ignored): .gpu/p1 .gpu/p2 .gpu/p3, each one carried by one device call (64 MiB limit).
+# Output (git-ignored): .gpu/p1 … .gpu/p4, each one carried by one device call (64 MiB limit with the tree).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 G=.gpu
@@ -27,8 +27,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 (cd $G/bundle/nginx && [ -n "$(ls ./*.deb 2>/dev/null)" ] || apt-get download nginx nginx-common libnginx-mod-http-js)
 # 4. the Qwen3-8B-shaped model folder (config + padded tokenizer; weights come from --load-format dummy)
 [ -f $G/bundle/model/config.json ] || python3 tools/gpu-validate/make_model.py $G/bundle/model
-# 5. one tar, split into parts that fit one call each (working tree ≈ 1 MB + 62 MiB)
-rm -rf $G/p1 $G/p2 $G/p3 $G/p4 && mkdir -p $G/split
-tar -cf - -C $G/bundle . | split -b 62M -d -a 1 - $G/split/bundle.part-
+# 5. one tar, split into parts that fit one call each (working tree ≈ 2.5 MiB + 45 MiB < 64 MiB)
+rm -rf $G/p[0-9] && mkdir -p $G/split
+tar -cf - -C $G/bundle . | split -b 45M -d -a 1 - $G/split/bundle.part-
 i=1; for f in $G/split/bundle.part-*; do mkdir -p $G/p$i && mv "$f" $G/p$i/; i=$((i+1)); done
 rmdir $G/split; du -sh $G/p*
