@@ -20,7 +20,7 @@ JS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 
 MAIN_CONF = """\
 load_module {js_module};
-worker_processes {workers};
+{user}worker_processes {workers};
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
 daemon off;
@@ -46,7 +46,12 @@ class NginxGateway:
         self.conf = self.etc_nginx / "vf-local-nginx.conf"
         self.proc: subprocess.Popen[bytes] | None = None
         (self.prefix / "tmp").mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(MAIN_CONF.format(js_module=JS_MODULE, workers=workers, prefix=self.prefix))
+        # as root, workers would run as nobody and could not read the drained-set file in a private (0700)
+        # test folder; production workers (www-data) read /etc/vllm-fleet/gateway/drained.json (0644)
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        self.conf.write_text(
+            MAIN_CONF.format(js_module=JS_MODULE, workers=workers, prefix=self.prefix, user=user)
+        )
 
     @property
     def upstreams_file(self) -> Path:
