@@ -201,8 +201,54 @@ def set_drained(
     doc = {"drained": sorted(drained), "down": sorted(marks - spec_drained), "updated": time.time()}
     _write_atomic(state, json.dumps(doc, indent=2) + "\n")
     if reload and new != old:
+        before = _workers(nginx)
         _run(reload_command(nginx))
+        _wait_new_workers(nginx, before)
     return drained
+
+
+def _proc_cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _workers(nginx: list[str]) -> set[str]:
+    """PIDs of the accepting worker processes of the nginx that ``nginx`` (its -c, if given) runs."""
+    conf = nginx[nginx.index("-c") + 1] if "-c" in nginx[:-1] else ""
+    masters = set()
+    procs: dict[str, tuple[str, str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        cmd = _proc_cmdline(d.name)
+        if not cmd.startswith("nginx: "):
+            continue
+        try:
+            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        procs[d.name] = (ppid, cmd)
+        if cmd.startswith("nginx: master process") and (not conf or conf in cmd):
+            masters.add(d.name)
+    return {
+        pid
+        for pid, (ppid, cmd) in procs.items()
+        if ppid in masters and cmd == "nginx: worker process"  # not "… is shutting down"
+    }
+
+
+def _wait_new_workers(nginx: list[str], before: set[str], timeout: float = 10.0) -> None:
+    """A reload is asynchronous: return once the new workers run (the old ones then stop accepting), so the
+    next request is routed by the new configuration."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = _workers(nginx)
+        if now and not now <= before:
+            time.sleep(0.1)
+            return
+        time.sleep(0.05)
 
 
 def reload_command(nginx: list[str]) -> list[str]:
