@@ -109,12 +109,16 @@ class Load:
             return None
         return False
 
-    async def _one(self, session: aiohttp.ClientSession, warm: bool) -> None:
-        c = self.chooser.next()
-        prompt = self.builder.build(c.input_tokens)
+    def _count(self, warm: bool) -> None:
         self.issued += 1
         if not warm:
             self._measured_issued += 1
+
+    async def _one(self, session: aiohttp.ClientSession, warm: bool, counted: bool = False) -> None:
+        c = self.chooser.next()
+        prompt = self.builder.build(c.input_tokens)
+        if not counted:
+            self._count(warm)
         self.inflight += 1
         try:
             rec = await send(session, self.target, c, prompt, self.t0, self.p.timeout, self.stream)
@@ -135,10 +139,13 @@ class Load:
 
         async def limited(warm: bool) -> None:
             async with cap:
-                await self._one(session, warm)
+                await self._one(session, warm, counted=True)
 
         next_t = self.now()
         while (warm := self._may_issue()) is not None:
+            # counted when created: a loop running behind schedule creates several tasks before any starts,
+            # and counting at their start overshot --requests
+            self._count(warm)
             t = asyncio.create_task(limited(warm))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
