@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,24 @@ async def http_ok(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
+async def _poll(
+    probe: Callable[[], Awaitable[bool]], timeout: float, interval: float, want_down_first: float
+) -> dict[str, Any]:
+    """Call ``probe`` until it succeeds after having failed once (or after ``want_down_first`` seconds): when
+    it was first seen down, and when it succeeded again (seconds from the call)."""
+    t0 = time.perf_counter()
+    down_at: float | None = None
+    while time.perf_counter() - t0 < timeout:
+        ok = await probe()
+        now = time.perf_counter() - t0
+        if not ok and down_at is None:
+            down_at = now
+        if ok and (down_at is not None or now >= want_down_first):
+            return {"down_seen_at_s": down_at, "up_after_s": round(now, 3), "recovered": True}
+        await asyncio.sleep(interval)
+    return {"down_seen_at_s": down_at, "up_after_s": None, "recovered": False}
+
+
 async def wait_for_health(
     session: aiohttp.ClientSession,
     url: str,
@@ -60,18 +79,8 @@ async def wait_for_health(
     interval: float = 0.2,
     want_down_first: float = 0.0,
 ) -> dict[str, Any]:
-    """Poll ``url``: when it was first seen down, and when it answered 200 again (seconds from the call)."""
-    t0 = time.perf_counter()
-    down_at: float | None = None
-    while time.perf_counter() - t0 < timeout:
-        ok = await http_ok(session, url)
-        now = time.perf_counter() - t0
-        if not ok and down_at is None:
-            down_at = now
-        if ok and (down_at is not None or now >= want_down_first):
-            return {"down_seen_at_s": down_at, "up_after_s": round(now, 3), "recovered": True}
-        await asyncio.sleep(interval)
-    return {"down_seen_at_s": down_at, "up_after_s": None, "recovered": False}
+    """Poll ``url`` until it answers 200 again (see ``_poll``)."""
+    return await _poll(lambda: http_ok(session, url), timeout, interval, want_down_first)
 
 
 async def wait_for_cmd(
@@ -79,17 +88,11 @@ async def wait_for_cmd(
 ) -> dict[str, Any]:
     """``wait_for_health`` with a command (exit 0 = healthy), e.g. ``ssh HOST curl -sf …/health`` for an
     engine that listens on its host's loopback only."""
-    t0 = time.perf_counter()
-    down_at: float | None = None
-    while time.perf_counter() - t0 < timeout:
-        ok = (await run_cmd(cmd, cmd_timeout))["rc"] == 0
-        now = time.perf_counter() - t0
-        if not ok and down_at is None:
-            down_at = now
-        if ok and (down_at is not None or now >= want_down_first):
-            return {"down_seen_at_s": down_at, "up_after_s": round(now, 3), "recovered": True}
-        await asyncio.sleep(interval)
-    return {"down_seen_at_s": down_at, "up_after_s": None, "recovered": False}
+
+    async def ok() -> bool:
+        return (await run_cmd(cmd, cmd_timeout))["rc"] == 0
+
+    return await _poll(ok, timeout, interval, want_down_first)
 
 
 @dataclass
