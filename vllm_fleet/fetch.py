@@ -14,9 +14,12 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ from .spec import FleetSpec, ModelInstance, load_spec
 
 MANIFEST = ".vllm-fleet-checksums.json"
 SKIP_DIRS = {".cache", ".git", ".huggingface", "._____temp"}
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+LOCK = ".vllm-fleet-fetch.lock"
 
 
 class FetchError(Exception):
@@ -41,6 +46,8 @@ class FetchResult:
     revision: str
     changed: bool
     files: dict[str, str] = field(default_factory=dict)
+    # the commit a hub revision (tag or hash) resolved to when it was downloaded; "" for local paths
+    commit: str = ""
 
 
 def sha256_file(path: Path) -> str:
@@ -101,12 +108,64 @@ def verify(files: dict[str, dict[str, Any]], expected: dict[str, str]) -> list[s
     return problems
 
 
-def _download_hf(m: ModelInstance, dest: Path) -> None:
-    from huggingface_hub import snapshot_download
+def _download_hf(m: ModelInstance, dest: Path) -> str:
+    """snapshot_download at the commit the pinned revision resolves to (HF_ENDPOINT / HF_TOKEN apply);
+    returns that commit. Resumes ``.incomplete`` files in ``dest`` and broken transfers (Range requests)."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
-    assert m.source.hf
-    # local_dir downloads resume from .incomplete files; tqdm progress goes to stderr
-    snapshot_download(repo_id=m.source.hf.repo, revision=m.source.hf.revision, local_dir=str(dest))
+    src = m.source.hf
+    assert src
+    field_ = f"models[{m.name}].source.hf"
+    try:
+        commit = src.revision
+        if not COMMIT_RE.fullmatch(commit):
+            info = HfApi().repo_info(src.repo, revision=src.revision)
+            commit = info.sha or src.revision
+        # tqdm progress goes to stderr
+        snapshot_download(repo_id=src.repo, revision=commit, local_dir=str(dest))
+    except RevisionNotFoundError:
+        raise FetchError(f"{field_}.revision {src.revision!r}: no such revision in {src.repo}") from None
+    except RepositoryNotFoundError:
+        raise FetchError(
+            f"{field_}.repo {src.repo!r}: repository not found (a gated or private one needs HF_TOKEN)"
+        ) from None
+    except OfflineModeIsEnabled:
+        raise FetchError(f"{field_}: HF_HUB_OFFLINE is set and {dest} does not hold the model") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise FetchError(f"{field_}: download of {src.repo}@{src.revision} failed: {exc}") from None
+    except Exception as exc:  # httpx transport errors after huggingface_hub's own retries
+        raise FetchError(f"{field_}: download of {src.repo}@{src.revision} failed: {exc!r}") from None
+    return commit
+
+
+@contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """One fetch at a time per model folder."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / LOCK).open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FetchError(f"{root}: another fetch is writing this folder") from None
+        yield
+
+
+def drop_stale_partials(root: Path) -> list[Path]:
+    """huggingface_hub 2.x downloads every file to a process-unique ``*.incomplete`` file and cannot reuse one a
+    killed fetch left behind (files already complete are kept; the one in progress starts over): remove them
+    rather than leave a partial copy of a large shard on the disk for good."""
+    stale = sorted((root / ".cache" / "huggingface").rglob("*.incomplete"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def _download_modelscope(m: ModelInstance, dest: Path) -> None:
@@ -145,6 +204,7 @@ def fetch_instance(
     previous = read_manifest(root)
     up_to_date = previous is not None and previous.get("source") == ident and not verify_all
     changed = False
+    commit = str((previous or {}).get("commit", "")) if up_to_date else ""
     if not up_to_date or not root.is_dir():
         if copy_from is not None:
             if not copy_from.is_dir():
@@ -152,11 +212,16 @@ def fetch_instance(
             root.mkdir(parents=True, exist_ok=True)
             _copy_tree(copy_from, root)
         elif m.source.kind == "hf":
-            root.mkdir(parents=True, exist_ok=True)
-            _download_hf(m, root)
+            with _exclusive(root):
+                if stale := drop_stale_partials(root):
+                    print(
+                        f"fetch: removed {len(stale)} partial file(s) of an interrupted fetch",
+                        file=sys.stderr,
+                    )
+                commit = _download_hf(m, root)
         elif m.source.kind == "modelscope":
-            root.mkdir(parents=True, exist_ok=True)
-            _download_modelscope(m, root)
+            with _exclusive(root):
+                _download_modelscope(m, root)
         elif not root.is_dir():
             raise FetchError(
                 f"source.path {root} does not exist on this host (copy it there, or use --from DIR)"
@@ -168,8 +233,15 @@ def fetch_instance(
         raise FetchError(f"models[{m.name}] at {root}: checksum mismatch:\n  " + "\n  ".join(problems))
     if not any(files):
         raise FetchError(f"models[{m.name}] at {root}: no files")
-    new = {"source": ident, "files": files}
-    if previous is None or previous.get("source") != ident or previous.get("files") != files:
+    new: dict[str, Any] = {"source": ident, "files": files}
+    if commit:
+        new["commit"] = commit
+    if (
+        previous is None
+        or previous.get("source") != ident
+        or previous.get("files") != files
+        or previous.get("commit", "") != commit
+    ):
         new["verified_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (root / MANIFEST).write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
         changed = True
@@ -180,6 +252,7 @@ def fetch_instance(
         m.source.revision,
         changed,
         {k: v["sha256"] for k, v in files.items()},
+        commit,
     )
 
 
@@ -201,7 +274,7 @@ def fetch_all(
         key = str(dest)
         if key in done:
             r = done[key]
-            out.append(FetchResult(m.name, r.path, r.source, r.revision, False, r.files))
+            out.append(FetchResult(m.name, r.path, r.source, r.revision, False, r.files, r.commit))
             continue
         src = None
         if copy_from is not None:
@@ -243,5 +316,6 @@ def _run(a: argparse.Namespace) -> int:
     else:
         for r in results:
             state = "fetched/verified" if r.changed else "unchanged"
-            print(f"{r.instance}: {r.path} ({r.source} @ {r.revision}, {len(r.files)} files) {state}")
+            at = f"{r.revision} = {r.commit[:12]}" if r.commit and r.commit != r.revision else r.revision
+            print(f"{r.instance}: {r.path} ({r.source} @ {at}, {len(r.files)} files) {state}")
     return 0

@@ -79,6 +79,8 @@ def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
                     "source": m.source.kind,
                     "repo": m.source.repo,
                     "revision": m.source.revision,
+                    # the commit a hub revision resolved to at fetch time ("" for a local path)
+                    "commit": str(sums.get("commit", "")),
                     "checksums": {k: v["sha256"] for k, v in sums.get("files", {}).items()},
                 },
             }
