@@ -212,8 +212,9 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     target["max_num_seqs"] = 8
     path = tmp_path / "changed.yml"
     path.write_text(yaml.safe_dump(changed_spec))
-    # clients keep sending through the gateway the whole time (keep-alive connections, half streamed)
-    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5) as traffic:
+    # clients keep sending through the gateway the whole time (keep-alive connections, half streamed); 2 s
+    # pauses: with 0.5 s the three engines' share of the 2 CI cores made every task of the run 3-4x slower
+    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0) as traffic:
         rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
