@@ -152,15 +152,25 @@ def fleet(
     yield Fleet(spec_path, inventory, extra, hosts, spec, f"http://{gw}:{spec['gateway']['port']}", tree)
 
 
-def test_refused_spec_stops_in_preflight_before_any_change(fleet: Fleet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("problem", ["port clash", "modelscope without a push"])
+def test_refused_spec_stops_in_preflight_before_any_change(
+    fleet: Fleet, tmp_path: Path, problem: str
+) -> None:
     bad = json.loads(json.dumps(fleet.spec))
-    bad["models"][1]["port"] = bad["models"][0]["port"]  # two instances on one port of h1
+    args: list[str] = []
+    if problem == "port clash":
+        bad["models"][1]["port"] = bad["models"][0]["port"]  # two instances on one port of h1
+        expected = ["models[1].port", "refused"]
+    else:  # hosts cannot download from ModelScope (no package in the pinned stack) and nothing is pushed
+        bad["models"][2]["source"] = {"modelscope": {"repo": "Qwen/Qwen3-0.6B", "revision": "v1.0"}}
+        args = ["-e", "vllm_fleet_models_src="]
+        expected = [f"models[{bad['models'][2]['name']}].source.modelscope", "vllm_fleet_models_src=DIR"]
     path = tmp_path / "bad.yml"
     path.write_text(yaml.safe_dump(bad))
-    rc, out, _ = fleet.playbook(spec=path)
+    rc, out, _ = fleet.playbook(*args, spec=path)
     assert rc != 0
-    assert "models[1].port" in out, out[-3000:]
-    assert "refused" in out
+    for text in expected:
+        assert text in out, out[-3000:]
     for h in fleet.hosts.values():
         # nothing of ours on any host: no config folder, no lock, no gateway package
         assert h.run("test -e /etc/vllm-fleet || test -e /opt/vllm-fleet/lock.txt").returncode != 0
