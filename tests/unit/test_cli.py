@@ -22,13 +22,18 @@ def broken_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "broken"
 
 
+def help_text(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``vllm-fleet ARGS --help`` prints (argparse exits 0 after printing it)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*args, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
 def test_builtin_command_runs_with_a_broken_plugin(
     broken_plugin: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", "--help"])
-    assert exc.value.code == 0
-    assert "usage: vllm-fleet plan" in capsys.readouterr().out
+    assert "usage: vllm-fleet plan" in help_text(["plan"], capsys)
     assert cli.main(["validate", str(REPO / "examples" / "seed-004-4xa100.yml")]) == 0
     assert "valid" in capsys.readouterr().out
 
@@ -36,19 +41,13 @@ def test_builtin_command_runs_with_a_broken_plugin(
 def test_plugin_command_runs_with_a_broken_plugin(
     broken_plugin: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["manifest", "--help"])
-    assert exc.value.code == 0
-    assert "usage: vllm-fleet manifest" in capsys.readouterr().out
+    assert "usage: vllm-fleet manifest" in help_text(["manifest"], capsys)
 
 
 def test_help_lists_every_command_and_marks_the_broken_one(
     broken_plugin: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
+    out = help_text([], capsys)
     for name in (*cli.BUILTINS, *cli.PLUGINS):
         assert f"    {name} " in out or f"    {name}\n" in out, name
     broken_line = next(line for line in out.splitlines() if line.strip().startswith("broken"))
@@ -63,9 +62,7 @@ def test_the_broken_command_itself_fails_loudly(broken_plugin: str) -> None:
 
 def test_plugin_table_matches_the_registered_commands(capsys: pytest.CaptureFixture[str]) -> None:
     """Every module in PLUGINS registers exactly the commands the table names for it."""
-    with pytest.raises(SystemExit):
-        cli.main(["--help"])
-    capsys.readouterr()
+    help_text([], capsys)
     assert set(cli._COMMANDS) == set(cli.PLUGINS)
     for name, (add_args, _, _) in cli._COMMANDS.items():
         assert add_args.__module__ == cli.PLUGINS[name], name
