@@ -1,7 +1,8 @@
 """Model download and integrity: ``vllm-fleet fetch SPEC [--host H]``.
 
-Sources (``models[].source``): Hugging Face (``huggingface_hub.snapshot_download`` at the pinned revision into
-the model folder: resumable, progress bars), ModelScope (its ``snapshot_download`` when the ``modelscope``
+Sources (``models[].source``): Hugging Face (``huggingface_hub.snapshot_download`` into the model folder at the
+commit the pinned revision resolves to, recorded in the manifest; progress bars; a broken transfer resumes, a
+rerun after a killed fetch keeps the finished files), ModelScope (its ``snapshot_download`` when the ``modelscope``
 package is installed) or a local path (already on the host, or copied from ``--from DIR``). After a fetch every
 file is hashed (sha256), checked against ``source.checksums`` and written to a checksum manifest
 ``.vllm-fleet-checksums.json`` in the model folder. Later runs re-hash only files whose size or mtime changed,
@@ -110,7 +111,8 @@ def verify(files: dict[str, dict[str, Any]], expected: dict[str, str]) -> list[s
 
 def _download_hf(m: ModelInstance, dest: Path) -> str:
     """snapshot_download at the commit the pinned revision resolves to (HF_ENDPOINT / HF_TOKEN apply);
-    returns that commit. Resumes ``.incomplete`` files in ``dest`` and broken transfers (Range requests)."""
+    returns that commit. Files already in ``dest`` at that commit are kept; a broken transfer is resumed in
+    place with a Range request (from the last 10 MiB written)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
