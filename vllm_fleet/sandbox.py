@@ -247,13 +247,18 @@ class SandboxHost:
         cp = self.run("systemctl is-system-running", timeout=15)
         return cp.stdout.strip() or f"ssh-failed: {cp.stderr.strip()[:200]}"
 
-    def wait_running(self, timeout: float = BOOT_TIMEOUT) -> str:
-        """Wait until ``systemctl is-system-running`` says running or degraded (over SSH)."""
+    def wait_running(self, timeout: float = BOOT_TIMEOUT, proc: subprocess.Popen[bytes] | None = None) -> str:
+        """Wait until ``systemctl is-system-running`` says running or degraded (over SSH). ``proc``: the
+        systemd-nspawn process when this process started it (its exit status is then exact; the /proc check
+        of :attr:`alive` is for hosts started by another process)."""
         deadline = time.monotonic() + timeout
         state = "?"
         while time.monotonic() < deadline:
-            if not self.alive:
-                raise SandboxError(f"sandbox host {self.name} died while booting:\n{self.console_tail()}")
+            if (proc.poll() is not None) if proc is not None else not self.alive:
+                status = f" (systemd-nspawn exit status {proc.returncode})" if proc is not None else ""
+                raise SandboxError(
+                    f"sandbox host {self.name} died while booting{status}:\n{self.console_tail()}"
+                )
             try:
                 state = self.system_state()
             except subprocess.TimeoutExpired:
@@ -406,7 +411,7 @@ def up(
         host.save()
         boot_started = time.monotonic()
     try:
-        host.wait_running(timeout)
+        host.wait_running(timeout, proc)
     except BaseException:
         with contextlib.suppress(Exception):
             down(name)
