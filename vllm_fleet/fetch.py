@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -27,11 +26,11 @@ from typing import Any
 
 from .cli import command
 from .engine import model_path
-from .spec import FleetSpec, ModelInstance, load_spec
+from .file_lock import file_lock
+from .spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
 
 MANIFEST = ".vllm-fleet-checksums.json"
 SKIP_DIRS = {".cache", ".git", ".huggingface", "._____temp"}
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 LOCK = ".vllm-fleet-fetch.lock"
 
 
@@ -149,15 +148,11 @@ def _download_hf(m: ModelInstance, dest: Path) -> str:
 @contextmanager
 def _exclusive(root: Path) -> Iterator[None]:
     """One fetch at a time per model folder."""
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / LOCK).open("a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FetchError(f"{root}: another fetch is writing this folder") from None
-        yield
+    try:
+        with file_lock(root / LOCK, wait=False):
+            yield
+    except BlockingIOError:
+        raise FetchError(f"{root}: another fetch is writing this folder") from None
 
 
 def drop_stale_partials(root: Path) -> list[Path]:

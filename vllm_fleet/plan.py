@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import engine_flags
 from .modelinfo import facts_for, kv_bytes_per_token, kv_dtype_bytes, weight_dtype_bytes
-from .spec import FleetSpec, ModelInstance
+from .spec import COMMIT_RE, FleetSpec, ModelInstance
 
 GIB = 1024**3
 # Memory vLLM needs besides weights and KV cache on each GPU: CUDA context, activations during the
@@ -20,7 +19,6 @@ OVERHEAD_EAGER_PER_GPU_BYTES = int(1.25 * GIB)
 CPU_OVERHEAD_BYTES = int(2.0 * GIB)
 MAX_SUGGESTED_SEQS = 512
 FP8_MIN_CC = (8, 9)
-SHA_RE = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass
@@ -335,7 +333,7 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
             "extra_args not checked (run `vllm-fleet lock` to capture it)"
         )
     for i, m in enumerate(spec.models):
-        if m.source.kind != "path" and not SHA_RE.fullmatch(m.source.revision):
+        if m.source.kind != "path" and not COMMIT_RE.fullmatch(m.source.revision):
             warnings.append(
                 f"models[{i}].source.{m.source.kind}.revision {m.source.revision!r} is not a commit hash: "
                 "pin the exact commit you validated"

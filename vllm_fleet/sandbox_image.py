@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import configparser
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -20,9 +19,10 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from .file_lock import file_lock as file_lock  # shared: sandbox_net and tests import it from here
 
 SUITE = "bookworm"
 BASE_PACKAGES = ",".join(
@@ -76,18 +76,6 @@ def wheelhouse_dir() -> Path:
 
 def log(msg: str) -> None:
     print(f"sandbox: {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if missing), held for the ``with`` block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------- mirror

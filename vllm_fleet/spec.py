@@ -77,6 +77,10 @@ class Host(_Model):
 # --------------------------------------------------------------------------- models
 
 
+# a pinned hub revision that cannot move: a full commit hash
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+
+
 class HfSource(_Model):
     repo: str
     revision: Annotated[str, Field(min_length=1)]
