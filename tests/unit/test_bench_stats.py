@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -170,3 +171,54 @@ def test_timeseries_sliding_window() -> None:
     assert ts[0]["output_tokens_per_s"] == 10  # first second: only 1 s of history
     assert ts[1]["output_tokens_per_s"] == 15  # (10 + 20) tokens over the 2 s window
     assert ts[1]["ok"] == 1  # counts stay per bin
+
+
+async def _stream_in_one_write(api: str) -> RequestRecord:
+    """A real HTTP server that writes a whole SSE stream (5 tokens) in one socket write, as a fast server
+    or a proxy that coalesces chunks does; the client must still time each message on its own."""
+    from aiohttp import web
+
+    from vllm_fleet.bench.client import Target, send
+    from vllm_fleet.bench.workload import RequestClass
+
+    if api == "anthropic":
+        events = [{"type": "message_start", "message": {"usage": {"input_tokens": 3}}}]
+        events += [{"type": "content_block_delta", "delta": {"text": str(i)}} for i in range(5)]
+        events += [
+            {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 5}}
+        ]
+    else:
+        events = [{"choices": [{"delta": {"content": str(i)}}]} for i in range(4)]
+        events += [{"choices": [{"delta": {"content": "4"}, "finish_reason": "length"}]}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(body.encode())  # one write: the client reads it in one chunk
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_post("/v1/messages", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        c = RequestClass(name="x", share=1, input_tokens=1, output_tokens=5, api=api)  # type: ignore[arg-type]
+        async with aiohttp.ClientSession() as s:
+            return await send(s, Target("t", f"http://127.0.0.1:{port}", "m"), c, "hi", 0.0, 10.0)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("api", ["openai-chat", "anthropic"])
+def test_itl_of_messages_that_arrive_in_one_read(api: str) -> None:
+    rec = asyncio.run(_stream_in_one_write(api))
+    assert rec.ok, rec.detail
+    assert len(rec.itl) == 4
+    assert all(gap > 0 for gap in rec.itl), rec.itl  # one timestamp per read would make every gap 0.0
+    assert rec.ttft is not None and 0 < rec.ttft <= rec.e2e

@@ -170,15 +170,18 @@ async def send(
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, c: RequestClass, st: _StreamState) -> None:
+    """Each SSE message is timestamped as it is parsed, like ``vllm bench serve``: several messages that
+    arrive in one socket read get their own (close) timestamps, not one shared one, so inter-token gaps are
+    never zero because of how the bytes happened to be batched."""
     buf = b""
     async for chunk in resp.content.iter_any():
-        now = time.perf_counter()
         buf += chunk
         payloads, buf = _sse_payloads(buf)
         for p in payloads:
             if p == "[DONE]" or not p:
                 continue
             data = json.loads(p)
+            now = time.perf_counter()
             if c.api == "anthropic":
                 st.anthropic(data, now)
             else:
