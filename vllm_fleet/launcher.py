@@ -15,7 +15,10 @@
   exit with its code; during start-up vLLM ignores SIGTERM, so the process group is SIGKILLed after
   ``stop_kill_after_loading_seconds``;
 * SIGABRT (systemd's WatchdogSignal): SIGKILL the engine's process group and exit;
-* the engine dies on its own: exit non-zero at once (the group's leftovers are killed);
+* the engine dies on its own: exit non-zero at once (the group's leftovers are killed), naming what died and
+  how (``engine_death``: vLLM's API server outlives a dead worker and exits 0, so the worker's death is read
+  from the engine core's log line); a worker killed by SIGILL (an instruction the CPU lacks) is a
+  configuration error (``EXIT_CONFIG``), SIGKILL (the OOM killer) exits 137 and is restarted;
 * keeps ``{state_dir}/NAME.json`` up to date for the host exporter (docs: /tmp/state-format.md contract).
 """
 
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .cli import command
+from .engine_death import Death, DeathWatch
 from .notify import Notifier
 from .probe import ProbeResult, health, inflight, probe
 
@@ -189,9 +193,13 @@ class Launcher:
         self.cfg = cfg
         self.n = notifier or Notifier()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._relay_thread: threading.Thread | None = None
         self.state = "loading"
         self.phase = "starting"
         self.last_error_line = ""
+        self.deaths = DeathWatch()
+        self.failure: Death | None = None
+        self.failure_reason = ""
         self.last_output = time.monotonic()
         self.started_at = time.time()
         self.t0 = time.monotonic()
@@ -245,6 +253,9 @@ class Launcher:
             "last_probe_latency_seconds": self.last_probe_latency,
             "probes_total": self.probes_total,
             "probe_failures_total": self.probe_failures_total,
+            "failure_reason": self.failure_reason or None,
+            "failure_process": (self.failure.process or None) if self.failure else None,
+            "failure_signal": sig.name if self.failure and (sig := self.failure.signal) else None,
             "updated_at": time.time(),
         }
 
@@ -266,6 +277,8 @@ class Launcher:
             "LISTEN_FDNAMES",
         ):
             env.pop(k, None)
+        # a process killed by SIGILL/SIGSEGV/SIGBUS prints "Fatal Python error: ..." and its Python stack first
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         env.update(self.cfg.environment)
         return env
 
@@ -280,7 +293,10 @@ class Launcher:
             preexec_fn=_die_with_parent,
         )
         assert self.proc.stdout is not None
-        threading.Thread(target=self._relay, args=(self.proc.stdout,), name="relay", daemon=True).start()
+        self._relay_thread = threading.Thread(
+            target=self._relay, args=(self.proc.stdout,), name="relay", daemon=True
+        )
+        self._relay_thread.start()
 
     def _relay(self, stream: BinaryIO) -> None:
         """Copy the engine's output to our stdout (the journal) line by line; progress bars update with
@@ -316,6 +332,8 @@ class Launcher:
             self.phase = ph
         if _ERROR_RE.search(line):
             self.last_error_line = line.strip()[:300]
+        if self.deaths.feed(line) is not None:
+            self._wake.set()  # the main loop acts on it at once
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is None:
@@ -415,10 +433,32 @@ class Launcher:
 
     def fail(self, code: int, why: str) -> int:
         self.state = "failed"
+        self.failure_reason = why
         self.status(f"Failed: {why}")
         _log(why, 3)
         self.save()
         return code
+
+    def _died(self, rc: int | None) -> int:
+        """The engine died on its own (``rc``: the API server's exit status, None when it was still running):
+        fail with what died and how, and an exit code that tells systemd whether a restart can help."""
+        was = self.state
+        pid = self.proc.pid if self.proc else "?"
+        death = self.deaths.cause()
+        api = f"; the API server exited with {rc}" if rc is not None else ""
+        if death is None or (rc is not None and rc < 0):
+            # the API server itself was killed (its workers die after it, by our SIGKILL), or it exited
+            # with nothing else to blame
+            death, api = Death(f"engine API server (pid {pid})", rc), ""
+        self.failure = death
+        why = f"engine exited unexpectedly: {death.describe()} while {was}{api}"
+        if death.is_config_error:
+            self.phase = "configuration error"
+            return self.fail(EXIT_CONFIG, f"{why}; not restarting (a restart would die the same way)")
+        if death.signal is None and self.last_error_line:
+            why += f"; last error: {self.last_error_line}"
+        sig = death.signal
+        return self.fail(128 + sig.value if sig else (exit_code_of(rc or 0) or EXIT_ENGINE_DIED), why)
 
     def run(self) -> int:
         cfg, svc = self.cfg, self.cfg.service
@@ -488,6 +528,10 @@ class Launcher:
             # --- engine exit
             rc = self.proc.poll()
             if rc is not None:
+                if stop_at is None and rc >= 0 and self._relay_thread is not None:
+                    # the API server ended on its own (vLLM exits 0 after a dead worker): the engine core's
+                    # line naming the dead worker may still be in the pipe; the relay reads it to the end
+                    self._relay_thread.join(2.0)
                 self.kill_group(signal.SIGKILL)  # leftovers (engine core, workers) of a dead API server
                 if stop_at is not None:
                     self.state = "stopped"
@@ -496,11 +540,12 @@ class Launcher:
                     _log(f"engine exited with {rc} {now - stop_at:.1f}s after the stop request")
                     self.save()
                     return code
-                detail = f"; last error: {self.last_error_line}" if self.last_error_line else ""
-                return self.fail(
-                    exit_code_of(rc) or EXIT_ENGINE_DIED,
-                    f"engine exited unexpectedly with {rc} while {self.state}{detail}",
-                )
+                return self._died(rc)
+            if self.deaths.death is not None and stop_at is None:
+                # a worker died but the API server still runs (it shuts down on its own, then exits 0)
+                self.kill_group(signal.SIGKILL)
+                self.proc.wait()
+                return self._died(None)
 
             # --- stopping: escalate
             if stop_at is not None:

@@ -64,6 +64,8 @@ def engine_env(cache_dir: Path) -> dict[str, str]:
         HF_HOME=str(cache_dir / "hf"),
         TMPDIR=str(cache_dir / "tmp"),
         PYTHONUNBUFFERED="1",
+        # every engine process appends its AMX permission request here (cpu_features; tests read it)
+        VLLM_FLEET_AMX_TRACE=str(cache_dir / "amx-trace.jsonl"),
     )
     (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
     return env
@@ -87,6 +89,23 @@ def engine_argv(
         "--shutdown-timeout", str(shutdown_timeout),
         *(extra or []),
     ]  # fmt: skip
+
+
+def group_processes(pgid: int) -> dict[int, str]:
+    """Live processes of process group ``pgid`` (an engine started in its own session): pid → name
+    (vLLM names its children ``VLLM::EngineCore`` and ``VLLM::Worker``)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return found
 
 
 class EngineProcess:

@@ -286,3 +286,27 @@ def test_stop_while_loading_is_quick(host: Remote) -> None:
     assert p["ActiveState"] == "inactive" and p["Result"] == "success", p
     assert host.h.run("pgrep -u vllm").returncode == 1  # nothing left of the engine
     print(f"systemctl stop while loading: {took:.1f}s")
+
+
+def test_worker_sigill_fails_the_unit_without_restart_storm(host: Remote) -> None:
+    """A worker killed by SIGILL (what a bf16 engine did on an AMX CPU without the permission request) is a
+    configuration error: the unit fails once with the signal named and is not restarted over and over."""
+    host.sh("systemctl start vllm@tiny-b", timeout=1500)
+    before = int(host.show("vllm@tiny-b", "NRestarts")["NRestarts"])
+    pgid = host.state("tiny-b")["engine_pid"]
+    worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
+    assert len(worker) == 1, worker
+    host.sh(f"kill -ILL {worker[0]}")
+    host.wait(
+        lambda: host.show("vllm@tiny-b", "ActiveState")["ActiveState"] == "failed", 60, "tiny-b failed", 0.5
+    )
+    time.sleep(3 * SERVICE["restart_sec"] + 2)  # restarts would have happened by now
+    p = host.show("vllm@tiny-b", "ActiveState", "NRestarts", "ExecMainStatus", "StatusText")
+    assert p["ActiveState"] == "failed" and p["ExecMainStatus"] == "78", p
+    assert int(p["NRestarts"]) == before, p
+    assert "engine worker VllmWorker-0 killed by SIGILL (illegal instruction" in p["StatusText"], p
+    st = host.state("tiny-b")
+    assert st["state"] == "failed" and st["failure_signal"] == "SIGILL"
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-b -o cat")
+    assert "Fatal Python error: Illegal instruction" in journal  # the worker's own stack, for the bug report
+    assert "killed by SIGILL" in journal
