@@ -1,23 +1,29 @@
 """``vllm-fleet doctor``: the engine stack checked layer by layer, one verdict line per layer.
 
+CPU instruction sets (cpu profile: AVX2/AVX-512/BF16/AMX and the AMX permission vLLM-CPU's kernels need) →
 driver (nvidia-smi) → CUDA runtime (torch's CUDA build vs. the driver) → torch sees the GPUs → vLLM imports
-(and is the pinned release) → optional tiny load (``--load MODEL``: a few tokens generated in-process).
+(and is the pinned release) → optional tiny load (``--load MODEL [--dtype D]``: a few tokens generated
+in-process in that dtype; a process of the load killed by a signal is named with the signal and its meaning).
 A layer that fails blocks the layers above it (they are reported as blocked, not run). On the cpu profile the
 GPU layers are skipped with a verdict that says so. Run it with the fleet venv's interpreter (the unit's
-``vllm-fleet``); the Ansible preflight and the deployment manifest use the same probes.
+``vllm-fleet``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import cpu_features
 from .cli import command
+from .engine_death import cause_in
 
 NVSMI_FIELDS = "index,name,uuid,driver_version,compute_cap,memory.total"
 
@@ -97,33 +103,53 @@ except md.PackageNotFoundError:
 print(json.dumps({"dist": dist, "version": md.version(dist), "module": vllm.__file__}))
 """
 
-PY_LOAD = """
-import json, sys, time
-import vllm_fleet.vllm_cpu_entry  # noqa
-from vllm import LLM, SamplingParams
-t = time.monotonic()
-kw = dict(model=sys.argv[1], max_model_len=256, enforce_eager=True)
-if sys.argv[2] == "cpu":
-    kw["kv_cache_memory_bytes"] = 32 * 1024 * 1024
-else:
-    kw["gpu_memory_utilization"] = 0.2
-llm = LLM(**kw)
-out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))
-print(json.dumps({"tokens": len(out[0].outputs[0].token_ids), "seconds": round(time.monotonic() - t, 1)}))
-"""
+_ERROR_LINE_RE = re.compile(r"\b(ERROR|CRITICAL)\b|^\w*(Error|Exception): ")
 
 
 def _py_json(
-    code: str, args: list[str] | None = None, timeout: float = 300
+    code: str, args: list[str] | None = None, timeout: float = 300, module: bool = False
 ) -> tuple[dict[str, Any] | None, str]:
-    rc, out, err = run([sys.executable, "-c", code, *(args or [])], timeout)
+    """Run Python code (or ``-m`` a module) in the venv's interpreter; its last stdout line as JSON, or the
+    failure's cause: a process killed by a signal (named), else the last error line, else the last line."""
+    rc, out, err = run([sys.executable, "-m" if module else "-c", code, *(args or [])], timeout)
     if rc == 0:
         try:
             return json.loads(out.strip().splitlines()[-1]), ""
         except (ValueError, IndexError):
             pass
-    lines = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
-    return None, lines[-1] if lines else f"exit {rc}"
+    text = f"{err}\n{out}"
+    if (death := cause_in(text)) is not None:
+        return None, death.describe()
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _ERROR_LINE_RE.search(ln)]
+    return None, (errors or lines or [f"exit {rc}"])[-1][:400]
+
+
+def cpu_isa_layer(
+    profile: str, cpuinfo: str | None = None, amx: str | None = None, machine: str | None = None
+) -> Layer:
+    """What the CPU offers vLLM-CPU's kernels, and whether this process got AMX permission."""
+    facts = cpu_features.isa_facts(cpuinfo)
+    flags = facts["flags"]
+    assert isinstance(flags, dict)
+    have = [f.upper() for f, on in flags.items() if on]
+    facts["amx_permission"] = amx = amx if amx is not None else cpu_features.request_amx()
+    summary = f"{facts['model']}: {', '.join(have) or 'no AVX2/AVX-512/AMX'}"
+    if profile != "cpu":
+        return Layer("cpu-isa", "skip", f"gpu profile (engines run on GPUs); {summary}", facts=facts)
+    machine = machine or platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        return Layer(
+            "cpu-isa", "ok", f"{summary} ({machine}): the x86 kernel checks do not apply", facts=facts
+        )
+    if not flags["avx2"] and not flags["avx512f"]:
+        return Layer("cpu-isa", "fail", f"{summary}: vLLM-CPU's x86 kernels need AVX2 or AVX-512",
+                     "run the cpu profile on a CPU with AVX2 (x86-64-v3) or newer", facts)  # fmt: skip
+    if flags["amx_tile"] and amx != cpu_features.GRANTED:
+        return Layer("cpu-isa", "fail", f"{summary}; AMX permission {amx}: bf16 attention would die with SIGILL",
+                     "use Linux >= 5.16 (AMX permission), or dtype: float32", facts)  # fmt: skip
+    path = "AMX" if flags["amx_tile"] else "AVX-512" if flags["avx512f"] else "AVX2"
+    return Layer("cpu-isa", "ok", f"{summary}; kernels: {path}; AMX permission: {amx}", facts=facts)
 
 
 def _ver_tuple(v: str) -> tuple[int, ...]:
@@ -136,6 +162,7 @@ def check(
     min_driver: int = 0,
     expect_gpus: int = 0,
     load_model: str = "",
+    dtype: str = "auto",
 ) -> list[Layer]:
     layers: list[Layer] = []
     blocked = ""
@@ -153,6 +180,8 @@ def check(
             return False
         return True
 
+    # 0 CPU instruction sets (the cpu profile's kernels)
+    add(cpu_isa_layer(profile))
     # 1 driver
     if not gpu:
         add(Layer("driver", "skip", "cpu profile: no NVIDIA driver needed"))
@@ -191,7 +220,7 @@ def check(
             add(Layer("cuda-runtime", "fail", f"torch {torch_facts['torch']} is a CPU build",
                       "install the gpu profile's lock (official vllm + its CUDA torch)", torch_facts))  # fmt: skip
         else:
-            drv_cuda = layers[0].facts.get("cuda_driver", "")
+            drv_cuda = next(x for x in layers if x.name == "driver").facts.get("cuda_driver", "")
             if drv_cuda and _ver_tuple(drv_cuda) < _ver_tuple(torch_facts["cuda"])[:2]:
                 add(Layer("cuda-runtime", "fail",
                           f"torch built for CUDA {torch_facts['cuda']} but the driver supports CUDA {drv_cuda}",
@@ -229,20 +258,17 @@ def check(
     if not load_model:
         layers.append(Layer("tiny-load", "skip", "not requested (--load MODEL_PATH)"))
     elif gate("tiny-load"):
-        res, err = _py_json(PY_LOAD, [load_model, profile], timeout=600)
+        res, err = _py_json("vllm_fleet.decode_check", [load_model, profile, dtype], timeout=600, module=True)
         if res is None:
-            add(
-                Layer(
-                    "tiny-load",
-                    "fail",
-                    f"loading {load_model} failed: {err}",
-                    "read the error; try the model alone",
-                )
+            fix = (
+                "this CPU cannot run the engine's kernels for this dtype: see the cpu-isa layer; try --dtype float32"
+                if "SIGILL" in err
+                else "read the error; try the model alone"
             )
+            add(Layer("tiny-load", "fail", f"loading {load_model} (dtype {dtype}) failed: {err}", fix))
         else:
-            add(
-                Layer("tiny-load", "ok", f"generated {res['tokens']} tokens in {res['seconds']} s", facts=res)
-            )
+            add(Layer("tiny-load", "ok", f"generated {res['tokens']} tokens in {res['seconds']} s "
+                      f"(dtype {res.get('dtype', dtype)})", facts=res))  # fmt: skip
     return layers
 
 
@@ -254,12 +280,17 @@ def _register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--load", default="", metavar="MODEL_PATH", help="also load this model and generate 4 tokens"
     )
+    p.add_argument(
+        "--dtype",
+        default="",
+        help="dtype of the --load decode (default: the instances' dtype on --host, else the model's own)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
-    profile, version, min_driver, expect = a.profile or "gpu", "", 0, 0
+    profile, version, min_driver, expect, dtype = a.profile or "gpu", "", 0, 0, a.dtype or "auto"
     if a.spec:
         from .spec import load_spec
 
@@ -267,7 +298,10 @@ def _run(a: argparse.Namespace) -> int:
         profile, version, min_driver = spec.stack.profile, spec.stack.vllm_version, spec.stack.min_driver
         if a.host:
             expect = max((g for m in spec.models_on(a.host) for g in m.gpus), default=-1) + 1
-    layers = check(a.profile or profile, version, min_driver, expect, a.load)
+            dtypes = {m.dtype for m in spec.models_on(a.host)}
+            if not a.dtype and len(dtypes) == 1:
+                dtype = dtypes.pop()
+    layers = check(a.profile or profile, version, min_driver, expect, a.load, dtype)
     if a.json:
         print(json.dumps([asdict(x) for x in layers], indent=2))
     else:

