@@ -1,0 +1,97 @@
+"""What differs on this host from what a role wants, in one round trip (run with the host's python3 by the
+artifacts and engine roles; reads only, so it also runs in check mode).
+
+argv[1]: JSON with any of
+  files:  [{path, checksum (sha1), mode, owner, group}]  -> "files": paths missing or differing in content,
+                                                             mode or owner; "missing": those not there at all
+  dirs:   [{path, mode, owner, group}]                    -> "dirs": folders missing or differing
+  globs:  {key: pattern}                                  -> "globs": {key: [matching paths]}
+  file_dirs: {mode, owner, group}                         -> the files' parent folders are checked as dirs too
+  groups: [name]                                          -> "groups": groups that do not exist
+  users:  [{name, group, home, shell}]                    -> "users": users missing or differing
+  read:   [path]                                          -> "read": {path: text, or null when absent}
+  exists: [path]                                          -> "exists": the paths that exist
+Prints one JSON object with those keys.
+"""
+
+import glob
+import grp
+import hashlib
+import json
+import os
+import pwd
+import stat
+import sys
+
+
+def differs(path, mode, owner, group, kind):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not kind(st.st_mode) or stat.S_IMODE(st.st_mode) != int(str(mode), 8):
+        return True
+    try:
+        return (pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid).gr_name) != (owner, group)
+    except KeyError:
+        return True
+
+
+def sha1(path):
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def user_differs(u):
+    try:
+        pw = pwd.getpwnam(u["name"])
+        return (grp.getgrgid(pw.pw_gid).gr_name, pw.pw_dir, pw.pw_shell) != (
+            u["group"],
+            u["home"],
+            u["shell"],
+        )
+    except KeyError:
+        return True
+
+
+def group_missing(name):
+    try:
+        grp.getgrnam(name)
+        return False
+    except KeyError:
+        return True
+
+
+def read(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+want = json.loads(sys.argv[1])
+files = want.get("files", [])
+dirs = list(want.get("dirs", []))
+if want.get("file_dirs"):
+    parents = sorted({os.path.dirname(f["path"]) for f in files} - {d["path"] for d in dirs})
+    dirs += [dict(want["file_dirs"], path=p) for p in parents]
+out = {
+    "files": [
+        f["path"]
+        for f in files
+        if differs(f["path"], f["mode"], f["owner"], f["group"], stat.S_ISREG)
+        or sha1(f["path"]) != f["checksum"]
+    ],
+    "missing": [f["path"] for f in files if not os.path.lexists(f["path"])],
+    "dirs": [d["path"] for d in dirs if differs(d["path"], d["mode"], d["owner"], d["group"], stat.S_ISDIR)],
+    "groups": [g for g in want.get("groups", []) if group_missing(g)],
+    "users": [u["name"] for u in want.get("users", []) if user_differs(u)],
+    "read": {p: read(p) for p in want.get("read", [])},
+    "exists": [p for p in want.get("exists", []) if os.path.lexists(p)],
+    "globs": {k: sorted(glob.glob(g)) for k, g in want.get("globs", {}).items()},
+}
+print(json.dumps(out))
