@@ -3,7 +3,8 @@
 h1: two tiny-model instances + gateway + monitoring, h2: a backup instance (examples/tiny-cpu-2hosts.yml).
 Installs are offline from the wheelhouse (`vllm-fleet lock wheelhouse`, bound read-only into the hosts, which
 have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment:
-refused spec (nothing changed) → deploy + chat through the gateway → rerun changed=0 → testinfra suite →
+refused spec (nothing changed) → --check --diff on the fresh hosts (reports changes, fails nothing, changes
+nothing) → deploy + chat through the gateway → rerun changed=0 → testinfra suite (the README's command) →
 --check reports no change → a flag change restarts only that instance (drained first), under steady client
 traffic that loses no request → kill -9 of a primary under traffic: no plain request fails, systemd serves
 it again.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +37,22 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 WHEELHOUSE_MOUNT = "/mnt/vf-wheelhouse"
 TIMINGS = Path(os.environ.get("VLLM_FLEET_ANSIBLE_TIMINGS", "/tmp/vllm-fleet-ansible-timings.json"))
-RECAP_RE = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+RECAP_RE = re.compile(
+    r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=\d+\s+rescued=\d+\s+ignored=(\d+)",
+    re.M,
+)
+# on a fresh host nothing of ours exists: the install record in the image's venv, units, config, gateway
+NOT_DEPLOYED = (
+    "/etc/systemd/system/vllm@.service",
+    "/etc/systemd/system/vllm-fleet.target",
+    "/etc/vllm-fleet",
+    "/opt/vllm-fleet/lock.txt",
+    "/opt/vllm-fleet/venv/.vllm-fleet-installed.json",
+    "/var/lib/vllm-fleet",
+    "/usr/sbin/nginx",
+    "/etc/nginx",
+    "/etc/prometheus/prometheus.yml",
+)
 
 
 def retarget(spec: dict[str, Any], names: dict[str, str], addresses: dict[str, str]) -> dict[str, Any]:
@@ -103,7 +120,7 @@ class Fleet:
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
-    keys = ("ok", "changed", "unreachable", "failed")
+    keys = ("ok", "changed", "unreachable", "failed", "ignored")
     return {
         m.group(1): dict(zip(keys, map(int, m.groups()[1:]), strict=True)) for m in RECAP_RE.finditer(output)
     }
@@ -178,6 +195,26 @@ def test_refused_spec_stops_in_preflight_before_any_change(
     assert all(r["changed"] == 0 for r in recap(out).values()), out[-2000:]
 
 
+def test_check_mode_on_fresh_hosts_reports_changes_and_changes_nothing(fleet: Fleet) -> None:
+    """`--check --diff` before the first deploy: it must get through every play on hosts where nothing of
+    ours exists yet (no python3-apt, no nginx/promtool, no units), report what a real run would change, and
+    change nothing."""
+    rc, out, seconds = fleet.playbook("--check", "--diff")
+    record("check_fresh_run_seconds", seconds)
+    assert rc == 0, out[-6000:]
+    stats = recap(out)
+    assert set(stats) == set(fleet.hosts), out[-3000:]
+    for host, r in stats.items():
+        assert r["failed"] == 0 and r["unreachable"] == 0 and r["ignored"] == 0, (host, r, out[-4000:])
+        assert r["changed"] > 0, (host, r)
+    assert "would install: nginx" in out  # the gateway packages a real run installs
+    assert "+++ after: /etc/systemd/system/vllm@.service" in out or "vllm@.service" in out
+    for h in fleet.hosts.values():
+        present = [p for p in NOT_DEPLOYED if h.run(f"test -e {p}").returncode == 0]
+        assert present == [], (h.name, present)
+        assert h.run("getent passwd vllm").returncode != 0, h.name
+
+
 def test_deploy_and_chat_through_gateway(fleet: Fleet) -> None:
     rc, out, seconds = fleet.playbook()
     assert rc == 0, out[-6000:]
@@ -196,10 +233,21 @@ def test_rerun_changes_nothing(fleet: Fleet) -> None:
     assert set(changed) == set(fleet.hosts) and not any(changed.values()), (changed, out[-4000:])
 
 
+def readme_host_suite_command(inventory: Path, spec: Path) -> list[str]:
+    """The README's "verify the hosts" command, with this fleet's inventory and spec put in."""
+    found = re.search(r"^(pytest tests/host [^#\n]*)", (REPO / "README.md").read_text(), re.M)
+    assert found, "README.md lost its `pytest tests/host ...` line"
+    argv = shlex.split(found.group(1))
+    assert "--ansible-inventory=inventory.ini" in argv and "--fleet-spec=fleet.yml" in argv, argv
+    subst = {"--ansible-inventory=inventory.ini": f"--ansible-inventory={inventory}",
+             "--fleet-spec=fleet.yml": f"--fleet-spec={spec}"}  # fmt: skip
+    return [str(BIN / "pytest"), *(subst.get(a, a) for a in argv[1:])]
+
+
 def test_host_verification_suite_passes(fleet: Fleet) -> None:
+    # the README's command as written (venv's bin on PATH, as the ansible:// backend needs)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_CONFIG=str(REPO / "ansible.cfg"))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/host", "--hosts=ansible://all",
-           f"--ansible-inventory={fleet.inventory}", f"--fleet-spec={fleet.spec_path}"]  # fmt: skip
+    cmd = readme_host_suite_command(fleet.inventory, fleet.spec_path)
     t = time.monotonic()
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     record("testinfra_seconds", time.monotonic() - t)
