@@ -2,13 +2,15 @@
 
 One host, at most two engines (`tiny-a`, `tiny-b`), in file order:
 bad model path → failed, clear status, no restart storm; `systemctl start` returns only when serving (a);
-kill -9 → restart and serve again (a, while b starts); CUDA_VISIBLE_DEVICES of both engines; stop during a
-stream drains it (b); kill -STOP → the watchdog restarts a; stop while loading is quick (a).
+kill -9 of the worker → restart and serve again, the worker and signal named (a, while b starts);
+CUDA_VISIBLE_DEVICES of both engines; stop during a stream drains it (b); kill -STOP → the watchdog restarts a;
+stop while loading is quick (a); a worker killed by SIGILL fails the unit once, no restart storm (b).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -171,20 +173,28 @@ def _serving_again(host: Remote, name: str, restarts: int) -> bool:
     return int(p["NRestarts"]) > restarts and p["ActiveState"] == "active" and "Serving" in p["StatusText"]
 
 
-def test_kill9_of_engine_restarts_and_serves_again(host: Remote) -> None:
+def test_kill9_of_engine_worker_restarts_with_the_cause_named(host: Remote) -> None:
+    """SIGKILL of the worker (what the OOM killer does to the biggest process): vLLM's API server outlives it
+    and would exit 0; the launcher names the worker and the signal, and systemd restarts the unit."""
     before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
-    pid = host.state("tiny-a")["engine_pid"]
+    pgid = host.state("tiny-a")["engine_pid"]
+    worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
+    assert len(worker) == 1, worker
     # tiny-b loads meanwhile (two engines loading at once: fewer minutes of wall time on a small machine)
     host.sh("systemctl start --no-block vllm@tiny-b")
     t0 = time.monotonic()
-    host.sh(f"kill -9 {pid}")
+    host.sh(f"kill -9 {worker[0]}")
     host.wait(lambda: _serving_again(host, "tiny-a", before), 1500, "vllm@tiny-a to serve again", 2)
     took = time.monotonic() - t0
     assert host.completion(8101, "tiny-a")["choices"]
-    assert host.state("tiny-a")["engine_pid"] != pid
+    assert host.state("tiny-a")["engine_pid"] != pgid
     journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
-    assert "engine exited unexpectedly: engine API server (pid" in journal and "killed by SIGKILL" in journal
-    print(f"kill -9 → serving again after {took:.1f}s")
+    # vLLM sometimes logs the SIGKILLed worker's exit code as None (it looks before the kernel has it)
+    assert re.search(
+        r"engine worker VllmWorker-0 (killed by SIGKILL|died without a fault report).*OOM", journal
+    )
+    assert "exited with 0" not in journal
+    print(f"kill -9 of the worker → serving again after {took:.1f}s")
 
 
 def test_two_instances_get_their_cuda_visible_devices(host: Remote) -> None:
