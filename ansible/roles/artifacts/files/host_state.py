@@ -6,6 +6,12 @@ argv[1]: JSON with any of
                                                              mode or owner; "missing": those not there at all
   dirs:   [{path, mode, owner, group}]                    -> "dirs": folders missing or differing
   globs:  {key: pattern}                                  -> "globs": {key: [matching paths]}
+  tree:   {roots: {controller folder: host folder}, files: [{path, checksum}], mode, dir_mode, owner, group}:
+          controller folders pushed to host folders -> "tree": [controller paths whose copy is missing or
+          differs], "tree_dirs": [host folders (and their subfolders) missing or differing]
+  units:  [name or pattern]                               -> "units": {unit: {ActiveState, SubState,
+                                                             UnitFileState}} (systemctl show; patterns
+                                                             match loaded units)
   file_dirs: {mode, owner, group}                         -> the files' parent folders are checked as dirs too
   groups: [name]                                          -> "groups": groups that do not exist
   users:  [{name, group, home, shell}]                    -> "users": users missing or differing
@@ -21,6 +27,7 @@ import json
 import os
 import pwd
 import stat
+import subprocess
 import sys
 
 
@@ -73,6 +80,24 @@ def read(path):
         return None
 
 
+def units(names):
+    if not names:
+        return {}
+    props = ["Id", "ActiveState", "SubState", "UnitFileState"]
+    res = subprocess.run(
+        ["systemctl", "show", "--property=" + ",".join(props), "--", *names],
+        stdout=subprocess.PIPE,
+        universal_newlines=True,  # noqa: UP021 - hosts may run an older python3
+        check=True,
+    )
+    found = {}
+    for block in res.stdout.strip().split("\n\n"):
+        kv = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if kv.get("Id"):
+            found[kv.pop("Id")] = kv
+    return found
+
+
 want = json.loads(sys.argv[1])
 files = want.get("files", [])
 dirs = list(want.get("dirs", []))
@@ -93,5 +118,25 @@ out = {
     "read": {p: read(p) for p in want.get("read", [])},
     "exists": [p for p in want.get("exists", []) if os.path.lexists(p)],
     "globs": {k: sorted(glob.glob(g)) for k, g in want.get("globs", {}).items()},
+    "units": units(want.get("units", [])),
 }
+tree = want.get("tree") or {"roots": {}, "files": []}
+roots = {r.rstrip("/"): d.rstrip("/") for r, d in tree["roots"].items()}
+out["tree"], folders = [], set(roots.values())
+for f in tree["files"]:
+    root = max((r for r in roots if f["path"].startswith(r + "/")), key=len)
+    rel = f["path"][len(root) + 1 :]
+    target = os.path.join(roots[root], rel)
+    if (
+        differs(target, tree["mode"], tree["owner"], tree["group"], stat.S_ISREG)
+        or sha1(target) != f["checksum"]
+    ):
+        out["tree"].append(f["path"])
+    parts = rel.split("/")[:-1]
+    folders |= {os.path.join(roots[root], *parts[: n + 1]) for n in range(len(parts))}
+out["tree_dirs"] = [
+    d
+    for d in sorted(folders)
+    if differs(d, tree.get("dir_mode", "0755"), tree["owner"], tree["group"], stat.S_ISDIR)
+]
 print(json.dumps(out))
