@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ORDER = ["gpu", "gateway", "engine-service", "ansible", "observability", "bench", "sandbox"]
+ORDER = ["fresh-machine", "gpu", "gateway", "engine-service", "ansible", "observability", "bench", "sandbox"]
 
 
 def _shift(lines: list[str]) -> list[str]:
