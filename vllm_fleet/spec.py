@@ -379,6 +379,9 @@ class AlertThresholds(_Model):
     ttft_for: str = "10m"
     preemptions_per_second: float = Field(0.1, ge=0)
     preemptions_for: str = "10m"
+    # VllmSaturated: the engine's queue bound (max_num_queued_reqs) turns requests away
+    saturation_rejections_per_second: float = Field(0, ge=0)
+    saturation_for: str = "2m"
     rate_window: str = "5m"
     # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
     group_wait: str = "30s"
