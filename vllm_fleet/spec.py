@@ -327,6 +327,8 @@ class Gateway(_Model):
     # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
     # next_upstream_tries/_timeout; nothing is retried after the first byte reached the client): docs/gateway.md
     retry_non_idempotent: bool = True
+    # Retry-After of the JSON 503 a client gets when every instance of the model (and its fallback) is full
+    full_retry_after_seconds: int = Field(1, ge=0)
     # where `vllm-fleet drain` keeps the drained set; the njs router reads it on every request, so a drain or
     # undrain needs no reload (docs/gateway.md). Empty: PATHS.CONFIG_DIR/gateway/drained.json
     state_file: str = ""
