@@ -7,6 +7,7 @@ cannot find its package metadata (the distribution is not named ``vllm``), see v
 
 from __future__ import annotations
 
+from .engine_flags import release_has
 from .spec import FleetSpec, ModelInstance
 
 
@@ -57,6 +58,9 @@ def engine_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
         a += ["--max-model-len", str(m.max_model_len)]
     if m.max_num_seqs:
         a += ["--max-num-seqs", str(m.max_num_seqs)]
+    if m.queue_bound and release_has("--max-num-queued-reqs", spec.stack.profile, spec.stack.vllm_version):
+        # a bounded queue: past it the engine answers 503 at once instead of queueing without end
+        a += ["--max-num-queued-reqs", str(m.queue_bound)]
     if m.max_num_batched_tokens:
         a += ["--max-num-batched-tokens", str(m.max_num_batched_tokens)]
     if m.block_size:

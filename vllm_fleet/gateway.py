@@ -83,13 +83,20 @@ def apply_drained(text: str, drained: set[str]) -> str:
 
 
 def parse_upstreams(text: str) -> list[Upstream]:
+    """The upstreams that routing state is about; each one's spill-over twin (``# vf-spill-of=``, the same
+    servers with max_fails=0) is left out: it is rendered from the same lines and carries the same marks."""
     ups: list[Upstream] = []
     model = ""
+    twin = False
     for line in text.splitlines():
         if mm := MODEL_RE.match(line):
             model = mm["model"]
         elif um := UPSTREAM_RE.match(line):
-            ups.append(Upstream(um["name"], model, variant_of=um["of"] or "", excludes=um["excl"] or ""))
+            twin = "vf-spill-of=" in line
+            if not twin:
+                ups.append(Upstream(um["name"], model, variant_of=um["of"] or "", excludes=um["excl"] or ""))
+        elif twin:
+            continue
         elif (sm := SERVER_RE.match(line)) and ups:
             ups[-1].servers.append((sm["inst"], sm["addr"], "down" in sm["params"].split()))
             if "spec-drained" in sm["tail"].split():

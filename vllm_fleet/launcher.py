@@ -10,7 +10,10 @@
 * while loading: ``STATUS=`` (phase + elapsed) and ``EXTEND_TIMEOUT_USEC=`` while the engine is alive and
   still printing progress, so a moderate TimeoutStartSec survives slow loads but a stuck load is caught;
 * ``READY=1`` only after ``/health`` is 200 *and* a 1-token ``/v1/completions`` probe succeeds;
-* then ``WATCHDOG=1`` after every successful periodic probe (health + 1-token decode, with a timeout);
+* then ``WATCHDOG=1`` after every periodic liveness check that passes — busy is not hung: while requests run
+  or wait, the check passes when the engine's work counters (tokens, engine steps, finished requests in
+  ``/metrics``) advanced since the last check; when idle, a 1-token decode must succeed (an admission 503 is
+  "alive and full"). A hang stops the pings and systemd's watchdog restarts the unit (docs/engine-service.md);
 * SIGTERM/SIGINT: ``STOPPING=1``, SIGTERM to the engine (it drains with ``--shutdown-timeout``), wait and
   exit with its code; during start-up vLLM ignores SIGTERM, so the process group is SIGKILLed after
   ``stop_kill_after_loading_seconds``;
@@ -41,7 +44,7 @@ from typing import Any, BinaryIO
 from .cli import command
 from .engine_death import Death, DeathWatch
 from .notify import Notifier
-from .probe import ProbeResult, health, inflight, probe
+from .probe import ProbeResult, Progress, health, inflight, liveness, probe
 
 EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
 EXIT_ENGINE_DIED = 1
@@ -208,6 +211,7 @@ class Launcher:
         self.last_probe_at: float | None = None
         self.last_probe_ok: bool | None = None
         self.last_probe_latency: float | None = None
+        self.last_probe_kind = ""  # how the last liveness check passed or failed (probe.ProbeResult.stage)
         self.probes_total = 0
         self.probe_failures_total = 0
         self.consecutive_failures = 0
@@ -217,6 +221,7 @@ class Launcher:
         self.drain_result = "second stop request"
         self._probe_thread: threading.Thread | None = None
         self._probe_result: ProbeResult | None = None
+        self._progress: Progress | None = None  # the last work-counter reading (liveness compares with it)
         self._probe_started = 0.0
         self._lock = threading.Lock()
         svc = cfg.service
@@ -251,6 +256,7 @@ class Launcher:
             "last_probe_at": self.last_probe_at,
             "last_probe_ok": self.last_probe_ok,
             "last_probe_latency_seconds": self.last_probe_latency,
+            "last_probe_kind": self.last_probe_kind or None,
             "probes_total": self.probes_total,
             "probe_failures_total": self.probe_failures_total,
             "failure_reason": self.failure_reason or None,
@@ -357,9 +363,17 @@ class Launcher:
                     res = probe(
                         self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout
                     )
+                    if res.stage == "full":  # READY needs a real decode, not an admission 503
+                        res = ProbeResult(
+                            False, res.latency, "admission 503 before the first decode", "decode"
+                        )
             else:
-                res = probe(
-                    self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout
+                res, self._progress = liveness(
+                    self.cfg.probe_host,
+                    self.cfg.port,
+                    self.cfg.served_model_name,
+                    self.probe_timeout,
+                    self._progress,
                 )
             with self._lock:
                 self._probe_result = res
@@ -381,6 +395,7 @@ class Launcher:
         self.last_probe_at = time.time()
         self.last_probe_ok = res.ok
         self.last_probe_latency = round(res.latency, 4)
+        self.last_probe_kind = res.stage
         if res.ok:
             self.consecutive_failures = 0
         else:

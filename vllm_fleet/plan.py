@@ -48,6 +48,7 @@ class InstancePlan:
     max_concurrent_at_max_len: int | None = None
     suggested_max_num_seqs: int | None = None
     configured_max_num_seqs: int | None = None
+    queue_bound: int | None = None  # requests in flight before the engine answers 503 (--max-num-queued-reqs)
     start_after: list[str] = field(default_factory=list)
     facts_source: str = "spec"
     notes: list[str] = field(default_factory=list)
@@ -308,6 +309,25 @@ def _plan_memory(
         )
 
 
+def _plan_queue(spec: FleetSpec, i: int, m: ModelInstance, warnings: list[str], ip: InstancePlan) -> None:
+    """The engine's admission bound: past it, requests get a fast 503 (the gateway tries another instance)."""
+    path = f"models[{i}]"
+    if not engine_flags.release_has("--max-num-queued-reqs", spec.stack.profile, spec.stack.vllm_version):
+        if m.max_num_queued_reqs:
+            warnings.append(
+                f"{path}.max_num_queued_reqs: vLLM {spec.stack.vllm_version} has no --max-num-queued-reqs; "
+                "its queue stays unbounded"
+            )
+        return
+    ip.queue_bound = m.queue_bound
+    if ip.queue_bound is None and m.max_num_queued_reqs != 0:
+        hint = f" (suggested {ip.suggested_max_num_seqs})" if ip.suggested_max_num_seqs else ""
+        warnings.append(
+            f"{path}: unbounded request queue — set max_num_seqs{hint} (the queue bound defaults to twice it) "
+            "or max_num_queued_reqs"
+        )
+
+
 def _start_order(spec: FleetSpec, instances: list[InstancePlan]) -> None:
     """Instances sharing a GPU start one after another, in spec order."""
     for host in spec.hosts:
@@ -348,6 +368,7 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
             configured_max_num_seqs=m.max_num_seqs,
         )
         _plan_memory(spec, i, m, search_dirs, problems, ip)
+        _plan_queue(spec, i, m, warnings, ip)
         if flag_table is not None:
             for j, reason in engine_flags.check_args(m.extra_args, flag_table):
                 problems.append(Problem(f"models[{i}].extra_args[{j}]", reason))
@@ -390,7 +411,8 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  port {port}: {owner}")
     header = (
         f"{'instance':<16} {'host':<10} {'port':>5} {'gpus':<8} {'role':<8} {'params':>8} {'weights':>8} "
-        f"{'KV/tok':>9} {'KV GiB':>7} {'KV tokens':>10} {'max_len':>7} {'seqs@max':>8} {'suggest':>7} {'set':>5}"
+        f"{'KV/tok':>9} {'KV GiB':>7} {'KV tokens':>10} {'max_len':>7} {'seqs@max':>8} {'suggest':>7} {'set':>5} "
+        f"{'queue':>5}"
     )
     out += ["", header, "-" * len(header)]
     for ip in plan.instances:
@@ -406,7 +428,7 @@ def format_plan(plan: Plan) -> str:
             f"{params:>8} {_gib(ip.weight_bytes):>8} {ip.kv_bytes_per_token or '-':>9} {_gib(ip.kv_cache_bytes):>7} "
             f"{ip.kv_capacity_tokens or '-':>10} {ip.max_model_len or '-':>7} "
             f"{'-' if ip.max_concurrent_at_max_len is None else ip.max_concurrent_at_max_len:>8} "
-            f"{ip.suggested_max_num_seqs or '-':>7} {ip.configured_max_num_seqs or '-':>5}"
+            f"{ip.suggested_max_num_seqs or '-':>7} {ip.configured_max_num_seqs or '-':>5} {ip.queue_bound or '-':>5}"
         )
         for n in ip.notes:
             out.append(f"    note: {n}")

@@ -1,7 +1,10 @@
-"""Health and 1-token generation probes against a vLLM OpenAI-compatible server.
+"""Health, 1-token generation and progress probes against a vLLM OpenAI-compatible server.
 
-``/health`` stays 200 while a decoder is deadlocked, so liveness needs a real decode: a ``/v1/completions``
-request with ``max_tokens: 1``. Both go through ``http.client`` with a hard timeout.
+``/health`` stays 200 while a decoder is deadlocked, so readiness needs a real decode: a ``/v1/completions``
+request with ``max_tokens: 1``. Liveness (``liveness``) must also tell busy from hung: under a burst a decode
+probe queues behind hundreds of requests, so while requests are running or waiting the engine's own work
+counters (``/metrics``) are the evidence, and the decode probe is for an idle engine. All requests go through
+``http.client`` with a hard timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +16,13 @@ import time
 from dataclasses import dataclass
 
 _INFLIGHT_RE = re.compile(r"^vllm:num_requests_(running|waiting)[{ ]")
+# counters that advance while the engine works: tokens prefilled and generated, engine steps, finished requests
+_PROGRESS_RE = re.compile(
+    r"^vllm:(num_requests_running|num_requests_waiting|generation_tokens_total|prompt_tokens_total"
+    r"|iteration_tokens_total_count|request_success_total)[{ ]"
+)
+# vLLM's admission control (--max-num-queued-reqs / --max-num-queued-tokens) answers 503 with these words
+_ADMISSION_RE = re.compile(r"currently busy and cannot accept new requests|prefill token backlog limit")
 
 
 @dataclass
@@ -20,7 +30,21 @@ class ProbeResult:
     ok: bool
     latency: float
     error: str = ""
-    stage: str = ""  # "health" or "decode": where it failed (or "" when ok)
+    stage: str = ""  # where it failed ("health", "decode", "metrics", "stalled"), or how it passed ("progress", "full")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One reading of the engine's own work counters (summed over their labels)."""
+
+    running: float
+    waiting: float
+    work: float  # prompt + generation tokens + engine steps + finished requests: grows while the engine works
+    at: float  # time.monotonic() of the reading
+
+    @property
+    def busy(self) -> bool:
+        return self.running + self.waiting > 0
 
 
 def _request(
@@ -52,6 +76,8 @@ def decode(host: str, port: int, model: str, timeout: float) -> tuple[bool, str]
         status, raw = _request(host, port, "POST", "/v1/completions", body, timeout)
     except (OSError, http.client.HTTPException) as exc:
         return False, f"/v1/completions: {type(exc).__name__}: {exc}"
+    if status == 503 and _ADMISSION_RE.search(raw.decode(errors="replace")):
+        return True, "full"  # admission control turned it away: alive, and full
     if status != 200:
         return False, f"/v1/completions: HTTP {status}: {raw[:200].decode(errors='replace')}"
     try:
@@ -72,7 +98,59 @@ def probe(host: str, port: int, model: str, timeout: float, health_timeout: floa
         return ProbeResult(False, time.monotonic() - t0, err, "health")
     remaining = max(0.5, timeout - (time.monotonic() - t0))
     ok, err = decode(host, port, model, remaining)
-    return ProbeResult(ok, time.monotonic() - t0, err, "" if ok else "decode")
+    if ok:  # err is "full" for an admission 503
+        return ProbeResult(True, time.monotonic() - t0, "", err or "decode")
+    return ProbeResult(False, time.monotonic() - t0, err, "decode")
+
+
+def progress(host: str, port: int, timeout: float = 3.0) -> tuple[Progress | None, str]:
+    """The engine's work counters from ``/metrics`` (answered by the API server), or None and why."""
+    t0 = time.monotonic()
+    try:
+        status, raw = _request(host, port, "GET", "/metrics", None, timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        return None, f"/metrics: {type(exc).__name__}: {exc}"
+    if status != 200:
+        return None, f"/metrics: HTTP {status}"
+    vals = {"num_requests_running": 0.0, "num_requests_waiting": 0.0}
+    work = 0.0
+    for line in raw.decode(errors="replace").splitlines():
+        m = _PROGRESS_RE.match(line)
+        if not m:
+            continue
+        try:
+            v = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if m.group(1) in vals:
+            vals[m.group(1)] += v
+        else:
+            work += v
+    return Progress(vals["num_requests_running"], vals["num_requests_waiting"], work, t0), ""
+
+
+def liveness(
+    host: str, port: int, model: str, timeout: float, prev: Progress | None
+) -> tuple[ProbeResult, Progress | None]:
+    """Is the engine alive? Busy is not hung: while requests run or wait, the engine is alive when its work
+    counters advanced since ``prev`` (a decode probe would only queue behind them); when idle, a 1-token
+    decode must succeed (an admission 503 counts as alive and full). Returns the verdict and the reading to
+    pass as ``prev`` next time."""
+    t0 = time.monotonic()
+    now, err = progress(host, port, min(timeout, 5.0))
+    if now is None:
+        return ProbeResult(False, time.monotonic() - t0, err, "metrics"), prev
+    if now.busy:
+        if prev is not None and now.work > prev.work:
+            return ProbeResult(True, time.monotonic() - t0, "", "progress"), now
+        if prev is None:  # nothing to compare with yet: judge at the next reading
+            return ProbeResult(True, time.monotonic() - t0, "", "baseline"), now
+        still = (
+            f"{now.running:g} running, {now.waiting:g} waiting, no token or step for {now.at - prev.at:.0f}s"
+        )
+        return ProbeResult(False, time.monotonic() - t0, f"stalled: {still}", "stalled"), prev
+    res = probe(host, port, model, max(0.5, timeout - (time.monotonic() - t0)))
+    return ProbeResult(res.ok, time.monotonic() - t0, res.error, res.stage), now
 
 
 def inflight(host: str, port: int, timeout: float = 3.0) -> int | None:

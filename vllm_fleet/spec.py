@@ -194,6 +194,9 @@ class ModelInstance(_Model):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="explicit KV cache size (cpu profile)")
     max_num_seqs: int | None = Field(None, ge=1)
+    # requests in flight (running + waiting) before the engine answers 503 at once (vLLM's
+    # --max-num-queued-reqs); None: 2 × max_num_seqs (one batch running, one waiting); 0: unbounded
+    max_num_queued_reqs: int | None = Field(None, ge=0)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int | None = Field(None, ge=1)
     enable_prefix_caching: bool | None = None
@@ -217,7 +220,19 @@ class ModelInstance(_Model):
     def _defaults(self) -> ModelInstance:
         if not self.served_model_name:
             self.served_model_name = self.name
+        if self.max_num_queued_reqs and self.max_num_seqs and self.max_num_queued_reqs < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_queued_reqs {self.max_num_queued_reqs} is below max_num_seqs {self.max_num_seqs}: it "
+                "counts running and waiting requests, so the batch could never fill"
+            )
         return self
+
+    @property
+    def queue_bound(self) -> int | None:
+        """Requests in flight (running + waiting) the engine admits; None when unbounded or unknown."""
+        if self.max_num_queued_reqs is not None:
+            return self.max_num_queued_reqs or None
+        return 2 * self.max_num_seqs if self.max_num_seqs else None
 
     @field_validator("gpus")
     @classmethod
@@ -312,6 +327,8 @@ class Gateway(_Model):
     # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
     # next_upstream_tries/_timeout; nothing is retried after the first byte reached the client): docs/gateway.md
     retry_non_idempotent: bool = True
+    # Retry-After of the JSON 503 a client gets when every instance of the model (and its fallback) is full
+    full_retry_after_seconds: int = Field(1, ge=0)
     # where `vllm-fleet drain` keeps the drained set; the njs router reads it on every request, so a drain or
     # undrain needs no reload (docs/gateway.md). Empty: PATHS.CONFIG_DIR/gateway/drained.json
     state_file: str = ""
@@ -364,6 +381,9 @@ class AlertThresholds(_Model):
     ttft_for: str = "10m"
     preemptions_per_second: float = Field(0.1, ge=0)
     preemptions_for: str = "10m"
+    # VllmSaturated: the engine's queue bound (max_num_queued_reqs) turns requests away
+    saturation_rejections_per_second: float = Field(0, ge=0)
+    saturation_for: str = "2m"
     rate_window: str = "5m"
     # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
     group_wait: str = "30s"

@@ -30,6 +30,7 @@ SUMMARY = {
     "VllmFailoverActive": "Backup/fallback instances are serving",
     "VllmTtftSloBreached": "vLLM time to first token above its SLO",
     "VllmPreemptions": "vLLM is preempting requests",
+    "VllmSaturated": "vLLM instance full: its queue bound turns requests away",
     "Watchdog": "Always firing: proves Prometheus -> Alertmanager works",
 }
 FLEET_SCOPE = {"VllmGateway5xxRatioHigh", "VllmFailoverActive", "Watchdog"}
@@ -296,6 +297,23 @@ def build() -> str:
                 (
                     {**LT, **W},
                     "tiny (tiny-qwen3 on h1) preempts 0.20 requests/s (threshold 0.1/s): the KV cache is too small for the load.",
+                )
+            ],
+        ),
+    )
+    doc += case(
+        "saturation: tiny rejects 0.5 requests/s (fires after 2m); tiny-b rejects none (silent)",
+        series("vllm:admission_rejections_total", T + ', reason="max_num_queued_reqs"', "0+30x30")
+        + series("vllm:admission_rejections_total", T + ', reason="max_num_queued_tokens"', "0x30")
+        + series("vllm:admission_rejections_total", B + ', reason="max_num_queued_reqs"', "0x30"),
+        fires_after(
+            "VllmSaturated",
+            "1m",
+            "10m",
+            [
+                (
+                    {**LT, **W},
+                    "tiny (tiny-qwen3 on h1) rejects 0.50 requests/s with 503 (queue bound max_num_queued_reqs reached; threshold 0.0/s): the gateway retries them on other instances; add capacity if it lasts.",
                 )
             ],
         ),

@@ -3,15 +3,20 @@
 One host, at most two engines (`tiny-a`, `tiny-b`), in file order:
 bad model path → failed, clear status, no restart storm; `systemctl start` returns only when serving (a);
 kill -9 of the worker → restart and serve again, the worker and signal named (a, while b starts);
-CUDA_VISIBLE_DEVICES of both engines; stop during a stream drains it (b); kill -STOP → the watchdog restarts a;
+CUDA_VISIBLE_DEVICES of both engines; a burst past the queue bound gets fast JSON 503s, no restart (a); a burst
+queued deeper than two watchdog periods keeps the busy engine alive (b, unbounded queue); stop during a stream
+drains it (b); kill -STOP → the watchdog restarts a;
 stop while loading is quick (a); a worker killed by SIGILL fails the unit once, no restart storm (b).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +63,15 @@ def fleet_spec(tmp: Path, address: str) -> Path:
         "hosts": [{"name": "h1", "address": address, "memory_gib": 16, "gpus": {"count": 2}}],
         "models": [
             {**model, "name": "tiny-a", "served_model_name": "tiny-a", "port": 8101, "gpus": [1]},
-            {**model, "name": "tiny-b", "served_model_name": "tiny-b", "port": 8102, "gpus": [0]},
+            # no queue bound: a burst queues deep behind the batch (the liveness test below)
+            {
+                **model,
+                "name": "tiny-b",
+                "served_model_name": "tiny-b",
+                "port": 8102,
+                "gpus": [0],
+                "max_num_queued_reqs": 0,
+            },
             {**model, "name": "tiny-bad", "port": 8103, "source": {"path": f"{MODELS}/missing"}},
         ],
         "gateway": {"enabled": False},
@@ -210,6 +223,107 @@ def test_two_instances_get_their_cuda_visible_devices(host: Remote) -> None:
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert env["VLLM_CACHE_ROOT"] == f"/var/lib/vllm-fleet/cache/vllm/{name}"
         assert "NOTIFY_SOCKET" not in env
+
+
+BURST = """
+import asyncio, json, sys, time
+import aiohttp
+
+PORT, MODEL, N, TOKENS = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+
+async def one(s):
+    t0 = time.monotonic()
+    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": TOKENS, "ignore_eos": True}
+    try:
+        async with s.post(f"http://127.0.0.1:{PORT}/v1/completions", json=body) as r:
+            raw = await r.read()
+            took = time.monotonic() - t0
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                return "not-json", r.status, took
+            if r.status == 200 and d["choices"][0]["finish_reason"] == "length":
+                return "completed", 200, took
+            if r.status == 503 and "error" in d:
+                return "rejected", 503, took
+            return f"other-{r.status}", r.status, took
+    except Exception as exc:
+        return "dropped:" + type(exc).__name__, 0, time.monotonic() - t0
+
+
+async def main():
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
+        t0 = time.monotonic()
+        res = await asyncio.gather(*(one(s) for _ in range(N)))
+        wall = time.monotonic() - t0
+    out = {"wall": round(wall, 1), "outcomes": {}, "rejected_max_s": 0.0, "completed_max_s": 0.0}
+    for kind, _st, took in res:
+        out["outcomes"][kind] = out["outcomes"].get(kind, 0) + 1
+        key = "rejected_max_s" if kind == "rejected" else "completed_max_s" if kind == "completed" else None
+        if key:
+            out[key] = round(max(out[key], took), 2)
+    print(json.dumps(out))
+
+
+asyncio.run(main())
+"""
+
+
+def burst(host: Remote, port: int, model: str, n: int, tokens: int) -> tuple[dict[str, Any], list[str]]:
+    """``n`` concurrent completions from inside the host; the launcher's liveness verdicts seen meanwhile."""
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(BURST)
+        f.flush()
+        host.h.copy_to(f.name, "/tmp/burst.py", mode=0o644)
+    kinds: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            with contextlib.suppress(AssertionError, ValueError):
+                kinds.append(str(host.state(model).get("last_probe_kind")))
+            time.sleep(1)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        out = host.sh(
+            f"/opt/vllm-fleet/venv/bin/python /tmp/burst.py {port} {model} {n} {tokens}", timeout=1200
+        )
+    finally:
+        done.set()
+        t.join(5)
+    return json.loads(out.strip().splitlines()[-1]), kinds
+
+
+def test_burst_past_the_queue_bound_is_rejected_fast_and_nothing_restarts(host: Remote) -> None:
+    """300 requests at an engine with max_num_seqs 8 (queue bound 16): the first 16 run or wait, the rest get
+    a fast JSON 503 from the engine itself; no connection is dropped and the unit is not restarted."""
+    before = host.show("vllm@tiny-a", "NRestarts", "MainPID")
+    res, kinds = burst(host, 8101, "tiny-a", 300, 300)
+    after = host.show("vllm@tiny-a", "NRestarts", "MainPID")
+    print(f"burst 300 at tiny-a (bound 16): {res}; liveness verdicts {sorted(set(kinds))}")
+    assert after == before, (before, after)  # no restart, same launcher
+    o = res["outcomes"]
+    assert set(o) <= {"completed", "rejected"}, o  # nothing dropped, nothing else
+    assert o.get("completed", 0) >= 16 and o.get("rejected", 0) >= 200, o
+
+
+def test_burst_deeper_than_the_watchdog_keeps_a_busy_engine_alive(host: Remote) -> None:
+    """The issue's failure: a decode probe queued behind the burst timed out and the watchdog killed a
+    healthy engine. tiny-b has no queue bound: 120 requests × 300 tokens keep it busy for longer than two
+    watchdog periods; the launcher reads progress from the engine's counters and keeps pinging."""
+    before = host.show("vllm@tiny-b", "NRestarts", "MainPID")
+    res, kinds = burst(host, 8102, "tiny-b", 120, 300)
+    after = host.show("vllm@tiny-b", "NRestarts", "MainPID")
+    print(f"burst 120 at tiny-b (unbounded): {res}; liveness verdicts {sorted(set(kinds))}")
+    assert res["wall"] > 2 * SERVICE["watchdog_seconds"], res  # the scenario: busy for > 2 watchdog periods
+    assert after == before, (before, after)
+    assert res["outcomes"] == {"completed": 120}, res
+    assert "progress" in kinds, kinds  # the verdicts came from the counters, not from a queued decode probe
 
 
 STREAM = """

