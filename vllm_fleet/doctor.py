@@ -113,10 +113,13 @@ def _py_json(
     failure's cause: a process killed by a signal (named), else the last error line, else the last line."""
     rc, out, err = run([sys.executable, "-m" if module else "-c", code, *(args or [])], timeout)
     if rc == 0:
-        try:
-            return json.loads(out.strip().splitlines()[-1]), ""
-        except (ValueError, IndexError):
-            pass
+        # the last line that is a JSON object: vLLM logs its shutdown to stdout after the result
+        for line in reversed(out.strip().splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line), ""
+                except ValueError:
+                    continue
     text = f"{err}\n{out}"
     if (death := cause_in(text)) is not None:
         return None, death.describe()
