@@ -21,7 +21,8 @@
 * the engine dies on its own: exit non-zero at once (the group's leftovers are killed), naming what died and
   how (``engine_death``: vLLM's API server outlives a dead worker and exits 0, so the worker's death is read
   from the engine core's log line); a worker killed by SIGILL (an instruction the CPU lacks) is a
-  configuration error (``EXIT_CONFIG``), SIGKILL (the OOM killer) exits 137 and is restarted;
+  configuration error (``EXIT_CONFIG``); SIGKILL (the OOM killer) exits 137 (1 when vLLM did not get the
+  worker's status) and is restarted;
 * keeps ``{state_dir}/NAME.json`` up to date for the host exporter (docs: /tmp/state-format.md contract).
 """
 
