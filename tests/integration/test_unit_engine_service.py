@@ -381,13 +381,20 @@ def test_sigstop_of_engine_triggers_watchdog_restart(host: Remote) -> None:
     pid = host.state("tiny-a")["engine_pid"]
     t0 = time.monotonic()
     host.sh(f"kill -STOP {pid}")
-    bound = SERVICE["watchdog_seconds"] + SERVICE["probe_interval_seconds"] + SERVICE["restart_sec"] + 10
-    host.wait(
-        lambda: int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"]) > before,
-        bound,
-        "a watchdog restart",
-        0.5,
-    )
+    # the watchdog fires <= watchdog_seconds after the last ping (one probe interval before the stop at most),
+    # then systemd waits RestartSec; the rest of the bound is slack for a slow, busy machine (not a timing
+    # assertion: the figure is printed)
+    bound = SERVICE["watchdog_seconds"] + SERVICE["probe_interval_seconds"] + SERVICE["restart_sec"] + 45
+    try:
+        host.wait(
+            lambda: int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"]) > before,
+            bound,
+            "a watchdog restart",
+            0.5,
+        )
+    except AssertionError as exc:
+        cmd = "systemctl status --no-pager vllm@tiny-a; journalctl --no-pager -o short-monotonic -u vllm@tiny-a -n 40"
+        raise AssertionError(f"{exc}\n{host.sh(cmd, check=False)}") from None
     took = time.monotonic() - t0
     journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
     assert "Watchdog timeout" in journal or "watchdog" in journal.lower()
