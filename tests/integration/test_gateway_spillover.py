@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def p(engine_factory: Any, engine: EngineProcess) -> EngineProcess:
-    e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])
-    return e.wait_ready(900)
+def p(bounded_engine: EngineProcess) -> EngineProcess:
+    """The full primary: the session's bounded engine (2 running + 2 waiting)."""
+    return bounded_engine
 
 
 def start(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:

@@ -179,26 +179,75 @@ def test_watchdog_pings_repeat(run: Run) -> None:
     assert s["probes_total"] >= 2 and s["last_probe_latency_seconds"] > 0
 
 
-def test_sigstop_of_engine_stops_watchdog(run: Run) -> None:
-    run.notify.wait_for("READY", "1", timeout=1500)
+def _long_completions(run: Run, n: int) -> list[threading.Thread]:
+    """``n`` completions of 900 tokens in the background (they keep the engine busy)."""
+    body = {"model": "tiny-served", "prompt": "once upon a time", "max_tokens": 900, "ignore_eos": True}
+    url = f"http://127.0.0.1:{run.port}/v1/completions"
+    threads = [
+        threading.Thread(target=lambda: http_json("POST", url, body, timeout=300), daemon=True)
+        for _ in range(n)
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
+    """The processes ``mode`` stops, and whether the engine must be busy first."""
     pid = run.engine_pid()
-    os.kill(pid, signal.SIGSTOP)
+    if mode == "api-server":
+        return [pid], False
+    if mode == "all":
+        return sorted(group_processes(pid)), False
+    # the worker alone, while requests run: /health and /metrics still answer, but nothing decodes
+    workers = [p for p, cmd in group_processes(pid).items() if cmd.startswith("VLLM::Worker")]
+    assert len(workers) == 1, group_processes(pid)
+    return workers, True
+
+
+@pytest.mark.parametrize("mode", ["api-server", "all", "worker-busy"])
+def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
+    """Three hangs (issue: busy is not hung, but hung is hung): the API server alone stopped (probes time
+    out), every engine process stopped, and the worker alone stopped while requests run (``/health`` stays 200,
+    the work counters stop). In each the launcher stops pinging within one probe timeout, so systemd's
+    watchdog restarts the unit ``WatchdogSec`` after the last ping (shown under systemd in
+    test_unit_engine_service); after SIGCONT the pings resume."""
+    run.notify.wait_for("READY", "1", timeout=1500)
+    targets, busy = _hang_targets(run, mode)
+    threads = _long_completions(run, 4) if busy else []
+    if busy:
+        deadline = time.monotonic() + 60
+        while run.state().get("last_probe_kind") != "progress" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.state().get("last_probe_kind") == "progress", run.state()  # busy, judged by the counters
+    for p in targets:
+        os.kill(p, signal.SIGSTOP)
     try:
         t_stop = time.monotonic()
-        time.sleep(SERVICE["probe_timeout_seconds"] + 1)  # a probe in flight at SIGSTOP may still succeed
+        time.sleep(SERVICE["probe_timeout_seconds"] + SERVICE["probe_interval_seconds"] + 1)
         t_quiet = time.monotonic()
         time.sleep(8)
-        pings = [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1" and t >= t_quiet]
-        assert pings == [], f"WATCHDOG=1 while the engine was stopped ({len(pings)} pings)"
+        pings = [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1"]
+        assert [t for t in pings if t >= t_quiet] == [], f"WATCHDOG=1 while the engine was hung ({mode})"
+        last = max(pings) - t_stop
         status = [f["STATUS"] for t, f in run.notify.messages if t >= t_stop and "STATUS" in f]
         assert any(s.startswith("Probe failing") for s in status), status
+        if busy:
+            assert any("stalled: " in s for s in status), status  # the counters, not a timeout, said so
         s = run.state()
         assert s["last_probe_ok"] is False and s["probe_failures_total"] >= 1
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for p in targets:
+            os.kill(p, signal.SIGCONT)
     since = len(run.notify.messages)
-    run.notify.wait_for("WATCHDOG", "1", since=since, timeout=30)  # pings resume once probes pass again
+    run.notify.wait_for("WATCHDOG", "1", since=since, timeout=60)  # pings resume once probes pass again
     assert run.state()["last_probe_ok"] is True
+    for t in threads:
+        t.join(300)
+    print(
+        f"kill -STOP ({mode}): last ping {last:+.1f}s from the stop → a systemd restart by "
+        f"{last + SERVICE['watchdog_seconds']:.1f}s (WatchdogSec {SERVICE['watchdog_seconds']}s)"
+    )
 
 
 def test_sigterm_drains_inflight_stream(run: Run) -> None:

@@ -188,6 +188,7 @@ class Live:
     am_port: int
     slack: SlackReceiver
     engine: EngineProcess
+    bounded: EngineProcess
     gateway_url: str
     rules: list[dict[str, Any]]
 
@@ -206,7 +207,9 @@ def distinct_ports(n: int) -> list[int]:
             s.close()
 
 
-def live_spec(engine: EngineProcess, tiny_model: Path, work: Path, slack_url_file: Path) -> FleetSpec:
+def live_spec(
+    engine: EngineProcess, bounded: EngineProcess, tiny_model: Path, work: Path, slack_url_file: Path
+) -> FleetSpec:
     gone, gw, stub, prom, am, node, ngx, exp = distinct_ports(8)
     return parse_spec(
         {
@@ -234,6 +237,20 @@ def live_spec(engine: EngineProcess, tiny_model: Path, work: Path, slack_url_fil
                     "host": "h2",
                     "port": engine.port,
                     "role": "backup",
+                    "kv_cache_memory_bytes": 67108864,
+                    "max_model_len": 1024,
+                },
+                # the session's bounded engine (2 running + 2 waiting), a fallback the gateway only spills to:
+                # overloaded directly, it turns requests away with 503 and VllmSaturated fires
+                {
+                    "name": "tiny-full",
+                    "served_model_name": bounded.served_name,
+                    "source": {"path": str(tiny_model)},
+                    "host": "h2",
+                    "port": bounded.port,
+                    "role": "fallback",
+                    "max_num_seqs": 2,
+                    "max_num_queued_reqs": 2,
                     "kv_cache_memory_bytes": 67108864,
                     "max_model_len": 1024,
                 },
@@ -271,6 +288,7 @@ def live_spec(engine: EngineProcess, tiny_model: Path, work: Path, slack_url_fil
             "alerts": {
                 "queue_wait_p99_seconds": QUEUE_WAIT_THRESHOLD,
                 "queue_wait_for": "3s",
+                "saturation_for": "3s",
                 "rate_window": "15s",
                 "instance_down_for": "10m",
                 "group_wait": "1s",
@@ -283,36 +301,42 @@ def live_spec(engine: EngineProcess, tiny_model: Path, work: Path, slack_url_fil
     )
 
 
-def _state_writer(engine: EngineProcess, state_dir: Path, stop: threading.Event) -> None:
-    """The launcher's own probe and state writer, run against the session engine (which the launcher does
-    not own here): the exporter reads exactly what a launcher writes."""
+def _state_writer(engines: dict[str, EngineProcess], state_dir: Path, stop: threading.Event) -> None:
+    """The launcher's own probe and state writer, run against the session engines (which no launcher owns
+    here): the exporter reads exactly what a launcher writes. ``engines``: instance name → its engine."""
     started = time.time()
-    probes = failures = 0
+    probes = 0
+    failures = dict.fromkeys(engines, 0)
     while not stop.is_set():
-        res = probe("127.0.0.1", engine.port, engine.served_name, timeout=10)
         probes += 1
-        failures += 0 if res.ok else 1
-        now = time.time()
-        for name in ("tiny", "tiny-b"):
+        for name, engine in engines.items():
+            res = probe("127.0.0.1", engine.port, engine.served_name, timeout=10)
+            failures[name] += 0 if res.ok else 1
+            now = time.time()
             write_state(str(state_dir), name, {
                 "instance": name, "served_model_name": engine.served_name, "port": engine.port,
                 "state": "ready", "launcher_pid": os.getpid(), "engine_pid": engine.proc.pid if engine.proc else None,
                 "started_at": started, "ready_at": started, "load_duration_seconds": 0.0, "phase": "ready",
                 "last_probe_at": now, "last_probe_ok": res.ok, "last_probe_latency_seconds": res.latency,
-                "probes_total": probes, "probe_failures_total": failures, "updated_at": now,
+                "probes_total": probes, "probe_failures_total": failures[name], "updated_at": now,
             })  # fmt: skip
         stop.wait(1.0)
 
 
 @pytest.fixture(scope="module")
-def live(engine: EngineProcess, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+def live(
+    engine: EngineProcess,
+    bounded_engine: EngineProcess,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Live]:
     from vllm_fleet.gateway_nginx import NginxGateway
 
     work = tmp_path_factory.mktemp("observability")
     slack = SlackReceiver()
     url_file = work / "slack_webhook_url"
     url_file.write_text(slack.url + "\n")
-    spec = live_spec(engine, tiny_model, work, url_file)
+    spec = live_spec(engine, bounded_engine, tiny_model, work, url_file)
     mon = spec.monitoring
     render_monitoring(spec, work / "out", folders=("alerts", "monitoring", "dashboards", "nginx", "units"))
     h1 = work / "out" / "h1"
@@ -323,7 +347,8 @@ def live(engine: EngineProcess, tiny_model: Path, tmp_path_factory: pytest.TempP
     try:
         # launcher state files + instance configs for the exporter
         state_dir = work / "state"
-        threading.Thread(target=_state_writer, args=(engine, state_dir, stop), daemon=True).start()
+        engines = {"tiny": engine, "tiny-b": engine, "tiny-full": bounded_engine}
+        threading.Thread(target=_state_writer, args=(engines, state_dir, stop), daemon=True).start()
         gw_url = f"http://127.0.0.1:{spec.gateway.port}"
         nginx.start(gw_url + "/health")
         Path(spec.gateway.access_log).touch()
@@ -382,7 +407,9 @@ def live(engine: EngineProcess, tiny_model: Path, tmp_path_factory: pytest.TempP
                       {"model": "gone-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})  # fmt: skip
         groups = yaml.safe_load((etc / "rules" / "vllm-fleet.rules.yml").read_text())["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        yield Live(spec, h1, mon.prometheus_port, mon.alertmanager_port, slack, engine, gw_url, rules)
+        yield Live(
+            spec, h1, mon.prometheus_port, mon.alertmanager_port, slack, engine, bounded_engine, gw_url, rules
+        )
     finally:
         stop.set()
         procs.stop()
@@ -494,6 +521,8 @@ async def _overload(url: str, model: str, stop: threading.Event, concurrency: in
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     await resp.read()
                     key = str(resp.status)
+                if resp.status == 503:  # turned away at once: a client backs off a little before it retries
+                    await asyncio.sleep(0.1)
             except aiohttp.ClientError as exc:
                 key = type(exc).__name__
                 await asyncio.sleep(0.2)
@@ -509,37 +538,59 @@ async def _overload(url: str, model: str, stop: threading.Event, concurrency: in
 def test_overload_fires_queue_wait_alert_to_slack_and_resolves(live: Live) -> None:
     port = live.prom_port
 
-    def queue_alert_state() -> str:
+    def alert_state(name: str) -> str:
         alerts = prom_api(port, "/api/v1/alerts")["alerts"]
-        states = [a["state"] for a in alerts if a["labels"]["alertname"] == "VllmQueueWaitHigh"]
+        states = [a["state"] for a in alerts if a["labels"]["alertname"] == name]
         return "firing" if "firing" in states else ("pending" if states else "inactive")
 
-    # silent when it should be: normal traffic does not fire it
-    assert queue_alert_state() == "inactive"
-    assert not live.slack.find("VllmQueueWaitHigh", "FIRING")
+    # silent when they should be: normal traffic fires neither
+    for name in ("VllmQueueWaitHigh", "VllmSaturated"):
+        assert alert_state(name) == "inactive", name
+        assert not live.slack.find(name, "FIRING"), name
 
     stop = threading.Event()
     result: dict[str, dict[str, int]] = {}
     t0 = time.time()
-    loader = threading.Thread(
-        target=lambda: result.update(
-            sent=asyncio.run(_overload(live.engine.url, live.engine.served_name, stop, 160))
+
+    async def both() -> None:
+        # the unbounded engine queues (queue wait), the bounded one (2 + 2) turns requests away (saturation)
+        sent, full = await asyncio.gather(
+            _overload(live.engine.url, live.engine.served_name, stop, 160),
+            _overload(live.bounded.url, live.bounded.served_name, stop, 12),
         )
-    )
+        result.update(sent=sent, full=full)
+
+    loader = threading.Thread(target=lambda: asyncio.run(both()))
     loader.start()
     try:
-        t_prom = None
-        if wait_until(lambda: queue_alert_state() == "firing", 150, 0.5):
+        t_prom = t_sat = None
+        if wait_until(lambda: alert_state("VllmQueueWaitHigh") == "firing", 150, 0.5):
             t_prom = time.time()
+        if wait_until(lambda: alert_state("VllmSaturated") == "firing", 60, 0.5):
+            t_sat = time.time()
         fired = (
             wait_until(lambda: bool(live.slack.find("VllmQueueWaitHigh", "FIRING")), 30, 0.2)
             if t_prom
             else False
         )
+        sat_fired = (
+            wait_until(lambda: bool(live.slack.find("VllmSaturated", "FIRING")), 30, 0.2) if t_sat else False
+        )
     finally:
         stop.set()
         t_stop = time.time()
         loader.join(300)
+    assert t_sat is not None, f"VllmSaturated never fired; the bounded engine answered {result.get('full')}"
+    assert result["full"].get("503", 0) > 0, result["full"]  # vLLM's own admission rejections
+    assert sat_fired, f"no Slack message for VllmSaturated; posts: {live.slack.posts[-3:]}"
+    sat = next(
+        a
+        for _, p in live.slack.find("VllmSaturated", "FIRING")
+        for a in p["attachments"]
+        if "VllmSaturated" in a["title"]
+    )
+    assert "instance: tiny-full" in sat["text"] and "rejects" in sat["text"], sat["text"]
+    assert sat["title_link"].endswith("/VllmSaturated.md")
     p99 = prom_query(
         port, "histogram_quantile(0.99, sum by (le) (rate(vllm:request_queue_time_seconds_bucket[15s])))"
     )
@@ -569,6 +620,8 @@ def test_overload_fires_queue_wait_alert_to_slack_and_resolves(live: Live) -> No
         "overload_to_slack_firing_s": round(t_slack - t0, 1),
         "load_stop_to_slack_resolved_s": round(t_resolved - t_stop, 1),
         "overload_responses": result.get("sent", {}),
+        "overload_to_saturated_firing_s": round(t_sat - t0, 1),
+        "bounded_engine_responses": result.get("full", {}),
         "slack_firing_payload": payload,
     }
     print("\nOBSERVABILITY FIGURES " + json.dumps(figures))
