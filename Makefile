@@ -14,7 +14,7 @@ images: setup
 
 ## the test suite: unit + integration (real vLLM-CPU engines, nginx, Prometheus, Alertmanager, nspawn hosts)
 test: setup images
-	PY=$(PY) bash tools/test.sh -ra --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS)
 
 ## unit tests only (seconds; no processes started)
 test-fast:
