@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +15,9 @@ from . import __version__
 from .engine import engine_command, engine_env, listen_address, model_path
 from .gateway_routes import gateway_routes
 from .plan import Plan, make_plan
-from .spec import FleetSpec, ModelInstance
+from .spec import FleetSpec, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
-
-
-def spec_hash(spec: FleetSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def instance_ctx(spec: FleetSpec, plan: Plan, m: ModelInstance) -> dict[str, Any]:

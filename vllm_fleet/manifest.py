@@ -18,11 +18,10 @@ from typing import Any
 
 from . import cpu_features
 from .cli import command
-from .context import spec_hash
 from .doctor import _py_json, driver_cuda_version, nvidia_gpus
 from .engine import engine_args, model_path
 from .fetch import read_manifest
-from .spec import FleetSpec, load_spec
+from .spec import FleetSpec, load_spec, spec_hash
 
 DEFAULT_PATH = "/var/lib/vllm-fleet/manifest.json"
 PY_TORCH = "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))"
