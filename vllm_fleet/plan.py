@@ -375,7 +375,7 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
         instances.append(ip)
     _start_order(spec, instances)
     # alert thresholds that cannot work (e.g. a TTFT SLO that is not a histogram bucket bound)
-    from .observability import check_alert_thresholds
+    from .observability.thresholds import check_alert_thresholds
 
     problems += [Problem(path, reason) for path, reason in check_alert_thresholds(spec)]
     # every model needs a primary somewhere

@@ -32,9 +32,9 @@ import pytest
 import yaml
 
 from vllm_fleet.launcher import write_state
-from vllm_fleet.observability import render_monitoring
 from vllm_fleet.observability.dashboards import panel_queries
 from vllm_fleet.probe import probe
+from vllm_fleet.render import render_monitoring
 from vllm_fleet.spec import FleetSpec, parse_spec
 from vllm_fleet.testing import EngineProcess, free_port, http_json
 

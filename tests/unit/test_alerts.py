@@ -12,7 +12,8 @@ import jinja2
 import pytest
 import yaml
 
-from vllm_fleet.observability import VLLM_METRICS, check_alert_thresholds, render_monitoring
+from vllm_fleet.observability import VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.render import render_monitoring
 from vllm_fleet.spec import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]

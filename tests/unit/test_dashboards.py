@@ -12,8 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
-from vllm_fleet.observability import VLLM_METRICS, render_monitoring
+from vllm_fleet.observability import VLLM_METRICS
 from vllm_fleet.observability.dashboards import INSTANCE_UID, OVERVIEW_UID, panel_queries
+from vllm_fleet.render import render_monitoring
 from vllm_fleet.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -149,7 +149,7 @@ def test_cli_once_prints_the_exposition(tmp_path: Path) -> None:
 def test_exporter_unit_per_host(tmp_path: Path) -> None:
     import yaml
 
-    from vllm_fleet.observability import render_monitoring
+    from vllm_fleet.render import render_monitoring
     from vllm_fleet.spec import parse_spec
 
     repo = Path(__file__).resolve().parents[2]

@@ -2,94 +2,17 @@
 
 ``VLLM_METRICS`` is the list of metric names vLLM 0.32 exports (read from a live engine's /metrics, see
 docs/observability.md; the catalogue is ``vllm_fleet.vllm_metrics``). Queries must use only these (and the
-exporters' names); the live test proves it.
+exporters' names); the live test proves it. The alert-threshold checks of the planner are in ``thresholds``
+(re-exported here); rendering only the monitoring folders is ``render.render_monitoring``. Nothing here
+imports the renderer: the planner imports ``thresholds``, and so this package.
 """
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
-from ..spec import FleetSpec
 from ..vllm_metrics import VLLM_COUNTERS as VLLM_COUNTERS
 from ..vllm_metrics import VLLM_GAUGES as VLLM_GAUGES
 from ..vllm_metrics import VLLM_HISTOGRAMS as VLLM_HISTOGRAMS
 from ..vllm_metrics import VLLM_METRICS as VLLM_METRICS
-
-# vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
-# bounds is an interpolation artefact: the SLO must be one of these, or the engine needs
-# --custom-histogram-buckets with that bound.
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-# request-latency family (e2e, queue, prefill, decode)
-REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-    960.0, 1920.0, 7680.0,
-)  # fmt: skip
-
-MONITORING_FOLDERS = ("alerts", "monitoring", "dashboards")
-
-
-def _custom_ttft_buckets(extra_args: list[str]) -> list[float] | None:
-    """TTFT bounds given with --custom-histogram-buckets JSON, if any."""
-    import json
-
-    for n, arg in enumerate(extra_args):
-        value = None
-        if arg == "--custom-histogram-buckets" and n + 1 < len(extra_args):
-            value = extra_args[n + 1]
-        elif arg.startswith("--custom-histogram-buckets="):
-            value = arg.split("=", 1)[1]
-        if value is not None:
-            try:
-                data = json.loads(value)
-                return [float(b) for b in data.get("time_to_first_token", [])] or None
-            except (ValueError, AttributeError, TypeError):
-                return None
-    return None
-
-
-def check_alert_thresholds(spec: FleetSpec) -> list[tuple[str, str]]:
-    """Plan-time checks of the alert thresholds: (field path, reason) pairs."""
-    problems: list[tuple[str, str]] = []
-    for i, m in enumerate(spec.models):
-        buckets = _custom_ttft_buckets(m.extra_args) or list(TTFT_BUCKETS)
-        own = m.alerts.ttft_p99_slo_seconds
-        slo, path = (own, f"models[{i}].alerts.ttft_p99_slo_seconds") if own is not None else (
-            spec.alerts.ttft_p99_slo_seconds, "alerts.ttft_p99_slo_seconds")  # fmt: skip
-        if not any(abs(slo - b) < 1e-9 for b in buckets):
-            near = sorted(buckets, key=lambda b: abs(b - slo))[:2]
-            problems.append(
-                (
-                    path,
-                    f"TTFT SLO {slo}s is not a bound of {m.name}'s time_to_first_token histogram, so p99 > SLO "
-                    f"would be an interpolation guess; use a bucket bound (nearest: {sorted(near)}) or add it "
-                    "with --custom-histogram-buckets",
-                )
-            )
-    return problems
-
-
-def render_monitoring(
-    spec: FleetSpec, out_dir: Path, folders: tuple[str, ...] = MONITORING_FOLDERS
-) -> list[Path]:
-    """Render only the monitoring artifacts (alerts/, monitoring/, dashboards/) of every host into
-    ``out_dir/HOST/...`` — what the observability tests use, independent of other template folders."""
-    from ..context import repo_root
-    from ..render import render_host
-
-    root = repo_root()
-    written: list[Path] = []
-    with tempfile.TemporaryDirectory(prefix="vf-monitoring-root-") as tmp:
-        for f in folders:
-            if (root / f / "artifacts.yml").exists():
-                (Path(tmp) / f).symlink_to(root / f)
-        for h in spec.hosts:
-            for r in render_host(spec, h.name, root=Path(tmp)):
-                target = out_dir / h.name / r.dest.lstrip("/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(r.content)
-                written.append(target)
-    return written
+from .thresholds import REQUEST_LATENCY_BUCKETS as REQUEST_LATENCY_BUCKETS
+from .thresholds import TTFT_BUCKETS as TTFT_BUCKETS
+from .thresholds import check_alert_thresholds as check_alert_thresholds
