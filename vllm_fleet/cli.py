@@ -76,14 +76,6 @@ def _cmd_context(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_tiny_model(a: argparse.Namespace) -> int:
-    from .tinymodel import build_tiny_model
-
-    path = build_tiny_model(Path(a.out), seed=a.seed)
-    print(path)
-    return 0
-
-
 def _cmd_validate(a: argparse.Namespace) -> int:
     _spec(a.spec)
     print(f"{a.spec}: valid")
@@ -121,10 +113,6 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
     sp = spec_cmd("context", "print the template variables (used by the Ansible role)", _cmd_context)
     sp.add_argument("--host", help="include host-specific variables and the artifact list")
     sp.add_argument("--compact", action="store_true")
-    sp = sub.add_parser("tiny-model", help="build the tiny random Qwen3 model + tokenizer offline")
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.set_defaults(handler=_cmd_tiny_model)
     broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
     for name in sorted([*_COMMANDS, *broken]):
         if name in broken:
@@ -145,7 +133,7 @@ def _unavailable(name: str, text: str) -> Handler:
     return handler
 
 
-BUILTINS = ("validate", "plan", "render", "context", "tiny-model")
+BUILTINS = ("validate", "plan", "render", "context")
 # sub-commands that live in their own modules (registered there with @command), imported only when needed:
 # a module that fails to import breaks its own commands, not the others
 PLUGINS: dict[str, str] = {
@@ -158,6 +146,7 @@ PLUGINS: dict[str, str] = {
     "lock": "vllm_fleet.lock",
     "manifest": "vllm_fleet.manifest",
     "sandbox": "vllm_fleet.sandbox",
+    "tiny-model": "vllm_fleet.tinymodel",
     "undrain": "vllm_fleet.gateway",
 }
 
