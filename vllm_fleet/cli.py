@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .spec import FleetSpec, SpecError, load_spec
+from vllm_fleet.fleet.spec import FleetSpec, SpecError, load_spec
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
@@ -31,7 +31,7 @@ def _spec(path: str) -> FleetSpec:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from .plan import format_plan, make_plan
+    from vllm_fleet.fleet.plan import format_plan, make_plan
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -43,8 +43,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_render(a: argparse.Namespace) -> int:
-    from .plan import format_plan, make_plan
-    from .render import render_fleet
+    from vllm_fleet.fleet.plan import format_plan, make_plan
+    from vllm_fleet.fleet.render import render_fleet
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -59,9 +59,9 @@ def _cmd_render(a: argparse.Namespace) -> int:
 
 
 def _cmd_context(a: argparse.Namespace) -> int:
-    from .context import build_context
-    from .plan import make_plan
-    from .render import artifact_list
+    from vllm_fleet.fleet.context import build_context
+    from vllm_fleet.fleet.plan import make_plan
+    from vllm_fleet.fleet.render import artifact_list
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -138,16 +138,16 @@ BUILTINS = ("validate", "plan", "render", "context")
 # a module that fails to import breaks its own commands, not the others
 PLUGINS: dict[str, str] = {
     "bench": "vllm_fleet.bench.cli",
-    "doctor": "vllm_fleet.doctor",
-    "drain": "vllm_fleet.gateway",
-    "exporter": "vllm_fleet.exporter",
-    "fetch": "vllm_fleet.fetch",
-    "launch": "vllm_fleet.launcher",
-    "lock": "vllm_fleet.lock",
-    "manifest": "vllm_fleet.manifest",
-    "sandbox": "vllm_fleet.sandbox",
-    "tiny-model": "vllm_fleet.tinymodel",
-    "undrain": "vllm_fleet.gateway",
+    "doctor": "vllm_fleet.host.doctor",
+    "drain": "vllm_fleet.host.drain",
+    "exporter": "vllm_fleet.host.exporter",
+    "fetch": "vllm_fleet.host.fetch",
+    "launch": "vllm_fleet.host.launcher",
+    "lock": "vllm_fleet.fleet.lock",
+    "manifest": "vllm_fleet.host.manifest",
+    "sandbox": "vllm_fleet.devtools.sandbox",
+    "tiny-model": "vllm_fleet.devtools.tinymodel",
+    "undrain": "vllm_fleet.host.drain",
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ..spec import FleetSpec
+from vllm_fleet.fleet.spec import FleetSpec
 
 # vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
 # bounds is an interpolation artefact: the SLO must be one of these, or the engine needs

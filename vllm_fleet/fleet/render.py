@@ -26,9 +26,9 @@ from typing import Any
 import jinja2
 import yaml
 
-from .context import build_context, repo_root
-from .plan import Plan, make_plan
-from .spec import FleetSpec
+from vllm_fleet.fleet.context import build_context, repo_root
+from vllm_fleet.fleet.plan import Plan, make_plan
+from vllm_fleet.fleet.spec import FleetSpec
 
 SCOPES = {"host", "engine_host", "instance", "gateway", "monitoring"}
 

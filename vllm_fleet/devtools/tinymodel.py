@@ -13,7 +13,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .cli import command
+from vllm_fleet.cli import command
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MARKER = "vllm-fleet-tiny.json"
-QWEN3_8B_CONFIG_FILE = Path(__file__).parent / "data" / "qwen3-8b-config.json"
+QWEN3_8B_CONFIG_FILE = Path(__file__).parent.parent / "data" / "qwen3-8b-config.json"
 
 
 def qwen3_8b_config() -> dict[str, object]:

