@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.testing import UNIPROC, EngineProcess
+from vllm_fleet.devtools.testing import UNIPROC, EngineProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen3 model, built once per session (≈ 7 s), or taken from VLLM_FLEET_TINY_MODEL."""
-    from vllm_fleet.tinymodel import build_tiny_model
+    from vllm_fleet.devtools.tinymodel import build_tiny_model
 
     pre = os.environ.get("VLLM_FLEET_TINY_MODEL")
     if pre:

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.sandbox import SandboxHost, down, list_hosts, up
-from vllm_fleet.sandbox_image import SandboxError
+from vllm_fleet.devtools.sandbox import SandboxHost, down, list_hosts, up
+from vllm_fleet.devtools.sandbox_image import SandboxError
 
 SandboxFactory = Callable[..., SandboxHost]
 
@@ -49,7 +49,7 @@ def sandbox_factory() -> Iterator[SandboxFactory]:
     """``sandbox_factory(name, address=None, **up_kwargs)`` → a booted :class:`SandboxHost`.
 
     ``address`` defaults to a free one on 10.77.0.0/24 (the default bridge's subnet); other keywords go to
-    :func:`vllm_fleet.sandbox.up` (``engine``, ``wheelhouse``, ``model_dir``, ``apt_proxy``, ``binds_ro``).
+    :func:`vllm_fleet.devtools.sandbox.up` (``engine``, ``wheelhouse``, ``model_dir``, ``apt_proxy``, ``binds_ro``).
     A name still running from an earlier, killed session is taken down first."""
     reason = sandbox_skip_reason()
     if reason:

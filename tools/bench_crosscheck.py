@@ -10,7 +10,7 @@ requests/s and TTFT (mean, p50).
     .venv/bin/python tools/bench_crosscheck.py --start-engine MODEL_DIR     # starts a tiny engine itself
 
 vLLM's side runs exactly:
-    python -m vllm_fleet.vllm_cpu_entry bench serve --backend openai-chat --endpoint /v1/chat/completions
+    python -m vllm_fleet.host.vllm_cpu_entry bench serve --backend openai-chat --endpoint /v1/chat/completions
       --base-url URL --model NAME --tokenizer DIR --dataset-name random --random-input-len IN
       --random-output-len OUT --random-range-ratio 0 --num-prompts N --max-concurrency C --request-rate inf
       --ignore-eos --num-warmups 0 --disable-tqdm --save-result --result-dir D --result-filename F --seed S
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from vllm_fleet.bench.session import Options, run_once  # noqa: E402
 from vllm_fleet.bench.workload import parse_profile  # noqa: E402
-from vllm_fleet.testing import EngineProcess, engine_env, http_json  # noqa: E402
+from vllm_fleet.devtools.testing import EngineProcess, engine_env, http_json  # noqa: E402
 
 
 def vllm_argv(a: argparse.Namespace, model: str, out: Path, fname: str, seed: int) -> list[str]:
@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--json", help="write the figures here")
     p.add_argument(
         "--vllm-cmd",
-        default=f"{sys.executable} -m vllm_fleet.vllm_cpu_entry",
+        default=f"{sys.executable} -m vllm_fleet.host.vllm_cpu_entry",
         help="how to run the vllm CLI (default: vllm-cpu from this venv; e.g. /opt/vllm-fleet/venv/bin/vllm)",
     )
     p.add_argument(

@@ -30,8 +30,8 @@ T0=$(date +%s)
 
 step "1/5 tiny model (built offline) and the offline wheelhouse (from locks/cpu-0.32.0.txt)"
 vllm-fleet tiny-model --out "$WORK/models/tiny" >/dev/null
-SANDBOX_WH=$(python -c 'from vllm_fleet.sandbox_image import ensure_wheelhouse; print(ensure_wheelhouse())')
-CACHE=$(python -c 'from vllm_fleet.sandbox_image import cache_dir; print(cache_dir())')
+SANDBOX_WH=$(python -c 'from vllm_fleet.devtools.sandbox_image import ensure_wheelhouse; print(ensure_wheelhouse())')
+CACHE=$(python -c 'from vllm_fleet.devtools.sandbox_image import cache_dir; print(cache_dir())')
 WH="$CACHE/ansible-wheelhouse"
 if [ ! -f "$WH/lock.txt" ] || [ "$WH/lock.txt" -ot locks/cpu-0.32.0.txt ]; then
   vllm-fleet lock wheelhouse --profile cpu --dest "$WH" --reuse "$SANDBOX_WH"

@@ -29,8 +29,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_fleet.gateway_testing import Gateway, gateway_spec
-from vllm_fleet.testing import EngineProcess
+from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec
+from vllm_fleet.devtools.testing import EngineProcess
 
 KEY = "sk-vf-bench-0123456789abcdef0123456789"
 
@@ -169,7 +169,7 @@ def main() -> int:
     try:
         direct, gateway = a.direct, a.gateway
         if not (direct and gateway):
-            from vllm_fleet.tinymodel import build_tiny_model
+            from vllm_fleet.devtools.tinymodel import build_tiny_model
 
             model_dir = build_tiny_model(Path(a.model_dir) if a.model_dir else work / "tiny")
             (work / "engine").mkdir()

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .spec import FleetSpec, SpecError, load_spec
+from vllm_fleet.fleet.spec import FleetSpec, SpecError, load_spec
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
@@ -31,7 +31,7 @@ def _spec(path: str) -> FleetSpec:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from .plan import format_plan, make_plan
+    from vllm_fleet.fleet.plan import format_plan, make_plan
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -43,8 +43,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_render(a: argparse.Namespace) -> int:
-    from .plan import format_plan, make_plan
-    from .render import render_fleet
+    from vllm_fleet.fleet.plan import format_plan, make_plan
+    from vllm_fleet.fleet.render import render_fleet
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -59,9 +59,9 @@ def _cmd_render(a: argparse.Namespace) -> int:
 
 
 def _cmd_context(a: argparse.Namespace) -> int:
-    from .context import build_context
-    from .plan import make_plan
-    from .render import artifact_list
+    from vllm_fleet.fleet.context import build_context
+    from vllm_fleet.fleet.plan import make_plan
+    from vllm_fleet.fleet.render import artifact_list
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -73,14 +73,6 @@ def _cmd_context(a: argparse.Namespace) -> int:
     if a.host:
         ctx["vf"]["artifacts"] = artifact_list(spec, a.host, plan)
     print(json.dumps(ctx["vf"], indent=None if a.compact else 2))
-    return 0
-
-
-def _cmd_tiny_model(a: argparse.Namespace) -> int:
-    from .tinymodel import build_tiny_model
-
-    path = build_tiny_model(Path(a.out), seed=a.seed)
-    print(path)
     return 0
 
 
@@ -121,10 +113,6 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
     sp = spec_cmd("context", "print the template variables (used by the Ansible role)", _cmd_context)
     sp.add_argument("--host", help="include host-specific variables and the artifact list")
     sp.add_argument("--compact", action="store_true")
-    sp = sub.add_parser("tiny-model", help="build the tiny random Qwen3 model + tokenizer offline")
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.set_defaults(handler=_cmd_tiny_model)
     broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
     for name in sorted([*_COMMANDS, *broken]):
         if name in broken:
@@ -145,20 +133,21 @@ def _unavailable(name: str, text: str) -> Handler:
     return handler
 
 
-BUILTINS = ("validate", "plan", "render", "context", "tiny-model")
+BUILTINS = ("validate", "plan", "render", "context")
 # sub-commands that live in their own modules (registered there with @command), imported only when needed:
 # a module that fails to import breaks its own commands, not the others
 PLUGINS: dict[str, str] = {
     "bench": "vllm_fleet.bench.cli",
-    "doctor": "vllm_fleet.doctor",
-    "drain": "vllm_fleet.gateway",
-    "exporter": "vllm_fleet.exporter",
-    "fetch": "vllm_fleet.fetch",
-    "launch": "vllm_fleet.launcher",
-    "lock": "vllm_fleet.lock",
-    "manifest": "vllm_fleet.manifest",
-    "sandbox": "vllm_fleet.sandbox",
-    "undrain": "vllm_fleet.gateway",
+    "doctor": "vllm_fleet.host.doctor",
+    "drain": "vllm_fleet.host.drain",
+    "exporter": "vllm_fleet.host.exporter",
+    "fetch": "vllm_fleet.host.fetch",
+    "launch": "vllm_fleet.host.launcher",
+    "lock": "vllm_fleet.fleet.lock",
+    "manifest": "vllm_fleet.host.manifest",
+    "sandbox": "vllm_fleet.devtools.sandbox",
+    "tiny-model": "vllm_fleet.devtools.tinymodel",
+    "undrain": "vllm_fleet.host.drain",
 }
 
 

@@ -1,7 +1,7 @@
 """The catalogue of vLLM 0.32 /metrics names that vllm-fleet reads (labels model_name, engine).
 
 Read from a live engine's /metrics (docs/observability.md). The alert rules' and dashboards' queries must use
-only these (and the exporters' names: ``VLLM_METRICS``, re-exported by ``vllm_fleet.observability``);
+only these (and the exporters' names: ``VLLM_METRICS``, re-exported by ``vllm_fleet.fleet.observability``);
 ``vllm-fleet bench`` watches the ``RUN_*`` part over a run (``vllm_fleet.bench.metrics``). Counters carry
 _total, histograms _bucket/_sum/_count.
 """

@@ -22,7 +22,7 @@ sleep 8
 python3 - <<'P' > $OUT/exporter-once.txt 2> $OUT/exporter-once.err
 import argparse
 from prometheus_client import generate_latest
-from vllm_fleet.exporter import build_registry
+from vllm_fleet.host.exporter import build_registry
 a = argparse.Namespace(state_dir="/tmp/st", config_dir="/nonexistent", access_log="", access_log_from_start=False, no_nvml=False)
 print(generate_latest(build_registry(a)).decode(), end="")
 P
@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total,tempe
 python3 - <<'P' > $OUT/exporter-http.txt 2>&1
 import threading, time, urllib.request, argparse
 from prometheus_client import start_http_server
-from vllm_fleet.exporter import build_registry
+from vllm_fleet.host.exporter import build_registry
 a = argparse.Namespace(state_dir="/tmp/st", config_dir="/nonexistent", access_log="", access_log_from_start=False, no_nvml=False)
 server, t = start_http_server(19400, addr="127.0.0.1", registry=build_registry(a))
 time.sleep(1)

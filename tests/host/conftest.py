@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.context import build_context
-from vllm_fleet.spec import FleetSpec, load_spec
+from vllm_fleet.fleet.context import build_context
+from vllm_fleet.fleet.spec import FleetSpec, load_spec
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

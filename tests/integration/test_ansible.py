@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_fleet.gateway_testing import SteadyLoad
-from vllm_fleet.testing import UNIPROC, http_json
+from vllm_fleet.devtools.gateway_testing import SteadyLoad
+from vllm_fleet.devtools.testing import UNIPROC, http_json
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.engine, pytest.mark.slow]
 
@@ -74,8 +74,8 @@ def retarget(spec: dict[str, Any], names: dict[str, str], addresses: dict[str, s
 
 def wheelhouse() -> Path:
     """The offline wheelhouse for the cpu lock, reusing the sandbox's wheels (built once, then cached)."""
-    from vllm_fleet.lock import build_wheelhouse, check_wheelhouse
-    from vllm_fleet.sandbox_image import cache_dir, ensure_wheelhouse, file_lock
+    from vllm_fleet.devtools.sandbox_image import cache_dir, ensure_wheelhouse, file_lock
+    from vllm_fleet.fleet.lock import build_wheelhouse, check_wheelhouse
 
     dest = cache_dir() / "ansible-wheelhouse"
     lock = REPO / "locks" / "cpu-0.32.0.txt"
@@ -139,7 +139,7 @@ def record(key: str, seconds: float) -> None:
 def fleet(
     sandbox_factory: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
-    from vllm_fleet.sandbox import write_inventory
+    from vllm_fleet.devtools.sandbox import write_inventory
 
     wh = wheelhouse()
     work = tmp_path_factory.mktemp("ansible")
@@ -162,7 +162,7 @@ def fleet(
              "-e", f"vllm_fleet_wheelhouse_remote={WHEELHOUSE_MOUNT}"]  # fmt: skip
     # snapshot the templates and vllm-fleet's wheel: a checkout edited while the test runs must not make the
     # rerun report changes
-    from vllm_fleet.lock import self_wheel
+    from vllm_fleet.fleet.lock import self_wheel
 
     tree = work / "templates"
     for manifest in REPO.glob("*/artifacts.yml"):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.render import render_fleet
-from vllm_fleet.spec import load_spec
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

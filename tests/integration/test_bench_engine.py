@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm_fleet.cli import main
-from vllm_fleet.testing import EngineProcess
+from vllm_fleet.devtools.testing import EngineProcess
 
 pytestmark = pytest.mark.engine
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet import cpu_features
-from vllm_fleet.testing import EngineProcess, group_processes, http_json
+from vllm_fleet.devtools.testing import EngineProcess, group_processes, http_json
+from vllm_fleet.host import cpu_features
 
 pytestmark = pytest.mark.engine
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from local_hub import LocalHub  # type: ignore[import-not-found]
 
-from vllm_fleet.fetch import MANIFEST
+from vllm_fleet.host.fetch import MANIFEST
 
 BIN = Path(sys.executable).parent
 REPO_ID = "fleet-tests/tiny-qwen3"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.gateway_testing import Gateway, chat_body, gateway_spec, load, wait_for
-from vllm_fleet.testing import UNIPROC, EngineProcess, http_json
+from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, load, wait_for
+from vllm_fleet.devtools.testing import UNIPROC, EngineProcess, http_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

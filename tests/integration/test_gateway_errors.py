@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.gateway_nginx import JS_MODULE
-from vllm_fleet.gateway_testing import Gateway, chat_body, gateway_spec
-from vllm_fleet.testing import free_port, http_json
+from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec
+from vllm_fleet.devtools.testing import free_port, http_json
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None or not Path(JS_MODULE).exists(),

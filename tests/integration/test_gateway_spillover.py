@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.gateway_testing import Gateway, gateway_spec, wait_for
-from vllm_fleet.testing import EngineProcess
+from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec, wait_for
+from vllm_fleet.devtools.testing import EngineProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

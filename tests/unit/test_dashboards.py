@@ -12,9 +12,10 @@ import jsonschema
 import pytest
 import yaml
 
-from vllm_fleet.observability import VLLM_METRICS, render_monitoring
-from vllm_fleet.observability.dashboards import INSTANCE_UID, OVERVIEW_UID, panel_queries
-from vllm_fleet.spec import parse_spec
+from vllm_fleet.fleet.observability import VLLM_METRICS
+from vllm_fleet.fleet.observability.dashboards import INSTANCE_UID, OVERVIEW_UID, panel_queries
+from vllm_fleet.fleet.render import render_monitoring
+from vllm_fleet.fleet.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PROV = "etc/grafana/provisioning"
@@ -221,7 +222,7 @@ def test_provisioning_files_match_grafana_schema(out: Path) -> None:
 
 def test_schema_rejects_the_unconverted_grafanalib_shape() -> None:
     """AlertRulev9.to_json_data() (Ruler API shape, nested under grafana_alert) is not file provisioning."""
-    from vllm_fleet.observability.grafana import rules
+    from vllm_fleet.fleet.observability.grafana import rules
 
     ctx_vf = {**parse_spec(spec_data()).model_dump(mode="json")}
     raw = rules(ctx_vf)[0].to_json_data()
@@ -310,7 +311,7 @@ def test_panel_queries_use_only_real_metric_names() -> None:
 
 
 def test_generator_entries_are_importable() -> None:
-    from vllm_fleet.render import _generator
+    from vllm_fleet.fleet.render import _generator
 
     entries = yaml.safe_load((REPO / "dashboards" / "artifacts.yml").read_text())
     gens = [e["generator"] for e in entries if "generator" in e]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_fleet import doctor
-from vllm_fleet.doctor import Layer, check, parse_nvidia_smi
+from vllm_fleet.host import doctor
+from vllm_fleet.host.doctor import Layer, check, parse_nvidia_smi
 
 
 def test_parse_nvidia_smi() -> None:
@@ -79,7 +79,7 @@ def test_a_failed_load_names_the_dead_process_and_signal(monkeypatch: object) ->
         "  warnings.warn('resource_tracker: There appear to be 1 leaked shared_memory objects')\n"
     )
     monkeypatch.setattr(doctor, "run", lambda cmd, timeout=60: (1, "", out))  # type: ignore[attr-defined]
-    res, err = doctor._py_json("vllm_fleet.decode_check", ["m", "cpu", "bfloat16"], module=True)
+    res, err = doctor._py_json("vllm_fleet.host.decode_check", ["m", "cpu", "bfloat16"], module=True)
     assert res is None and "engine worker VllmWorker-0 killed by SIGILL (illegal instruction" in err
     monkeypatch.setattr(
         doctor, "run", lambda cmd, timeout=60: (1, "", "ValueError: bad dtype\nwarnings.warn('x')")

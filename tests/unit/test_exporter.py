@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_fleet.exporter import AccessLogTail, FleetCollector, read_instances, unit_restarts
+from vllm_fleet.host.exporter import AccessLogTail, FleetCollector, read_instances, unit_restarts
 
 STATE = {
     "instance": "qwen3", "served_model_name": "qwen3-8b", "port": 8001, "state": "ready", "launcher_pid": 123,
@@ -149,8 +149,8 @@ def test_cli_once_prints_the_exposition(tmp_path: Path) -> None:
 def test_exporter_unit_per_host(tmp_path: Path) -> None:
     import yaml
 
-    from vllm_fleet.observability import render_monitoring
-    from vllm_fleet.spec import parse_spec
+    from vllm_fleet.fleet.render import render_monitoring
+    from vllm_fleet.fleet.spec import parse_spec
 
     repo = Path(__file__).resolve().parents[2]
     data = yaml.safe_load((repo / "alerts" / "tests" / "spec.yml").read_text())

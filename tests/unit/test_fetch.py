@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.fetch import MANIFEST, FetchError, fetch_all
-from vllm_fleet.spec import parse_spec
+from vllm_fleet.fleet.spec import parse_spec
+from vllm_fleet.host.fetch import MANIFEST, FetchError, fetch_all
 
 
 def _spec(model_dir: Path, checksums: dict[str, str] | None = None, name: str = "m") -> object:

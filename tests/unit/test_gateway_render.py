@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.context import build_context
-from vllm_fleet.gateway import (
+from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_testing import gateway_spec
+from vllm_fleet.fleet.context import build_context
+from vllm_fleet.fleet.render import make_env, render_fleet, render_host
+from vllm_fleet.fleet.routes import gateway_routes
+from vllm_fleet.fleet.spec import load_spec
+from vllm_fleet.host.drain import (
     DrainError,
     apply_drained,
     instances,
@@ -18,11 +23,6 @@ from vllm_fleet.gateway import (
     set_drained,
     stranded_models,
 )
-from vllm_fleet.gateway_nginx import JS_MODULE, NginxGateway
-from vllm_fleet.gateway_routes import gateway_routes
-from vllm_fleet.gateway_testing import gateway_spec
-from vllm_fleet.render import make_env, render_fleet, render_host
-from vllm_fleet.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
@@ -292,7 +292,7 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
 
 
 def test_reload_command_uses_the_given_nginx_outside_systemd() -> None:
-    from vllm_fleet.gateway import reload_command
+    from vllm_fleet.host.drain import reload_command
 
     # a prefix-run nginx (tests, bench lab) is always reloaded with its own -s reload
     assert reload_command(["nginx", "-p", "/x", "-c", "/y"]) == [

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.launcher import (
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.spec import SpecError, load_spec
+from vllm_fleet.host.launcher import (
     EXIT_CONFIG,
     InstanceConfig,
     config_problem,
@@ -22,9 +24,7 @@ from vllm_fleet.launcher import (
     parse_phase,
     write_state,
 )
-from vllm_fleet.notify import Notifier, NotifyListener
-from vllm_fleet.render import render_fleet
-from vllm_fleet.spec import SpecError, load_spec
+from vllm_fleet.host.notify import Notifier, NotifyListener
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_parse_phase(line: str, phase: str | None) -> None:
 
 
 def test_error_lines() -> None:
-    from vllm_fleet.launcher import _ERROR_RE
+    from vllm_fleet.host.launcher import _ERROR_RE
 
     assert _ERROR_RE.search(
         "(APIServer pid=1) ERROR 11-29 [serving.py:500] Error in completion stream generator."
@@ -139,7 +139,7 @@ def test_rendered_instance_config_loads(tmp_path: Path) -> None:
     out = render(tmp_path, spec_file(tmp_path))
     cfg = load_config("tiny", out / "h1" / "etc" / "vllm-fleet")
     assert cfg.port == 8101 and cfg.served_model_name == "tiny-qwen3"
-    assert cfg.command[1:4] == ["-m", "vllm_fleet.vllm_cpu_entry", "serve"]
+    assert cfg.command[1:4] == ["-m", "vllm_fleet.host.vllm_cpu_entry", "serve"]
     assert "--shutdown-timeout" in cfg.command
     assert cfg.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert cfg.service.watchdog_seconds == 60 and cfg.service.probe_timeout_seconds == 20
@@ -148,7 +148,7 @@ def test_rendered_instance_config_loads(tmp_path: Path) -> None:
 
 def test_launch_with_missing_config_exits_78(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "vllm_fleet.launcher", "nope", "--config-dir", str(tmp_path)],
+        [sys.executable, "-m", "vllm_fleet.host.launcher", "nope", "--config-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -181,7 +181,7 @@ def test_template_unit_directives(tmp_path: Path) -> None:
     for line in [
         "Type=notify",
         "NotifyAccess=main",
-        "ExecStart=/opt/vllm-fleet/venv/bin/python -m vllm_fleet.launcher %i --config-dir /etc/vllm-fleet",
+        "ExecStart=/opt/vllm-fleet/venv/bin/python -m vllm_fleet.host.launcher %i --config-dir /etc/vllm-fleet",
         "User=vllm",
         "KillMode=mixed",
         "Restart=on-failure",

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.lock import CPU_EXCLUDE, Pin, check_wheelhouse, format_lock, parse_lock, pins_from_report
+from vllm_fleet.fleet.lock import (
+    CPU_EXCLUDE,
+    Pin,
+    check_wheelhouse,
+    format_lock,
+    parse_lock,
+    pins_from_report,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

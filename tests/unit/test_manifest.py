@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet import manifest
-from vllm_fleet.fetch import fetch_all
-from vllm_fleet.manifest import build_manifest, write_manifest
-from vllm_fleet.spec import parse_spec
+from vllm_fleet.fleet.spec import parse_spec
+from vllm_fleet.host import manifest
+from vllm_fleet.host.fetch import fetch_all
+from vllm_fleet.host.manifest import build_manifest, write_manifest
 
 
 def test_manifest_content_and_idempotent_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

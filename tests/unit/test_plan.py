@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.modelinfo import kv_bytes_per_token, params_from_config, read_model_dir
-from vllm_fleet.plan import GIB, OVERHEAD_PER_GPU_BYTES, format_plan, make_plan, suggest_max_num_seqs
-from vllm_fleet.spec import parse_spec
-from vllm_fleet.tinymodel import qwen3_8b_config
+from vllm_fleet.devtools.tinymodel import qwen3_8b_config
+from vllm_fleet.fleet.modelinfo import kv_bytes_per_token, params_from_config, read_model_dir
+from vllm_fleet.fleet.plan import GIB, OVERHEAD_PER_GPU_BYTES, format_plan, make_plan, suggest_max_num_seqs
+from vllm_fleet.fleet.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SEED4 = yaml.safe_load((REPO / "examples/seed-004-4xa100.yml").read_text())
@@ -107,7 +107,7 @@ def test_unknown_engine_flag_refused_with_hint() -> None:
     d["stack"] = {"profile": "gpu", "vllm_version": "0.32.0"}
     d["models"][0]["extra_args"] = ["--max-num-seq", "8"]
     # gpu 0.32.0 has no captured list: switch the profile's list to the cpu capture of the same release
-    from vllm_fleet import engine_flags
+    from vllm_fleet.fleet import engine_flags
 
     known = engine_flags.load("cpu", "0.32.0")
     assert known is not None
@@ -237,7 +237,7 @@ TINY = yaml.safe_load((REPO / "examples/tiny-cpu.yml").read_text())
 
 
 def _args(data: dict) -> list[str]:
-    from vllm_fleet.engine import engine_args
+    from vllm_fleet.fleet.engine import engine_args
 
     spec = parse_spec(data)
     return engine_args(spec, spec.models[0])
@@ -259,7 +259,7 @@ def test_queue_bound_defaults_to_twice_max_num_seqs() -> None:
 
 
 def test_queue_bound_below_the_batch_is_refused_and_no_bound_is_a_warning() -> None:
-    from vllm_fleet.spec import SpecError
+    from vllm_fleet.fleet.spec import SpecError
 
     d = copy.deepcopy(TINY)
     d["models"][0]["max_num_queued_reqs"] = 8

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.probe import liveness, progress
+from vllm_fleet.host.probe import liveness, progress
 
 BUSY_503 = (
     '{"error":{"message":"The engine is currently busy and cannot accept new requests. Please try again later '

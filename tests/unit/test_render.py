@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from vllm_fleet.context import build_context
-from vllm_fleet.render import load_artifact_defs, render_fleet, render_host
-from vllm_fleet.spec import load_spec, parse_spec
+from vllm_fleet.fleet.context import build_context
+from vllm_fleet.fleet.render import load_artifact_defs, render_fleet, render_host
+from vllm_fleet.fleet.spec import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_cpu_profile_uses_vllm_cpu_entry() -> None:
     spec = load_spec(REPO / "examples/tiny-cpu.yml")
     (r,) = [x for x in render_host(spec, "h1") if x.src == "units/instance.json.j2"]
     cfg = json.loads(r.content)
-    assert cfg["command"][1:4] == ["-m", "vllm_fleet.vllm_cpu_entry", "serve"]
+    assert cfg["command"][1:4] == ["-m", "vllm_fleet.host.vllm_cpu_entry", "serve"]
     assert "--kv-cache-memory-bytes" in cfg["command"]
     assert "--tensor-parallel-size" not in cfg["command"]
 

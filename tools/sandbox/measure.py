@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from vllm_fleet.sandbox import SandboxHost, down, up
-from vllm_fleet.sandbox_image import base_image, engine_image, read_stamp, wheelhouse_dir
+from vllm_fleet.devtools.sandbox import SandboxHost, down, up
+from vllm_fleet.devtools.sandbox_image import base_image, engine_image, read_stamp, wheelhouse_dir
 
 
 def host_rss_mib(h: SandboxHost) -> float:

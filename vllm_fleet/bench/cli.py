@@ -10,7 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..cli import command
+from vllm_fleet.cli import command
+
 from . import compare as compare_mod
 from . import report as report_mod
 from . import scenarios

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..vllm_metrics import RUN_COUNTERS, RUN_GAUGES, RUN_HISTOGRAMS
+from vllm_fleet.vllm_metrics import RUN_COUNTERS, RUN_GAUGES, RUN_HISTOGRAMS
 
 # counters and histogram parts whose change over the run is reported (sample names as exposed)
 DELTAS = (*RUN_COUNTERS, *(h + s for h in RUN_HISTOGRAMS for s in ("_sum", "_count")))

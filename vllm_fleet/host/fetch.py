@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import command
-from .engine import model_path
-from .file_lock import file_lock
-from .spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
+from vllm_fleet.cli import command
+from vllm_fleet.file_lock import file_lock
+from vllm_fleet.fleet.engine import model_path
+from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
 
 MANIFEST = ".vllm-fleet-checksums.json"
 SKIP_DIRS = {".cache", ".git", ".huggingface", "._____temp"}

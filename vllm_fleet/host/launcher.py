@@ -1,6 +1,6 @@
 """The main process of ``vllm@NAME.service``: runs the engine as its child and speaks sd_notify for it.
 
-``vllm-fleet launch NAME`` (or ``python -m vllm_fleet.launcher NAME``) reads
+``vllm-fleet launch NAME`` (or ``python -m vllm_fleet.host.launcher NAME``) reads
 ``{config_dir}/instances/NAME.json`` (rendered from units/instance.json.j2) and:
 
 * refuses at once, with exit code ``EXIT_CONFIG`` (78, listed in the unit's RestartPreventExitStatus=),
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .cli import command
-from .engine_death import Death, DeathWatch
-from .notify import Notifier
-from .probe import ProbeResult, Progress, health, inflight, liveness, probe
+from vllm_fleet.cli import command
+from vllm_fleet.host.engine_death import Death, DeathWatch
+from vllm_fleet.host.notify import Notifier
+from vllm_fleet.host.probe import ProbeResult, Progress, health, inflight, liveness, probe
 
 EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
 EXIT_ENGINE_DIED = 1

@@ -1,20 +1,13 @@
-"""Observability helpers shared by the alert rules, the dashboards and their tests.
+"""Plan-time checks of the alert thresholds, and the histogram bounds they are checked against.
 
-``VLLM_METRICS`` is the list of metric names vLLM 0.32 exports (read from a live engine's /metrics, see
-docs/observability.md; the catalogue is ``vllm_fleet.vllm_metrics``). Queries must use only these (and the
-exporters' names); the live test proves it.
+Imported by the planner: it needs only the spec (nothing of the renderer or the dashboards).
 """
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import json
 
-from ..spec import FleetSpec
-from ..vllm_metrics import VLLM_COUNTERS as VLLM_COUNTERS
-from ..vllm_metrics import VLLM_GAUGES as VLLM_GAUGES
-from ..vllm_metrics import VLLM_HISTOGRAMS as VLLM_HISTOGRAMS
-from ..vllm_metrics import VLLM_METRICS as VLLM_METRICS
+from vllm_fleet.fleet.spec import FleetSpec
 
 # vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
 # bounds is an interpolation artefact: the SLO must be one of these, or the engine needs
@@ -29,13 +22,9 @@ REQUEST_LATENCY_BUCKETS = (
     960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
-MONITORING_FOLDERS = ("alerts", "monitoring", "dashboards")
-
 
 def _custom_ttft_buckets(extra_args: list[str]) -> list[float] | None:
     """TTFT bounds given with --custom-histogram-buckets JSON, if any."""
-    import json
-
     for n, arg in enumerate(extra_args):
         value = None
         if arg == "--custom-histogram-buckets" and n + 1 < len(extra_args):
@@ -70,26 +59,3 @@ def check_alert_thresholds(spec: FleetSpec) -> list[tuple[str, str]]:
                 )
             )
     return problems
-
-
-def render_monitoring(
-    spec: FleetSpec, out_dir: Path, folders: tuple[str, ...] = MONITORING_FOLDERS
-) -> list[Path]:
-    """Render only the monitoring artifacts (alerts/, monitoring/, dashboards/) of every host into
-    ``out_dir/HOST/...`` — what the observability tests use, independent of other template folders."""
-    from ..context import repo_root
-    from ..render import render_host
-
-    root = repo_root()
-    written: list[Path] = []
-    with tempfile.TemporaryDirectory(prefix="vf-monitoring-root-") as tmp:
-        for f in folders:
-            if (root / f / "artifacts.yml").exists():
-                (Path(tmp) / f).symlink_to(root / f)
-        for h in spec.hosts:
-            for r in render_host(spec, h.name, root=Path(tmp)):
-                target = out_dir / h.name / r.dest.lstrip("/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(r.content)
-                written.append(target)
-    return written

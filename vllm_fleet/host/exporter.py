@@ -30,9 +30,9 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .cli import command
+from vllm_fleet.cli import command
 
-log = logging.getLogger("vllm_fleet.exporter")
+log = logging.getLogger("vllm_fleet.host.exporter")
 
 STATES = ("loading", "ready", "draining", "failed", "stopped")
 # gateway request duration buckets (seconds): interactive up to long generations

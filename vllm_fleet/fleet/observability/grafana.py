@@ -14,7 +14,7 @@ from typing import Any
 import grafanalib.core as G
 import yaml
 
-from .dashboards import INSTANCE_UID
+from vllm_fleet.fleet.observability.dashboards import INSTANCE_UID
 
 FOLDER_UID = "vllm-fleet"
 

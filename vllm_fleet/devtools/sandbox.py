@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import command
-from .sandbox_image import (
+from vllm_fleet.cli import command
+from vllm_fleet.devtools.sandbox_image import (
     WHEELHOUSE_MOUNT,
     SandboxError,
     build_self_wheel,
@@ -36,7 +36,7 @@ from .sandbox_image import (
     install_pure_wheel,
     log,
 )
-from .sandbox_net import (
+from vllm_fleet.devtools.sandbox_net import (
     DEFAULT_BRIDGE,
     DEFAULT_SUBNET,
     apt_proxy_conf,

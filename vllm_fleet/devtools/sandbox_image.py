@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from .file_lock import file_lock as file_lock  # shared: sandbox_net and tests import it from here
+from vllm_fleet.file_lock import file_lock as file_lock  # shared: sandbox_net and tests import it from here
 
 SUITE = "bookworm"
 BASE_PACKAGES = ",".join(
@@ -366,7 +366,7 @@ def _debs(wh: Path, logf: Path) -> None:
 
 
 def repo_root() -> Path | None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: vllm_fleet/devtools/sandbox_image.py
     return root if (root / "pyproject.toml").is_file() else None
 
 

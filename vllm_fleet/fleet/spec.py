@@ -7,6 +7,8 @@ The same file is the Ansible role's vars: the role calls ``vllm-fleet context`` 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -540,3 +542,8 @@ def load_spec(path: str | Path) -> FleetSpec:
     except yaml.YAMLError as exc:
         raise SpecError([("(yaml)", str(exc).replace("\n", " "))], str(p)) from None
     return parse_spec(data, str(p))
+
+
+def spec_hash(spec: FleetSpec) -> str:
+    """A short digest of the normalised spec: the same on the controller (templates) and the hosts (manifest)."""
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]

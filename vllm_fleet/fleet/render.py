@@ -17,6 +17,7 @@ the same variables through ``ansible.builtin.template``.
 from __future__ import annotations
 
 import importlib
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,9 @@ from typing import Any
 import jinja2
 import yaml
 
-from .context import build_context, repo_root
-from .plan import Plan, make_plan
-from .spec import FleetSpec
+from vllm_fleet.fleet.context import build_context, repo_root
+from vllm_fleet.fleet.plan import Plan, make_plan
+from vllm_fleet.fleet.spec import FleetSpec
 
 SCOPES = {"host", "engine_host", "instance", "gateway", "monitoring"}
 
@@ -208,3 +209,26 @@ def artifact_list(
                 item["content"] = _generator(d.generator)(local)
             items.append(item)
     return items
+
+
+MONITORING_FOLDERS = ("alerts", "monitoring", "dashboards")
+
+
+def render_monitoring(
+    spec: FleetSpec, out_dir: Path, folders: tuple[str, ...] = MONITORING_FOLDERS
+) -> list[Path]:
+    """Render only the monitoring artifacts (alerts/, monitoring/, dashboards/) of every host into
+    ``out_dir/HOST/...`` — what the observability tests use, independent of other template folders."""
+    root = repo_root()
+    written: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="vf-monitoring-root-") as tmp:
+        for f in folders:
+            if (root / f / "artifacts.yml").exists():
+                (Path(tmp) / f).symlink_to(root / f)
+        for h in spec.hosts:
+            for r in render_host(spec, h.name, root=Path(tmp)):
+                target = out_dir / h.name / r.dest.lstrip("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(r.content)
+                written.append(target)
+    return written

@@ -3,7 +3,7 @@
 Runs on the gateway host. The drained set lives in ``/etc/vllm-fleet/gateway/drained.json``
 (``{"drained": [...], "down": [...]}``). The gateway's njs router reads that file on every request and, while
 one instance of an upstream is drained, sends the request to the rendered copy of that upstream without it
-(``NAME__x__INSTANCE``, see gateway_routes.py) — so a drain or undrain changes no nginx configuration and needs
+(``NAME__x__INSTANCE``, see vllm_fleet/fleet/routes.py) — so a drain or undrain changes no nginx configuration and needs
 no reload: new requests stop reaching the instance at once, in-flight ones finish, and no client connection is
 closed (a reload closes the clients' idle keep-alive connections; a client that was just reusing one gets an
 error). Only when an upstream would lose two or more instances, or one it has no copy without (a one-server or
@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli import command
+from vllm_fleet.cli import command
 
 UPSTREAMS_FILE = "/etc/nginx/vllm-fleet/upstreams.conf"
 STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"

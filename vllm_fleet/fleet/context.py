@@ -8,22 +8,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .engine import engine_command, engine_env, listen_address, model_path
-from .gateway_routes import gateway_routes
-from .plan import Plan, make_plan
-from .spec import FleetSpec, ModelInstance
+from vllm_fleet import __version__
+from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
+from vllm_fleet.fleet.plan import Plan, make_plan
+from vllm_fleet.fleet.routes import gateway_routes
+from vllm_fleet.fleet.spec import FleetSpec, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
-
-
-def spec_hash(spec: FleetSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def instance_ctx(spec: FleetSpec, plan: Plan, m: ModelInstance) -> dict[str, Any]:
@@ -85,7 +79,7 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
     vf["gateway_routes"] = gateway_routes(
         vf["upstreams"], mml
-    )  # nginx templates (vllm_fleet/gateway_routes.py)
+    )  # nginx templates (vllm_fleet/fleet/routes.py)
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     vf["monitoring_host"] = spec.monitoring_host
@@ -108,4 +102,4 @@ def repo_root() -> Path:
     env = os.environ.get("VLLM_FLEET_TEMPLATES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]  # the checkout: vllm_fleet/fleet/context.py

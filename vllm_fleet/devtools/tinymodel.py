@@ -7,10 +7,13 @@ size of at least 32), ChatML chat template, safetensors weights. Deterministic f
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import sysconfig
 from pathlib import Path
+
+from vllm_fleet.cli import command
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -25,7 +28,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MARKER = "vllm-fleet-tiny.json"
-QWEN3_8B_CONFIG_FILE = Path(__file__).parent / "data" / "qwen3-8b-config.json"
+QWEN3_8B_CONFIG_FILE = Path(__file__).parent.parent / "data" / "qwen3-8b-config.json"
 
 
 def qwen3_8b_config() -> dict[str, object]:
@@ -117,6 +120,18 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     marker.write_text(json.dumps(want))
     return out
+
+
+@command("tiny-model", "build the tiny random Qwen3 model + tokenizer offline")
+def _register(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    print(build_tiny_model(Path(a.out), seed=a.seed))
+    return 0
 
 
 if __name__ == "__main__":

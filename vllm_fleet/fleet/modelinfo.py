@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .spec import ModelInstance
+from vllm_fleet.fleet.spec import ModelInstance
 
 DTYPE_BYTES = {
     "float32": 4.0,

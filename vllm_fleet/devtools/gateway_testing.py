@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .gateway_nginx import NginxGateway
-from .render import render_fleet
-from .spec import FleetSpec, parse_spec
-from .testing import free_port, http_json
+from vllm_fleet.devtools.gateway_nginx import NginxGateway
+from vllm_fleet.devtools.testing import free_port, http_json
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.spec import FleetSpec, parse_spec
 
 
 def gateway_spec(

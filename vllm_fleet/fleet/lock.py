@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cli import command
+from vllm_fleet.cli import command
 
 # the cpu profile never installs these: pip pulls builds that do not match the +cpu torch and break start-up
 # (torchvision::nms, _torchaudio.so); triton is unused on CPUs (≈ 1 GB)
@@ -155,7 +155,7 @@ def make_lock(
 
 def capture_args(profile: str, version: str, python: str = sys.executable) -> Path:
     """Store ``vllm serve --help=all`` of the installed release (must be the locked version)."""
-    from . import engine_flags
+    from vllm_fleet.fleet import engine_flags
 
     dist = DIST[profile]
     probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
@@ -166,10 +166,12 @@ def capture_args(profile: str, version: str, python: str = sys.executable) -> Pa
         raise RuntimeError(
             f"{dist} {installed} is installed for {python}, not {version}: cannot capture its args"
         )
-    cli = ["-m", "vllm_fleet.vllm_cpu_entry"] if profile == "cpu" else ["-m", "vllm.entrypoints.cli.main"]
+    cli = (
+        ["-m", "vllm_fleet.host.vllm_cpu_entry"] if profile == "cpu" else ["-m", "vllm.entrypoints.cli.main"]
+    )
     res = subprocess.run([python, *cli, "serve", "--help=all"], capture_output=True, text=True, check=True)
     flags = sorted(engine_flags.parse_help(res.stdout))
-    out = Path(__file__).parent / "data" / engine_flags.data_name(profile, version)
+    out = Path(__file__).parent.parent / "data" / engine_flags.data_name(profile, version)
     out.write_text(
         f"# vllm serve --help=all of {dist} {version} (captured by vllm-fleet lock)\n"
         + "\n".join(flags)
@@ -191,7 +193,7 @@ def source_digest(root: Path) -> str:
 def self_wheel(dest: Path, python: str = sys.executable) -> Path:
     """vllm-fleet's own wheel, built once per source digest into ``dest/<digest>/`` (so a rerun of the
     playbook finds the same bytes and reports no change)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: vllm_fleet/fleet/lock.py
     out = dest / source_digest(root)
     found = sorted(out.glob("vllm_fleet-*.whl"))
     if found:

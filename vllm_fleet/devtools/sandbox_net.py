@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox_image import SandboxError, cache_dir, debian_mirror, file_lock
+from vllm_fleet.devtools.sandbox_image import SandboxError, cache_dir, debian_mirror, file_lock
 
 DEFAULT_BRIDGE = "vfbr0"
 DEFAULT_SUBNET = "10.77.0"  # the /24 hosts get addresses from when none is given

@@ -1,0 +1,194 @@
+"""The package's rooms (see each package's docstring): read from the sources' import statements (ast), not by
+importing anything.
+
+An import of ``a.b.c`` from a module outside ``a.b`` also runs ``a/b/__init__.py``: such edges count too.
+Imports inside functions (lazy ones) count for cycles; what a room may load is what importing its modules
+loads (module-level imports, followed) plus what their own functions import.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "vllm_fleet"
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+FILES = {_name(p): p for p in sorted(PKG.rglob("*.py"))}
+MODULES = set(FILES)
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imports(name: str) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every import statement of ``name``: our modules by their
+    full name, third-party ones by their top-level name."""
+    path = FILES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    found.append((alias.name, top))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                for alias in child.names:
+                    sub = f"{mod}.{alias.name}"
+                    found.append((sub if sub in MODULES else mod, top))
+            visit(child, inner)
+
+    visit(tree, True)
+    out = []
+    for target, top in found:
+        if target.split(".")[0] != "vllm_fleet":
+            out.append((target.split(".")[0], top))
+            continue
+        assert target in MODULES, f"{name} imports {target}, which is not a module of vllm_fleet"
+        mine = {name, *_ancestors(name)}
+        out += [(t, top) for t in [*_ancestors(target), target] if t not in mine]
+    return out
+
+
+IMPORTS = {name: _imports(name) for name in MODULES}
+
+
+def _ours(edges: Iterable[tuple[str, bool]], *, top_only: bool = False) -> set[str]:
+    return {t for t, top in edges if t in MODULES and (top or not top_only)}
+
+
+def _loaded_by(names: Iterable[str]) -> set[str]:
+    """Our modules that can be loaded by running ``names``: their direct imports (lazy ones too), followed
+    through module-level imports."""
+    todo = {t for n in names for t in _ours(IMPORTS[n])}
+    seen: set[str] = set()
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo |= _ours(IMPORTS[n], top_only=True)
+    return seen
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(_ours(IMPORTS[v])):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in _ours(IMPORTS[v]):
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(MODULES)))
+    for v in sorted(MODULES):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _room(prefix: str) -> list[str]:
+    return sorted(n for n in MODULES if n == prefix or n.startswith(prefix + "."))
+
+
+def test_the_rooms_exist() -> None:
+    for room in ("vllm_fleet.fleet", "vllm_fleet.host", "vllm_fleet.bench", "vllm_fleet.devtools"):
+        assert room in MODULES and len(_room(room)) > 1, room
+        assert ast.get_docstring(ast.parse(FILES[room].read_text())), f"{room} has no docstring"
+
+
+def test_no_import_cycle() -> None:
+    assert _cycles() == []
+
+
+def test_the_spec_is_the_leaf() -> None:
+    assert _ours(IMPORTS["vllm_fleet.fleet.spec"]) == set()
+
+
+def test_host_code_stays_off_the_planner_and_the_renderer() -> None:
+    banned = {"vllm_fleet.fleet.plan", "vllm_fleet.fleet.render", "vllm_fleet.fleet.context"}
+    host = _room("vllm_fleet.host")
+    for name in host:
+        direct = {t for t, _ in IMPORTS[name]}
+        assert not direct & (banned | {"jinja2"}), name
+        loaded = _loaded_by([name])
+        assert not loaded & banned, (name, sorted(loaded & banned))
+        jinja = [n for n in loaded if "jinja2" in {t for t, top in IMPORTS[n] if top}]
+        assert jinja == [], (name, jinja)
+
+
+def test_the_product_does_not_import_the_harness() -> None:
+    product = [
+        *_room("vllm_fleet.fleet"),
+        *_room("vllm_fleet.host"),
+        *_room("vllm_fleet.bench"),
+        "vllm_fleet.cli",
+        "vllm_fleet.file_lock",
+        "vllm_fleet.vllm_metrics",
+        "vllm_fleet",
+    ]
+    for name in product:
+        harness = sorted(n for n in _loaded_by([name]) if n.startswith("vllm_fleet.devtools"))
+        assert harness == [], (name, harness)
+
+
+def test_cli_without_the_harness_offers_the_other_commands(tmp_path: Path) -> None:
+    """An installation without vllm_fleet/devtools: its commands (sandbox, tiny-model) are left out quietly,
+    every other command is listed and none is marked unavailable."""
+    from vllm_fleet import cli
+
+    shutil.copytree(PKG, tmp_path / "vllm_fleet", ignore=shutil.ignore_patterns("devtools", "__pycache__"))
+    code = "import sys, vllm_fleet.cli as c; assert c.__file__.startswith(sys.argv[1]); sys.exit(c.main(['--help']))"
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    harness = {name for name, mod in cli.PLUGINS.items() if mod.startswith("vllm_fleet.devtools.")}
+    assert harness == {"sandbox", "tiny-model"}
+    listed = {m.group(1) for m in re.finditer(r"^    (\S+)", r.stdout, re.M)}
+    assert listed == (set(cli.BUILTINS) | set(cli.PLUGINS)) - harness
+    assert "UNAVAILABLE" not in r.stdout
