@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from vllm_fleet.devtools.gateway_testing import SteadyLoad
-from vllm_fleet.devtools.testing import UNIPROC, http_json
+from vllm_fleet.devtools.testing import http_json
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.engine, pytest.mark.slow]
 
@@ -63,9 +63,6 @@ def retarget(spec: dict[str, Any], names: dict[str, str], addresses: dict[str, s
         h["name"] = names[h["name"]]
     for m in spec["models"]:
         m["host"] = names[m["host"]]
-        # the model in the engine-core process: one interpreter start fewer per load (5 loads in this module on
-        # 2 cores); no test here looks at the engine's process layout (test_unit_engine_service does)
-        m["extra_args"] = [*m.get("extra_args", []), *UNIPROC]
     for key in ("gateway", "monitoring"):
         if spec.get(key, {}).get("host"):
             spec[key]["host"] = names[spec[key]["host"]]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, load, wait_for
-from vllm_fleet.devtools.testing import UNIPROC, EngineProcess, http_json
+from vllm_fleet.devtools.testing import EngineProcess, http_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ class Engines:
 def engines(engine_factory: Any, request: pytest.FixtureRequest) -> Engines:
     """a and b: primaries started here; c (the backup, never killed) is the session's shared engine. a and b
     start while the shared engine starts (if it is not running yet)."""
-    a, b = engine_factory(extra=UNIPROC), engine_factory(extra=UNIPROC)
+    a, b = engine_factory(uniproc=True), engine_factory(uniproc=True)
     c = request.getfixturevalue("engine")
     a.wait_ready(900)
     b.wait_ready(900)
