@@ -65,7 +65,5 @@ def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess:
     """An engine with a tiny queue bound (2 running + 2 waiting; more get vLLM's own fast 503): a full instance
     for the gateway's spill-over tests and the saturation alert. Shared by both (one load)."""
-    e: EngineProcess = engine_factory(
-        uniproc=True, extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"]
-    )  # type: ignore[operator]
+    e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
     return e.wait_ready(900)

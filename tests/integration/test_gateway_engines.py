@@ -42,7 +42,7 @@ class Engines:
 def engines(engine_factory: Any, request: pytest.FixtureRequest) -> Engines:
     """a and b: primaries started here; c (the backup, never killed) is the session's shared engine. a and b
     start while the shared engine starts (if it is not running yet)."""
-    a, b = engine_factory(uniproc=True), engine_factory(uniproc=True)
+    a, b = engine_factory(), engine_factory()
     c = request.getfixturevalue("engine")
     a.wait_ready(900)
     b.wait_ready(900)

