@@ -271,13 +271,18 @@ asyncio.run(main())
 """
 
 
-def burst(host: Remote, port: int, model: str, n: int, tokens: int) -> tuple[dict[str, Any], list[str]]:
-    """``n`` concurrent completions from inside the host; the launcher's liveness verdicts seen meanwhile."""
-
+def copy_burst_script(host: Remote) -> None:
+    """BURST as /tmp/burst.py on the host (``python /tmp/burst.py PORT MODEL N TOKENS``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
         f.write(BURST)
         f.flush()
         host.h.copy_to(f.name, "/tmp/burst.py", mode=0o644)
+
+
+def burst(host: Remote, port: int, model: str, n: int, tokens: int) -> tuple[dict[str, Any], list[str]]:
+    """``n`` concurrent completions from inside the host; the launcher's liveness verdicts seen meanwhile."""
+
+    copy_burst_script(host)
     kinds: list[str] = []
     done = threading.Event()
 
@@ -335,10 +340,7 @@ def test_worker_hung_while_busy_is_restarted_by_the_watchdog(host: Remote) -> No
     pgid = host.state("tiny-a")["engine_pid"]
     worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
     assert len(worker) == 1, worker
-    with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
-        f.write(BURST)
-        f.flush()
-        host.h.copy_to(f.name, "/tmp/burst.py", mode=0o644)
+    copy_burst_script(host)
     # 16 × 1000 tokens (8 running, 8 waiting): minutes of work, so requests still run when the worker stops
     host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/burst.py 8101 tiny-a 16 1000 >/tmp/hang.out 2>&1 &")
     host.wait(
