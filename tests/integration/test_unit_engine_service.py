@@ -336,6 +336,11 @@ def test_worker_hung_while_busy_is_restarted_by_the_watchdog(host: Remote) -> No
     still answers /health and /metrics, but the work counters stop. The launcher's liveness says "stalled",
     stops pinging, and systemd's watchdog restarts the unit. (The API server alone and every engine process
     stopped: test_launcher shows the pings stop the same way.)"""
+    # tiny-a may be reloading: on 2 cores the unbounded burst at tiny-b can starve idle tiny-a's 6 s decode
+    # probe until its 15 s watchdog fires (seen once; the product's defaults are 20 s / 60 s)
+    host.wait(
+        lambda: "Serving" in host.show("vllm@tiny-a", "StatusText")["StatusText"], 1500, "tiny-a serving", 2
+    )
     before = int(host.show("vllm@tiny-a", "NRestarts")["NRestarts"])
     pgid = host.state("tiny-a")["engine_pid"]
     worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
