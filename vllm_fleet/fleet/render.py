@@ -10,7 +10,7 @@ artifacts::
       mode: "0644"
       when: vf.slack.enabled             # optional Jinja expression
 
-The Ansible role gets the same list (``vllm-fleet context --host H``) and renders the same templates with
+The Ansible role gets the same list (``vllm-fleet context --all-hosts``, or ``--host H``) and renders the same templates with
 the same variables through ``ansible.builtin.template``.
 """
 
