@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from vllm_fleet import __version__
+from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes
@@ -99,6 +101,8 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__
     vf["plan"] = plan.to_dict()
+    # the defaults of models[].service (the base unit's StartLimit*/TimeoutStartSec/RestartSec)
+    vf["service_defaults"] = dataclasses.asdict(SERVICE_DEFAULTS)
     return vf
 
 
