@@ -23,7 +23,7 @@
   from the engine core's log line); a worker killed by SIGILL (an instruction the CPU lacks) is a
   configuration error (``EXIT_CONFIG``); SIGKILL (the OOM killer) exits 137 (1 when vLLM did not get the
   worker's status) and is restarted;
-* keeps ``{state_dir}/NAME.json`` up to date for the host exporter (docs: /tmp/state-format.md contract).
+* keeps ``{state_dir}/NAME.json`` up to date for the host exporter (its format: ``vllm_fleet.contracts.StateFile``).
 """
 
 from __future__ import annotations
