@@ -59,9 +59,8 @@ def _cmd_render(a: argparse.Namespace) -> int:
 
 
 def _cmd_context(a: argparse.Namespace) -> int:
-    from vllm_fleet.fleet.context import build_context
     from vllm_fleet.fleet.plan import make_plan
-    from vllm_fleet.fleet.render import artifact_list
+    from vllm_fleet.fleet.render import Renderer
 
     spec = _spec(a.spec)
     plan = make_plan(spec, [Path(d) for d in a.models_dir])
@@ -69,10 +68,22 @@ def _cmd_context(a: argparse.Namespace) -> int:
         for p in plan.problems:
             print(f"{a.spec}: {p}", file=sys.stderr)
         return 1
-    ctx = build_context(spec, a.host, plan)
+    r = Renderer(spec, plan)
+    indent = None if a.compact else 2
+    if a.all_hosts:
+        # one plan for the whole fleet: the shared part once, each host's own part beside it
+        # (vf of host H = fleet | hosts[H], what the preflight role sets)
+        hosts = {}
+        for h in spec.hosts:
+            part = r.host_part(h.name)
+            part["artifacts"] = r.artifact_list(h.name)
+            hosts[h.name] = part
+        print(json.dumps({"fleet": r.fleet, "hosts": hosts}, indent=indent))
+        return 0
+    vf = r.context(a.host)["vf"] if a.host else dict(r.fleet)
     if a.host:
-        ctx["vf"]["artifacts"] = artifact_list(spec, a.host, plan)
-    print(json.dumps(ctx["vf"], indent=None if a.compact else 2))
+        vf["artifacts"] = r.artifact_list(a.host)
+    print(json.dumps(vf, indent=indent))
     return 0
 
 
@@ -111,7 +122,13 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
     sp.add_argument("--out", required=True, help="output folder (OUT/HOST/etc/...)")
     sp.add_argument("--force", action="store_true", help="render even if the plan is refused")
     sp = spec_cmd("context", "print the template variables (used by the Ansible role)", _cmd_context)
-    sp.add_argument("--host", help="include host-specific variables and the artifact list")
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--host", help="include host-specific variables and the artifact list")
+    which.add_argument(
+        "--all-hosts",
+        action="store_true",
+        help='every host at once: {"fleet": shared variables, "hosts": {HOST: its own variables and artifacts}}',
+    )
     sp.add_argument("--compact", action="store_true")
     broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
     for name in sorted([*_COMMANDS, *broken]):

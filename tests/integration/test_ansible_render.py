@@ -26,14 +26,10 @@ PLAYBOOK = """
   gather_facts: false
   connection: local
   tasks:
-    - name: Load the template variables
-      ansible.builtin.command:
-        argv: ["{{ vllm_fleet_cli }}", context, "{{ vllm_fleet_spec }}", --host, "{{ inventory_hostname }}", --compact]
-      register: ctx
-      changed_when: false
-    - name: Set vf
-      ansible.builtin.set_fact:
-        vf: "{{ ctx.stdout | from_json }}"
+    - name: Plan and load the template variables as the preflight role does (context --all-hosts)
+      ansible.builtin.include_role:
+        name: preflight
+        tasks_from: plan.yml
     - name: Render
       ansible.builtin.include_role:
         name: artifacts

@@ -144,7 +144,16 @@ def test_no_import_cycle() -> None:
 
 
 def test_the_spec_is_the_leaf() -> None:
-    assert _ours(IMPORTS["vllm_fleet.fleet.spec"]) == set()
+    # besides the contracts (the controller→host file formats: the service defaults), which are a leaf too
+    assert _ours(IMPORTS["vllm_fleet.fleet.spec"]) <= {"vllm_fleet.contracts"}
+
+
+def test_the_contracts_are_a_leaf_of_the_standard_library() -> None:
+    """vllm_fleet.contracts is shared by the controller and the hosts: it imports none of ours and nothing
+    outside the standard library (no pydantic, no jinja2)."""
+    imported = {t for t, _ in IMPORTS["vllm_fleet.contracts"]}
+    assert _ours(IMPORTS["vllm_fleet.contracts"]) == set()
+    assert {t.split(".")[0] for t in imported} <= set(sys.stdlib_module_names) | {"__future__"}, imported
 
 
 def test_host_code_stays_off_the_planner_and_the_renderer() -> None:

@@ -8,22 +8,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from vllm_fleet import __version__
+from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
-from vllm_fleet.fleet.plan import Plan, make_plan
+from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes
-from vllm_fleet.fleet.spec import FleetSpec, ModelInstance, spec_hash
+from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
 
 
-def instance_ctx(spec: FleetSpec, plan: Plan, m: ModelInstance) -> dict[str, Any]:
+def instance_ctx(
+    spec: FleetSpec,
+    plan: Plan,
+    m: ModelInstance,
+    ip: InstancePlan | None = None,
+    host: Host | None = None,
+) -> dict[str, Any]:
+    """One instance's variables; ``ip`` (its plan) and ``host`` are looked up when not given."""
     d = m.model_dump(mode="json")
-    ip = plan.instance(m.name)
-    host = spec.host(m.host)
+    ip = ip or plan.instance(m.name)
+    host = host or spec.host(m.host)
     addr = listen_address(spec, m)
     d.update(
         unit=f"vllm@{m.name}.service",
@@ -70,10 +79,16 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
     return sorted(out.values(), key=lambda u: u["model"])
 
 
-def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = None) -> dict[str, Any]:
+def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
+    """The part of ``vf`` that is the same for every host (the spec, every instance, upstreams, the plan):
+    built once per fleet. ``host_vars`` adds a host's part."""
     plan = plan or make_plan(spec)
     vf: dict[str, Any] = spec.model_dump(mode="json")
-    all_instances = [instance_ctx(spec, plan, m) for m in spec.models]
+    plans: dict[str, InstancePlan] = {}
+    for ip in plan.instances:
+        plans.setdefault(ip.name, ip)  # the first of a name, as plan.instance() finds
+    hosts = {h.name: h for h in reversed(spec.hosts)}  # the first of a name, as spec.host() finds
+    all_instances = [instance_ctx(spec, plan, m, plans[m.name], hosts[m.host]) for m in spec.models]
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
@@ -86,13 +101,48 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__
     vf["plan"] = plan.to_dict()
-    if host is not None:
-        h = spec.host(host)
-        vf["host"] = h.model_dump(mode="json")
-        vf["instances"] = [i for i in all_instances if i["host"] == host]
-        vf["is_gateway"] = spec.gateway.enabled and spec.gateway_host == host
-        vf["is_monitoring"] = spec.monitoring.enabled and spec.monitoring_host == host
+    # the defaults of models[].service (the base unit's StartLimit*/TimeoutStartSec/RestartSec)
+    vf["service_defaults"] = dataclasses.asdict(SERVICE_DEFAULTS)
+    return vf
+
+
+class HostVars:
+    """A host's part of ``vf`` (``host``, ``instances``, ``is_gateway``, ``is_monitoring``) from the fleet
+    part, with the fleet's instances grouped by host once: each host then costs its own instances only."""
+
+    def __init__(self, spec: FleetSpec, fleet: dict[str, Any]) -> None:
+        self.spec = spec
+        self.hosts = {h.name: h for h in reversed(spec.hosts)}
+        self.dumped: dict[str, dict[str, Any]] = {}
+        for h, d in zip(spec.hosts, fleet["hosts"], strict=True):
+            self.dumped.setdefault(h.name, d)
+        self.instances: dict[str, list[dict[str, Any]]] = {}
+        for i in fleet["all_instances"]:
+            self.instances.setdefault(i["host"], []).append(i)
+
+    def __call__(self, host: str) -> dict[str, Any]:
+        spec = self.spec
+        if host not in self.hosts:
+            raise KeyError(host)
+        return {
+            "host": self.dumped[host],
+            "instances": list(self.instances.get(host, [])),
+            "is_gateway": spec.gateway.enabled and spec.gateway_host == host,
+            "is_monitoring": spec.monitoring.enabled and spec.monitoring_host == host,
+        }
+
+
+def host_context(fleet: dict[str, Any], host_part: dict[str, Any] | None) -> dict[str, Any]:
+    """The template variables of one host: a new top-level ``vf`` over the shared fleet part."""
+    vf = dict(fleet)
+    if host_part is not None:
+        vf.update(host_part)
     return {"vf": vf, "ansible_managed": ANSIBLE_MANAGED}
+
+
+def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = None) -> dict[str, Any]:
+    fleet = fleet_vars(spec, plan)
+    return host_context(fleet, HostVars(spec, fleet)(host) if host is not None else None)
 
 
 def repo_root() -> Path:

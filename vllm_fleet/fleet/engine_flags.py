@@ -8,7 +8,9 @@ Deployment guides are full of flags vLLM renamed or never had; this makes a typo
 from __future__ import annotations
 
 import difflib
+import functools
 import re
+from collections.abc import Set as AbstractSet
 from importlib import resources
 
 # flags seen in deployment guides that vLLM renamed or dropped, with what to use instead
@@ -55,15 +57,17 @@ def parse_help(text: str) -> set[str]:
     return flags
 
 
-def load(profile: str, version: str) -> set[str] | None:
+@functools.cache
+def load(profile: str, version: str) -> frozenset[str] | None:
+    """The captured argument list of a release (read once per process), or None when none is captured."""
     try:
         text = resources.files("vllm_fleet").joinpath("data", data_name(profile, version)).read_text()
     except (FileNotFoundError, OSError):
         return None
-    return {ln.strip() for ln in text.splitlines() if ln.strip().startswith("--")}
+    return frozenset(ln.strip() for ln in text.splitlines() if ln.strip().startswith("--"))
 
 
-def check_args(args: list[str], known: set[str]) -> list[tuple[int, str]]:
+def check_args(args: list[str], known: AbstractSet[str]) -> list[tuple[int, str]]:
     """(index, reason) for every unknown or managed flag in ``args``."""
     problems: list[tuple[int, str]] = []
     for i, a in enumerate(args):

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.modelinfo import facts_for, kv_bytes_per_token, kv_dtype_bytes, weight_dtype_bytes
-from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance
+from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, Host, ModelInstance
 
 GIB = 1024**3
 # Memory vLLM needs besides weights and KV cache on each GPU: CUDA context, activations during the
@@ -109,7 +109,17 @@ def _host_service_ports(spec: FleetSpec, host: str) -> dict[int, str]:
     return ports
 
 
-def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
+def _models_by_host(spec: FleetSpec) -> dict[str, list[tuple[int, ModelInstance]]]:
+    """Each host's instances with their index in ``spec.models``, in spec order (one pass over the models)."""
+    by_host: dict[str, list[tuple[int, ModelInstance]]] = {h.name: [] for h in spec.hosts}
+    for i, m in enumerate(spec.models):
+        by_host.setdefault(m.host, []).append((i, m))
+    return by_host
+
+
+def _check_layout(
+    spec: FleetSpec, problems: list[Problem], by_host: dict[str, list[tuple[int, ModelInstance]]]
+) -> list[HostPlan]:
     hosts: list[HostPlan] = []
     for host in spec.hosts:
         gpu_map: dict[int, list[str]] = {}
@@ -121,9 +131,7 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
                     Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}")
                 )
             ports[port] = owner
-        for i, m in enumerate(spec.models):
-            if m.host != host.name:
-                continue
+        for i, m in by_host[host.name]:
             path = f"models[{i}]"
             if m.port in ports:
                 problems.append(
@@ -198,7 +206,7 @@ def _check_layout(spec: FleetSpec, problems: list[Problem]) -> list[HostPlan]:
                 gpu_count=host.gpus.count,
                 gpu_model=host.gpus.model,
                 gpu_memory_gib=host.gpus.memory_gib,
-                instances=[m.name for m in spec.models_on(host.name)],
+                instances=[m.name for _, m in by_host[host.name]],
                 gpu_map=dict(sorted(gpu_map.items())),
                 ports=dict(sorted(ports.items())),
             )
@@ -226,9 +234,10 @@ def _plan_memory(
     search_dirs: list[Path],
     problems: list[Problem],
     ip: InstancePlan,
+    host: Host,
+    on_host: list[tuple[int, ModelInstance]],
 ) -> None:
     path = f"models[{i}]"
-    host = spec.host(m.host)
     facts = facts_for(m, search_dirs)
     ip.facts_source = facts.source
     missing = facts.missing()
@@ -273,7 +282,7 @@ def _plan_memory(
             )
             return
         if host.memory_gib:
-            used = sum((x.kv_cache_memory_bytes or 0) + CPU_OVERHEAD_BYTES for x in spec.models_on(host.name))
+            used = sum((x.kv_cache_memory_bytes or 0) + CPU_OVERHEAD_BYTES for _, x in on_host)
             if used > host.memory_gib * GIB:
                 problems.append(
                     Problem(
@@ -328,12 +337,17 @@ def _plan_queue(spec: FleetSpec, i: int, m: ModelInstance, warnings: list[str], 
         )
 
 
-def _start_order(spec: FleetSpec, instances: list[InstancePlan]) -> None:
+def _start_order(
+    spec: FleetSpec, instances: list[InstancePlan], by_host: dict[str, list[tuple[int, ModelInstance]]]
+) -> None:
     """Instances sharing a GPU start one after another, in spec order."""
+    by_name: dict[str, InstancePlan] = {}
+    for x in instances:
+        by_name.setdefault(x.name, x)
     for host in spec.hosts:
         previous: dict[int, str] = {}
-        for m in spec.models_on(host.name):
-            ip = next(x for x in instances if x.name == m.name)
+        for _, m in by_host[host.name]:
+            ip = by_name[m.name]
             after = sorted({previous[g] for g in m.gpus if g in previous})
             ip.start_after = after
             for g in m.gpus:
@@ -344,7 +358,9 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
     problems: list[Problem] = []
     warnings: list[str] = []
     search_dirs = search_dirs or []
-    hosts = _check_layout(spec, problems)
+    by_host = _models_by_host(spec)
+    host_of = {h.name: h for h in reversed(spec.hosts)}  # the first of a name, as spec.host() finds
+    hosts = _check_layout(spec, problems, by_host)
     instances: list[InstancePlan] = []
     flag_table = engine_flags.load(spec.stack.profile, spec.stack.vllm_version)
     if flag_table is None:
@@ -367,13 +383,13 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
             served_model_name=m.served_model_name,
             configured_max_num_seqs=m.max_num_seqs,
         )
-        _plan_memory(spec, i, m, search_dirs, problems, ip)
+        _plan_memory(spec, i, m, search_dirs, problems, ip, host_of[m.host], by_host[m.host])
         _plan_queue(spec, i, m, warnings, ip)
         if flag_table is not None:
             for j, reason in engine_flags.check_args(m.extra_args, flag_table):
                 problems.append(Problem(f"models[{i}].extra_args[{j}]", reason))
         instances.append(ip)
-    _start_order(spec, instances)
+    _start_order(spec, instances, by_host)
     # alert thresholds that cannot work (e.g. a TTFT SLO that is not a histogram bucket bound)
     from vllm_fleet.fleet.observability.thresholds import check_alert_thresholds
 

@@ -10,7 +10,7 @@ artifacts::
       mode: "0644"
       when: vf.slack.enabled             # optional Jinja expression
 
-The Ansible role gets the same list (``vllm-fleet context --host H``) and renders the same templates with
+The Ansible role gets the same list (``vllm-fleet context --all-hosts``, or ``--host H``) and renders the same templates with
 the same variables through ``ansible.builtin.template``.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import jinja2
 import yaml
 
-from vllm_fleet.fleet.context import build_context, repo_root
+from vllm_fleet.fleet.context import HostVars, fleet_vars, host_context, repo_root
 from vllm_fleet.fleet.plan import Plan, make_plan
 from vllm_fleet.fleet.spec import FleetSpec
 
@@ -109,7 +109,8 @@ def _hosts_for(spec: FleetSpec, scope: str) -> list[str]:
     if scope == "host":
         return [h.name for h in spec.hosts]
     if scope in ("engine_host", "instance"):
-        return [h.name for h in spec.hosts if spec.models_on(h.name)]
+        with_models = {m.host for m in spec.models}
+        return [h.name for h in spec.hosts if h.name in with_models]
     if scope == "gateway":
         return [spec.gateway_host] if spec.gateway.enabled else []
     if scope == "monitoring":
@@ -122,26 +123,75 @@ def _generator(path: str) -> Callable[[dict[str, Any]], str]:
     return getattr(importlib.import_module(mod), fn)
 
 
-def render_host(
-    spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None
-) -> list[Rendered]:
-    plan = plan or make_plan(spec)
-    env = make_env(root)
-    ctx = build_context(spec, host, plan)
-    out: list[Rendered] = []
-    for d in load_artifact_defs(root):
-        if host not in _hosts_for(spec, d.scope):
-            continue
-        loops: list[dict[str, Any] | None] = list(ctx["vf"]["instances"]) if d.scope == "instance" else [None]
-        for inst in loops:
-            local = dict(ctx)
-            if inst is not None:
-                local["instance"] = inst
-            if d.when and not env.compile_expression(d.when)(**local):
+class Renderer:
+    """Renders the artifacts of one fleet. What every host shares is made once: the plan, one Jinja
+    environment whose templates (and ``dest`` / ``when`` expressions) are compiled once, the artifact
+    definitions, and the fleet part of the context (``fleet_vars``); each host then costs its own artifacts
+    and its part of the context only, so a fleet renders in time linear in its size."""
+
+    def __init__(self, spec: FleetSpec, plan: Plan | None = None, root: Path | None = None) -> None:
+        self.spec = spec
+        self.root = root or repo_root()
+        self.plan = plan or make_plan(spec)
+        self.env = make_env(self.root)
+        self.defs = load_artifact_defs(self.root)
+        self.fleet = fleet_vars(spec, self.plan)
+        self._host_vars = HostVars(spec, self.fleet)
+        self._scope_hosts = {scope: set(_hosts_for(spec, scope)) for scope in SCOPES}
+        self._templates: dict[str, jinja2.Template] = {}
+        self._expressions: dict[str, Callable[..., Any]] = {}
+
+    def host_part(self, host: str) -> dict[str, Any]:
+        """The variables of ``host`` that are its own (``vf.host``, ``vf.instances``, ...)."""
+        return self._host_vars(host)
+
+    def context(self, host: str) -> dict[str, Any]:
+        """The template variables of ``host`` (``build_context(spec, host, plan)``, from the shared part)."""
+        return host_context(self.fleet, self._host_vars(host))
+
+    def _template(self, name: str) -> jinja2.Template:
+        """A template file of the root, compiled once."""
+        t = self._templates.get(name)
+        if t is None:
+            t = self._templates[name] = self.env.get_template(name)
+        return t
+
+    def _dest(self, source: str) -> jinja2.Template:
+        """``dest`` strings are templates too: each compiled once."""
+        key = "\0dest:" + source  # not a file name
+        t = self._templates.get(key)
+        if t is None:
+            t = self._templates[key] = self.env.from_string(source)
+        return t
+
+    def _when(self, expression: str, local: dict[str, Any]) -> bool:
+        fn = self._expressions.get(expression)
+        if fn is None:
+            fn = self._expressions[expression] = self.env.compile_expression(expression)
+        return bool(fn(**local))
+
+    def _items(self, host: str) -> Iterator[tuple[ArtifactDef, dict[str, Any] | None, dict[str, Any], str]]:
+        """(definition, instance, template variables, dest) of every artifact of ``host``, in order."""
+        ctx = self.context(host)
+        for d in self.defs:
+            if host not in self._scope_hosts[d.scope]:
                 continue
-            dest = env.from_string(d.dest).render(**local)
+            loops: list[dict[str, Any] | None] = (
+                list(ctx["vf"]["instances"]) if d.scope == "instance" else [None]
+            )
+            for inst in loops:
+                local = dict(ctx)
+                if inst is not None:
+                    local["instance"] = inst
+                if d.when and not self._when(d.when, local):
+                    continue
+                yield d, inst, local, self._dest(d.dest).render(**local)
+
+    def render_host(self, host: str) -> list[Rendered]:
+        out: list[Rendered] = []
+        for d, inst, local, dest in self._items(host):
             if d.template:
-                content = env.get_template(f"{d.folder}/{d.template}").render(**local)
+                content = self._template(f"{d.folder}/{d.template}").render(**local)
             else:
                 assert d.generator
                 content = _generator(d.generator)(local)
@@ -156,59 +206,64 @@ def render_host(
                     instance=inst["name"] if inst else None,
                 )
             )
-    return out
+        return out
 
-
-def render_fleet(
-    spec: FleetSpec, out_dir: Path, plan: Plan | None = None, root: Path | None = None
-) -> list[Path]:
-    """Write every host's artifacts under ``out_dir/HOST/<absolute dest>``. Returns the written paths."""
-    plan = plan or make_plan(spec)
-    written: list[Path] = []
-    for h in spec.hosts:
-        for r in render_host(spec, h.name, plan, root):
-            target = out_dir / h.name / r.dest.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(r.content)
-            target.chmod(int(r.mode, 8))
-            written.append(target)
-    return written
-
-
-def artifact_list(
-    spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None
-) -> list[dict[str, Any]]:
-    """What the Ansible role loops over: template source (absolute), dest, mode, component, instance."""
-    root = root or repo_root()
-    plan = plan or make_plan(spec)
-    env = make_env(root)
-    ctx = build_context(spec, host, plan)
-    items: list[dict[str, Any]] = []
-    for d in load_artifact_defs(root):
-        if host not in _hosts_for(spec, d.scope):
-            continue
-        loops: list[dict[str, Any] | None] = list(ctx["vf"]["instances"]) if d.scope == "instance" else [None]
-        for inst in loops:
-            local = dict(ctx)
-            if inst is not None:
-                local["instance"] = inst
-            if d.when and not env.compile_expression(d.when)(**local):
-                continue
+    def artifact_list(self, host: str) -> list[dict[str, Any]]:
+        """What the Ansible role loops over: template source (absolute), dest, mode, component, instance."""
+        items: list[dict[str, Any]] = []
+        for d, inst, local, dest in self._items(host):
             item: dict[str, Any] = {
-                "dest": env.from_string(d.dest).render(**local),
+                "dest": dest,
                 "mode": d.mode,
                 "component": d.component,
                 "instance": inst,
                 "instance_name": inst["name"] if inst else "",
             }
             if d.template:
-                item["src"] = str(root / d.folder / d.template)
+                item["src"] = str(self.root / d.folder / d.template)
             else:
                 assert d.generator
                 item["src"] = ""
                 item["content"] = _generator(d.generator)(local)
             items.append(item)
-    return items
+        return items
+
+    def write(self, out_dir: Path, hosts: list[str] | None = None, modes: bool = True) -> list[Path]:
+        """Write the artifacts of ``hosts`` (default: every host) under ``out_dir/HOST/<absolute dest>``."""
+        written: list[Path] = []
+        made: set[Path] = set()
+        for h in hosts if hosts is not None else [h.name for h in self.spec.hosts]:
+            for r in self.render_host(h):
+                target = out_dir / h / r.dest.lstrip("/")
+                if target.parent not in made:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    made.add(target.parent)
+                target.write_text(r.content)
+                if modes:
+                    target.chmod(int(r.mode, 8))
+                written.append(target)
+        return written
+
+
+def render_host(
+    spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None
+) -> list[Rendered]:
+    """One host's artifacts (a whole fleet: ``Renderer``, which shares the fleet-wide work)."""
+    return Renderer(spec, plan, root).render_host(host)
+
+
+def render_fleet(
+    spec: FleetSpec, out_dir: Path, plan: Plan | None = None, root: Path | None = None
+) -> list[Path]:
+    """Write every host's artifacts under ``out_dir/HOST/<absolute dest>``. Returns the written paths."""
+    return Renderer(spec, plan, root).write(out_dir)
+
+
+def artifact_list(
+    spec: FleetSpec, host: str, plan: Plan | None = None, root: Path | None = None
+) -> list[dict[str, Any]]:
+    """What the Ansible role loops over: template source (absolute), dest, mode, component, instance."""
+    return Renderer(spec, plan, root).artifact_list(host)
 
 
 MONITORING_FOLDERS = ("alerts", "monitoring", "dashboards")
@@ -220,15 +275,9 @@ def render_monitoring(
     """Render only the monitoring artifacts (alerts/, monitoring/, dashboards/) of every host into
     ``out_dir/HOST/...`` — what the observability tests use, independent of other template folders."""
     root = repo_root()
-    written: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="vf-monitoring-root-") as tmp:
         for f in folders:
             if (root / f / "artifacts.yml").exists():
                 (Path(tmp) / f).symlink_to(root / f)
-        for h in spec.hosts:
-            for r in render_host(spec, h.name, root=Path(tmp)):
-                target = out_dir / h.name / r.dest.lstrip("/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(r.content)
-                written.append(target)
+        written = Renderer(spec, root=Path(tmp)).write(out_dir, modes=False)
     return written

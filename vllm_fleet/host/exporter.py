@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from vllm_fleet.cli import command
+from vllm_fleet.contracts import ContractError, StateFile, read_state
 
 log = logging.getLogger("vllm_fleet.host.exporter")
 
@@ -48,7 +49,7 @@ class Instance:
     name: str
     model: str = ""
     port: int | None = None
-    state: dict[str, Any] | None = None
+    state: StateFile | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -73,9 +74,12 @@ def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Insta
             found[name] = Instance(name, str(cfg.get("served_model_name") or name), cfg.get("port"))
     if state_dir.is_dir():
         for p in sorted(state_dir.glob("*.json")):
-            st = _read_json(p)
-            if st is None:
-                errors += 1  # a torn write cannot happen (tmp + rename); anything else is worth a metric
+            try:
+                st = read_state(p)
+            except (OSError, ContractError) as exc:
+                # a torn write cannot happen (tmp + rename); anything else is worth a metric
+                log.warning("%s", exc)
+                errors += 1
                 continue
             name = str(st.get("instance") or p.stem)
             inst = found.setdefault(name, Instance(name))

@@ -23,7 +23,7 @@
   from the engine core's log line); a worker killed by SIGILL (an instruction the CPU lacks) is a
   configuration error (``EXIT_CONFIG``); SIGKILL (the OOM killer) exits 137 (1 when vLLM did not get the
   worker's status) and is restarted;
-* keeps ``{state_dir}/NAME.json`` up to date for the host exporter (docs: /tmp/state-format.md contract).
+* keeps ``{state_dir}/NAME.json`` up to date for the host exporter (its format: ``vllm_fleet.contracts.StateFile``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from vllm_fleet.cli import command
+from vllm_fleet.contracts import InstanceConfig, StateFile
 from vllm_fleet.host.engine_death import Death, DeathWatch
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, Progress, health, inflight, liveness, probe
@@ -85,55 +86,9 @@ def parse_phase(line: str) -> str | None:
     return found
 
 
-@dataclass
-class ServiceConfig:
-    start_timeout_seconds: float = 180
-    load_timeout_seconds: float = 3600
-    stall_timeout_seconds: float = 900
-    watchdog_seconds: float = 60
-    probe_interval_seconds: float = 10
-    probe_timeout_seconds: float = 20
-    stop_kill_after_loading_seconds: float = 5
-
-
-@dataclass
-class InstanceConfig:
-    name: str
-    served_model_name: str
-    model_path: str
-    port: int
-    command: list[str]
-    listen_address: str = "127.0.0.1"
-    environment: dict[str, str] = field(default_factory=dict)
-    shutdown_timeout: float = 30
-    state_dir: str = "/run/vllm-fleet"
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-
-    @property
-    def probe_host(self) -> str:
-        return "127.0.0.1" if self.listen_address in ("0.0.0.0", "", "::") else self.listen_address
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> InstanceConfig:
-        known = set(ServiceConfig.__dataclass_fields__)
-        svc = ServiceConfig(**{k: float(v) for k, v in (d.get("service") or {}).items() if k in known})
-        return cls(
-            name=str(d["name"]),
-            served_model_name=str(d.get("served_model_name") or d["name"]),
-            model_path=str(d["model_path"]),
-            port=int(d["port"]),
-            command=[str(a) for a in d["command"]],
-            listen_address=str(d.get("listen_address") or "127.0.0.1"),
-            environment={str(k): str(v) for k, v in (d.get("environment") or {}).items()},
-            shutdown_timeout=float(d.get("shutdown_timeout", 30)),
-            state_dir=str(d.get("state_dir") or "/run/vllm-fleet"),
-            service=svc,
-        )
-
-
 def load_config(name: str, config_dir: str | Path = DEFAULT_CONFIG_DIR) -> InstanceConfig:
-    path = Path(config_dir) / "instances" / f"{name}.json"
-    return InstanceConfig.from_dict(json.loads(path.read_text()))
+    """``CONFIG_DIR/instances/NAME.json``, checked against its contract (``vllm_fleet.contracts``)."""
+    return InstanceConfig.load(Path(config_dir) / "instances" / f"{name}.json")
 
 
 def config_problem(cfg: InstanceConfig) -> str:
@@ -157,7 +112,7 @@ def config_problem(cfg: InstanceConfig) -> str:
     return ""
 
 
-def write_state(state_dir: str, name: str, data: dict[str, Any]) -> None:
+def write_state(state_dir: str, name: str, data: StateFile | dict[str, Any]) -> None:
     """Atomically replace ``{state_dir}/{name}.json`` (tmp file + rename). Best effort."""
     try:
         d = Path(state_dir)
@@ -190,6 +145,18 @@ def _die_with_parent() -> None:
 
 def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class _Loop:
+    """What ``Launcher.run``'s supervision loop carries from one round to the next."""
+
+    next_probe: float
+    next_status: float = 0.0
+    stop_at: float | None = None  # monotonic time of the first stop request
+    term_at: float | None = None  # when the engine got SIGTERM
+    killed: bool = False  # SIGKILL sent (once)
+    loading_when_stopped: bool = False
 
 
 class Launcher:
@@ -242,7 +209,8 @@ class Launcher:
         )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateFile:
+        """The state file's content (its contract: ``vllm_fleet.contracts.StateFile``)."""
         return {
             "instance": self.cfg.name,
             "served_model_name": self.cfg.served_model_name,
@@ -477,7 +445,10 @@ class Launcher:
         return self.fail(128 + sig.value if sig else (exit_code_of(rc or 0) or EXIT_ENGINE_DIED), why)
 
     def run(self) -> int:
-        cfg, svc = self.cfg, self.cfg.service
+        """Start the engine, then supervise it until it exits: every 0.25 s (or at once on a signal), in
+        this order: stop requests and the watchdog signal, the engine's exit, the stop's escalation, then
+        the loading or the serving step. Returns the exit code."""
+        cfg = self.cfg
         problem = config_problem(cfg)
         if problem:
             self.phase = "configuration error"
@@ -494,157 +465,175 @@ class Launcher:
         assert self.proc is not None
         _log(f"engine pid {self.proc.pid}; watchdog {self.watchdog:g}s, probe every {self.probe_interval:g}s")
         self.save()
-        next_status = 0.0
-        next_probe = time.monotonic() + 1.0
-        stop_at: float | None = None
-        term_at: float | None = None
-        killed = False
-        loading_when_stopped = False
-        extend = max(30.0, svc.start_timeout_seconds)
+        loop = _Loop(next_probe=time.monotonic() + 1.0)
         while True:
             self._wake.wait(0.25)
             self._wake.clear()
             now = time.monotonic()
-
-            # --- signals
-            pending: list[int] = []
-            while self._signals:
-                pending.append(self._signals.pop(0))
-            sig = signal.SIGABRT if signal.SIGABRT in pending else (pending[0] if pending else None)
-            if sig == signal.SIGABRT:
-                # systemd's watchdog fired: the engine is hung; it cannot drain, so kill it now
-                self.kill_group(signal.SIGKILL)
-                self.proc.wait()
-                return self.fail(
-                    EXIT_WATCHDOG, "watchdog timeout: no successful probe in time; engine killed"
-                )
-            if sig in (signal.SIGTERM, signal.SIGINT):
-                if stop_at is None:
-                    stop_at = now
-                    loading_when_stopped = self.state == "loading"
-                    self.state = "draining"
-                    self.n.send("STOPPING=1", f"STATUS=Stopping: draining (up to {cfg.shutdown_timeout:g}s)")
-                    self.save()
-                    if loading_when_stopped:
-                        _log("stop requested while loading: SIGTERM to the engine")
-                        self.signal_engine(signal.SIGTERM)
-                        term_at = now
-                    else:
-                        _log("stop requested: waiting for in-flight requests, then SIGTERM to the engine")
-                        self._start_drain_wait(cfg.shutdown_timeout)
-                elif term_at is None:  # a second stop request: no more waiting
-                    self._drained.set()
-            if stop_at is not None and term_at is None and self._drained.is_set():
-                _log(
-                    f"drain wait over after {now - stop_at:.1f}s ({self.drain_result}): SIGTERM to the engine"
-                )
-                self.signal_engine(signal.SIGTERM)
-                term_at = now
-
-            # --- engine exit
-            rc = self.proc.poll()
-            if rc is not None:
-                if stop_at is None and rc >= 0 and self._relay_thread is not None:
-                    # the API server ended on its own (vLLM exits 0 after a dead worker): the engine core's
-                    # line naming the dead worker may still be in the pipe; the relay reads it to the end
-                    self._relay_thread.join(2.0)
-                self.kill_group(signal.SIGKILL)  # leftovers (engine core, workers) of a dead API server
-                if stop_at is not None:
-                    self.state = "stopped"
-                    code = 0 if loading_when_stopped else exit_code_of(rc)
-                    self.status(f"Stopped (engine exit {exit_code_of(rc)} after {now - stop_at:.1f}s)")
-                    _log(f"engine exited with {rc} {now - stop_at:.1f}s after the stop request")
-                    self.save()
-                    return code
-                return self._died(rc)
-            if self.deaths.death is not None and stop_at is None:
-                # a worker died but the API server still runs (it shuts down on its own, then exits 0)
-                self.kill_group(signal.SIGKILL)
-                self.proc.wait()
-                return self._died(None)
-
-            # --- stopping: escalate
-            if stop_at is not None:
-                if term_at is not None:
-                    limit = (
-                        svc.stop_kill_after_loading_seconds
-                        if loading_when_stopped
-                        else cfg.shutdown_timeout + 10
-                    )
-                    if now - term_at > limit and not killed:
-                        _log(
-                            f"engine still running {now - term_at:.0f}s after SIGTERM: SIGKILL to its group",
-                            4,
-                        )
-                        self.kill_group(signal.SIGKILL)
-                        killed = True
+            code = self._on_signals(loop, now)
+            if code is None:
+                code = self._on_exit(loop, now)
+            if code is not None:
+                return code
+            if loop.stop_at is not None:
+                self._escalate_stop(loop, now)
                 continue
-
             res = self._take_probe()
             if self.state == "loading":
-                if res is not None:
-                    if res.ok:
-                        self._record(res)
-                        self.state = "ready"
-                        self.phase = "serving"
-                        self.ready_at = time.time()
-                        self.load_duration = round(self.elapsed(), 3)
-                        self.save()  # the state file is current before anyone hears READY
-                        self.n.send(
-                            "READY=1",
-                            f"STATUS=Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port} "
-                            f"(ready in {self.load_duration:.1f}s)",
-                        )
-                        if self.watchdog:
-                            self.n.send("WATCHDOG=1")
-                        _log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)")
-                        next_probe = now + self.probe_interval
-                        continue
-                    if res.stage == "decode":
-                        self.phase = "waiting for the first decode"
-                    next_probe = now + 0.5
-                if now >= next_status:
-                    next_status = now + 2.0
-                    fields = [f"STATUS={self.loading_status()}"]
-                    stalled = now - self.last_output > svc.stall_timeout_seconds
-                    if self.elapsed() > svc.load_timeout_seconds or stalled:
-                        self.kill_group(signal.SIGKILL)
-                        self.proc.wait()
-                        why = "no engine output" if stalled else "loading"
-                        limit = svc.stall_timeout_seconds if stalled else svc.load_timeout_seconds
-                        return self.fail(EXIT_LOAD_TIMEOUT, f"load timeout: {why} for more than {limit:g}s")
-                    # alive and still making progress: push systemd's start timeout forward
-                    fields.append(f"EXTEND_TIMEOUT_USEC={int(extend * 1e6)}")
-                    self.n.send(*fields)
-                    self.save()
-                if self._probe_thread is None and now >= next_probe:
-                    self._start_probe(first=True)
+                code = self._loading_step(loop, now, res)
+                if code is not None:
+                    return code
                 continue
+            self._serving_step(loop, now, res)
 
-            # --- ready: periodic liveness probes feed the watchdog
-            if res is not None:
-                was_failing = self.consecutive_failures > 0
-                self._record(res)  # state stays "ready": last_probe_ok carries the probe outcome
-                self.save()  # the state file is current before the notification
-                if res.ok:
-                    if self.watchdog:
-                        self.n.send("WATCHDOG=1")
-                    if was_failing:
-                        _log("probes succeed again")
-                        self.status(f"Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
-                else:
-                    msg = f"Probe failing ({self.consecutive_failures}x): {res.error}"
-                    self.status(msg)
-                    _log(msg, 4)
-                next_probe = self._probe_started + self.probe_interval
-            elif self._probe_thread is not None and now - self._probe_started > self.probe_timeout + 5:
-                # the probe thread is stuck beyond its own timeout: count it and keep not pinging
-                self._record(ProbeResult(False, now - self._probe_started, "probe stuck", "decode"))
-                self.status(f"Probe failing ({self.consecutive_failures}x): probe stuck")
-                self._probe_started = now
+    def _on_signals(self, loop: _Loop, now: float) -> int | None:
+        """SIGABRT (systemd's watchdog): kill and exit. SIGTERM/SIGINT: start the stop (drain wait, then
+        SIGTERM to the engine; while loading at once); a second one ends the drain wait."""
+        assert self.proc is not None
+        cfg = self.cfg
+        pending: list[int] = []
+        while self._signals:
+            pending.append(self._signals.pop(0))
+        sig = signal.SIGABRT if signal.SIGABRT in pending else (pending[0] if pending else None)
+        if sig == signal.SIGABRT:
+            # systemd's watchdog fired: the engine is hung; it cannot drain, so kill it now
+            self.kill_group(signal.SIGKILL)
+            self.proc.wait()
+            return self.fail(EXIT_WATCHDOG, "watchdog timeout: no successful probe in time; engine killed")
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            if loop.stop_at is None:
+                loop.stop_at = now
+                loop.loading_when_stopped = self.state == "loading"
+                self.state = "draining"
+                self.n.send("STOPPING=1", f"STATUS=Stopping: draining (up to {cfg.shutdown_timeout:g}s)")
                 self.save()
-            if self._probe_thread is None and now >= next_probe:
-                self._start_probe(first=False)
+                if loop.loading_when_stopped:
+                    _log("stop requested while loading: SIGTERM to the engine")
+                    self.signal_engine(signal.SIGTERM)
+                    loop.term_at = now
+                else:
+                    _log("stop requested: waiting for in-flight requests, then SIGTERM to the engine")
+                    self._start_drain_wait(cfg.shutdown_timeout)
+            elif loop.term_at is None:  # a second stop request: no more waiting
+                self._drained.set()
+        if loop.stop_at is not None and loop.term_at is None and self._drained.is_set():
+            _log(
+                f"drain wait over after {now - loop.stop_at:.1f}s ({self.drain_result}): SIGTERM to the engine"
+            )
+            self.signal_engine(signal.SIGTERM)
+            loop.term_at = now
+        return None
+
+    def _on_exit(self, loop: _Loop, now: float) -> int | None:
+        """The exit code when the engine has exited (stopped, or died) or one of its workers died."""
+        assert self.proc is not None
+        rc = self.proc.poll()
+        if rc is not None:
+            if loop.stop_at is None and rc >= 0 and self._relay_thread is not None:
+                # the API server ended on its own (vLLM exits 0 after a dead worker): the engine core's
+                # line naming the dead worker may still be in the pipe; the relay reads it to the end
+                self._relay_thread.join(2.0)
+            self.kill_group(signal.SIGKILL)  # leftovers (engine core, workers) of a dead API server
+            if loop.stop_at is not None:
+                self.state = "stopped"
+                code = 0 if loop.loading_when_stopped else exit_code_of(rc)
+                self.status(f"Stopped (engine exit {exit_code_of(rc)} after {now - loop.stop_at:.1f}s)")
+                _log(f"engine exited with {rc} {now - loop.stop_at:.1f}s after the stop request")
+                self.save()
+                return code
+            return self._died(rc)
+        if self.deaths.death is not None and loop.stop_at is None:
+            # a worker died but the API server still runs (it shuts down on its own, then exits 0)
+            self.kill_group(signal.SIGKILL)
+            self.proc.wait()
+            return self._died(None)
+        return None
+
+    def _escalate_stop(self, loop: _Loop, now: float) -> None:
+        """Stopping: SIGKILL the group once the engine outlives SIGTERM by too long."""
+        if loop.term_at is None:
+            return
+        limit = (
+            self.cfg.service.stop_kill_after_loading_seconds
+            if loop.loading_when_stopped
+            else self.cfg.shutdown_timeout + 10
+        )
+        if now - loop.term_at > limit and not loop.killed:
+            _log(f"engine still running {now - loop.term_at:.0f}s after SIGTERM: SIGKILL to its group", 4)
+            self.kill_group(signal.SIGKILL)
+            loop.killed = True
+
+    def _loading_step(self, loop: _Loop, now: float, res: ProbeResult | None) -> int | None:
+        """Loading: READY=1 after the first good probe; status and EXTEND_TIMEOUT_USEC every 2 s while
+        the engine makes progress; the load and stall timeouts (an exit code)."""
+        assert self.proc is not None
+        cfg, svc = self.cfg, self.cfg.service
+        if res is not None:
+            if res.ok:
+                self._record(res)
+                self.state = "ready"
+                self.phase = "serving"
+                self.ready_at = time.time()
+                self.load_duration = round(self.elapsed(), 3)
+                self.save()  # the state file is current before anyone hears READY
+                self.n.send(
+                    "READY=1",
+                    f"STATUS=Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port} "
+                    f"(ready in {self.load_duration:.1f}s)",
+                )
+                if self.watchdog:
+                    self.n.send("WATCHDOG=1")
+                _log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)")
+                loop.next_probe = now + self.probe_interval
+                return None
+            if res.stage == "decode":
+                self.phase = "waiting for the first decode"
+            loop.next_probe = now + 0.5
+        if now >= loop.next_status:
+            loop.next_status = now + 2.0
+            fields = [f"STATUS={self.loading_status()}"]
+            stalled = now - self.last_output > svc.stall_timeout_seconds
+            if self.elapsed() > svc.load_timeout_seconds or stalled:
+                self.kill_group(signal.SIGKILL)
+                self.proc.wait()
+                why = "no engine output" if stalled else "loading"
+                limit = svc.stall_timeout_seconds if stalled else svc.load_timeout_seconds
+                return self.fail(EXIT_LOAD_TIMEOUT, f"load timeout: {why} for more than {limit:g}s")
+            # alive and still making progress: push systemd's start timeout forward
+            extend = max(30.0, svc.start_timeout_seconds)
+            fields.append(f"EXTEND_TIMEOUT_USEC={int(extend * 1e6)}")
+            self.n.send(*fields)
+            self.save()
+        if self._probe_thread is None and now >= loop.next_probe:
+            self._start_probe(first=True)
+        return None
+
+    def _serving_step(self, loop: _Loop, now: float, res: ProbeResult | None) -> None:
+        """Ready: periodic liveness probes feed the watchdog (no ping while they fail)."""
+        cfg = self.cfg
+        if res is not None:
+            was_failing = self.consecutive_failures > 0
+            self._record(res)  # state stays "ready": last_probe_ok carries the probe outcome
+            self.save()  # the state file is current before the notification
+            if res.ok:
+                if self.watchdog:
+                    self.n.send("WATCHDOG=1")
+                if was_failing:
+                    _log("probes succeed again")
+                    self.status(f"Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
+            else:
+                msg = f"Probe failing ({self.consecutive_failures}x): {res.error}"
+                self.status(msg)
+                _log(msg, 4)
+            loop.next_probe = self._probe_started + self.probe_interval
+        elif self._probe_thread is not None and now - self._probe_started > self.probe_timeout + 5:
+            # the probe thread is stuck beyond its own timeout: count it and keep not pinging
+            self._record(ProbeResult(False, now - self._probe_started, "probe stuck", "decode"))
+            self.status(f"Probe failing ({self.consecutive_failures}x): probe stuck")
+            self._probe_started = now
+            self.save()
+        if self._probe_thread is None and now >= loop.next_probe:
+            self._start_probe(first=False)
 
 
 def launch(name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> int:

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""How `vllm-fleet plan`, `render` and the preflight's context step scale with the number of hosts.
+
+Generates fleet specs of N hosts from examples/seed-004-4xa100.yml (each host a copy of its 4-GPU host with
+its two models; the gateway and monitoring on the first host) and times, per N, in fresh processes:
+
+- ``plan``: ``vllm-fleet plan SPEC --json``
+- ``render``: ``vllm-fleet render SPEC --out DIR``
+- ``context``: the controller-side context step of a deploy, i.e. what the preflight role runs:
+  ``vllm-fleet context SPEC --all-hosts --compact`` (once for the fleet); with ``--per-host`` instead one
+  ``vllm-fleet context SPEC --host H --compact`` for one host, which a deploy that asks per host pays N times
+  (reported as the one call, and ×N).
+
+Hosts come in groups of ``--replicas`` (default 10) serving the same two models: the gateway keeps, per
+served model, a copy of its upstream without each instance (drain without a reload), so its files grow with
+the square of the replicas of one model; ``--replicas 0`` gives every host the seed's two models.
+
+Rounds are interleaved (N = 10, 100, 1000, then again), each figure is min / median / max over the rounds.
+
+    python tools/render_scale.py [--sizes 10,100,1000] [--rounds 3] [--replicas 10] [--per-host] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO / "examples" / "seed-004-4xa100.yml"
+
+
+def make_spec(n: int, replicas: int = 10) -> dict:
+    """The seed-004 fleet with ``n`` copies of its host (``gpu-0000`` ...), two instances each. Hosts come in
+    groups of ``replicas`` that serve the same two models (``qwen3-8b-g0000`` ...); ``replicas`` 0: every host
+    serves the seed's two models (one pool of ``n`` replicas each)."""
+    base = yaml.safe_load(SEED.read_text())
+    (host,) = base["hosts"]
+    hosts, models = [], []
+    for i in range(n):
+        name = f"gpu-{i:04d}"
+        hosts.append(
+            dict(copy.deepcopy(host), name=name, address=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+        )
+        for m in base["models"]:
+            served = m["served_model_name"] + (f"-g{i // replicas:04d}" if replicas else "")
+            models.append(
+                dict(copy.deepcopy(m), name=f"{m['name']}-{i:04d}", host=name, served_model_name=served)
+            )
+    spec = dict(base, name=f"scale-{n}", hosts=hosts, models=models)
+    spec["gateway"] = dict(base["gateway"], host=hosts[0]["name"])
+    return spec
+
+
+def _run(argv: list[str]) -> float:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    elapsed = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)}: exit {res.returncode}\n{res.stderr[-2000:]}")
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="10,100,1000", help="host counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", default="plan,render,context", help="which steps to time")
+    ap.add_argument("--per-host", action="store_true", help="time `context --host H` (one host) instead")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=10,
+        help="hosts per served model (0: every host serves the same two models; the gateway's upstream "
+        "variants then grow with the square of the replica count)",
+    )
+    ap.add_argument("--keep", help="write the generated specs here (kept)")
+    a = ap.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",")]
+    steps = a.steps.split(",")
+    work = Path(a.keep or tempfile.mkdtemp(prefix="vf-render-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "vllm_fleet.cli"]
+    specs = {}
+    for n in sizes:
+        specs[n] = work / f"fleet-{n}.yml"
+        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas), sort_keys=False))
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for r in range(a.rounds):
+            for n in sizes:
+                spec = str(specs[n])
+                for step in steps:
+                    if step == "plan":
+                        argv = [*cli, "plan", spec, "--json"]
+                    elif step == "render":
+                        out = work / f"out-{n}"
+                        shutil.rmtree(out, ignore_errors=True)
+                        argv = [*cli, "render", spec, "--out", str(out)]
+                    elif step == "context" and a.per_host:
+                        argv = [*cli, "context", spec, "--host", f"gpu-{n - 1:04d}", "--compact"]
+                    elif step == "context":
+                        argv = [*cli, "context", spec, "--all-hosts", "--compact"]
+                    else:
+                        raise SystemExit(f"unknown step {step!r}")
+                    t = _run(argv)
+                    times.setdefault((step, n), []).append(t)
+                    print(f"round {r + 1} N={n:>5} {step:<8} {t:7.2f} s", file=sys.stderr, flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print("| step | hosts | min | median | max | rounds |\n|---|---:|---:|---:|---:|---:|")
+    for step in steps:
+        for n in sizes:
+            ts = times[(step, n)]
+            label = "context --host (one host)" if step == "context" and a.per_host else step
+            print(
+                f"| {label} | {n} | {min(ts):.2f} s | {statistics.median(ts):.2f} s | {max(ts):.2f} s | {len(ts)} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The files one side of vllm-fleet writes and another reads, each defined once (standard library only, so
+both the controller's ``fleet`` package and the hosts' ``host`` package import it):
+
+- ``InstanceConfig``: ``{config_dir}/instances/NAME.json``, rendered on the controller from
+  units/instance.json.j2 (``vllm-fleet render`` and the artifacts role), read on the host by the launcher
+  (``vllm_fleet.host.launcher.load_config``) and the exporter.
+- ``StateFile``: ``{state_dir}/NAME.json``, written by the launcher (``Launcher.state_dict``), read by the
+  host exporter (``vllm_fleet.host.exporter.read_instances``).
+- ``SERVICE_DEFAULTS``: the defaults of an instance's ``service`` settings: the spec's ``ServiceSettings``,
+  the base unit ``vllm@.service`` and the launcher take them from here.
+
+The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypedDict
+
+
+class ContractError(ValueError):
+    """A file does not match its contract: the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class ServiceDefaults:
+    """Defaults of ``models[].service`` (the spec's ``ServiceSettings`` documents each field)."""
+
+    start_timeout_seconds: int = 180
+    load_timeout_seconds: int = 3600
+    stall_timeout_seconds: int = 900
+    watchdog_seconds: int = 60
+    probe_interval_seconds: float = 10.0
+    probe_timeout_seconds: float = 20.0
+    stop_kill_after_loading_seconds: float = 5.0
+    restart_sec: int = 10
+    start_limit_burst: int = 5
+    start_limit_interval_seconds: int = 900
+
+
+SERVICE_DEFAULTS = ServiceDefaults()
+_D = SERVICE_DEFAULTS
+
+
+def _where(source: str, key: str) -> str:
+    return f"{source}: {key}" if source else key
+
+
+def _number(v: Any, source: str, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ContractError(f"{_where(source, key)}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _integer(v: Any, source: str, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ContractError(f"{_where(source, key)}: expected an integer, got {v!r}")
+    return v
+
+
+def _string(v: Any, source: str, key: str) -> str:
+    if not isinstance(v, str):
+        raise ContractError(f"{_where(source, key)}: expected a string, got {v!r}")
+    return v
+
+
+def _mapping(v: Any, source: str, key: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ContractError(f"{_where(source, key)}: expected an object, got {v!r}")
+    return v
+
+
+@dataclass
+class ServiceConfig:
+    """What the launcher uses of an instance's ``service`` settings (the systemd ones go to the unit)."""
+
+    start_timeout_seconds: float = _D.start_timeout_seconds
+    load_timeout_seconds: float = _D.load_timeout_seconds
+    stall_timeout_seconds: float = _D.stall_timeout_seconds
+    watchdog_seconds: float = _D.watchdog_seconds
+    probe_interval_seconds: float = _D.probe_interval_seconds
+    probe_timeout_seconds: float = _D.probe_timeout_seconds
+    stop_kill_after_loading_seconds: float = _D.stop_kill_after_loading_seconds
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "") -> ServiceConfig:
+        """The known keys (numbers); others (``restart_sec`` ...) are systemd's, not the launcher's."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: _number(v, source, f"service.{k}") for k, v in d.items() if k in known})
+
+
+@dataclass
+class InstanceConfig:
+    """``{config_dir}/instances/NAME.json``. Required: ``name``, ``model_path``, ``port``, ``command``; the
+    template writes every field (``units/instance.json.j2``; tests/unit/test_contracts.py checks it)."""
+
+    name: str
+    served_model_name: str
+    model_path: str
+    port: int
+    command: list[str]
+    listen_address: str = "127.0.0.1"
+    environment: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout: float = 30
+    state_dir: str = "/run/vllm-fleet"
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    # informational (the launcher does not act on them)
+    profile: str = ""
+    vllm_version: str = ""
+    host: str = ""
+    gpus: list[int] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str = ""
+
+    @property
+    def probe_host(self) -> str:
+        return "127.0.0.1" if self.listen_address in ("0.0.0.0", "", "::") else self.listen_address
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "") -> InstanceConfig:
+        """Check and convert the rendered JSON; ``ContractError`` names the first field that is wrong."""
+        d = _mapping(d, source, "(root)")
+        for key in ("name", "model_path", "port", "command"):
+            if key not in d:
+                raise ContractError(f"{_where(source, key)}: missing")
+        command = d["command"]
+        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+            raise ContractError(f"{_where(source, 'command')}: expected a list of strings, got {command!r}")
+        env = _mapping(d.get("environment") or {}, source, "environment")
+        for k, v in env.items():
+            _string(v, source, f"environment.{k}")
+        gpus = d.get("gpus") or []
+        if not isinstance(gpus, list):
+            raise ContractError(f"{_where(source, 'gpus')}: expected a list of integers, got {gpus!r}")
+        name = _string(d["name"], source, "name")
+        return cls(
+            name=name,
+            served_model_name=_string(d.get("served_model_name") or name, source, "served_model_name"),
+            model_path=_string(d["model_path"], source, "model_path"),
+            port=_integer(d["port"], source, "port"),
+            command=list(command),
+            listen_address=_string(d.get("listen_address") or "127.0.0.1", source, "listen_address"),
+            environment=dict(env),
+            shutdown_timeout=_number(d.get("shutdown_timeout", 30), source, "shutdown_timeout"),
+            state_dir=_string(d.get("state_dir") or "/run/vllm-fleet", source, "state_dir"),
+            service=ServiceConfig.from_dict(_mapping(d.get("service") or {}, source, "service"), source),
+            profile=_string(d.get("profile", ""), source, "profile"),
+            vllm_version=_string(d.get("vllm_version", ""), source, "vllm_version"),
+            host=_string(d.get("host", ""), source, "host"),
+            gpus=[_integer(g, source, f"gpus[{i}]") for i, g in enumerate(gpus)],
+            source=_mapping(d.get("source") or {}, source, "source"),
+            cache_dir=_string(d.get("cache_dir", ""), source, "cache_dir"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> InstanceConfig:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except ValueError as exc:
+            raise ContractError(f"{p}: not JSON ({exc})") from None
+        return cls.from_dict(data, str(p))
+
+
+# the keys the template writes besides the ones above ("_managed": the ansible_managed marker)
+INSTANCE_CONFIG_EXTRA_KEYS = frozenset({"_managed"})
+
+
+class StateFile(TypedDict, total=False):
+    """``{state_dir}/NAME.json``: the launcher's view of its engine, rewritten (tmp file + rename) on every
+    change. Readers must accept a missing key (a launcher of another version): ``total=False``."""
+
+    instance: str
+    served_model_name: str
+    port: int
+    state: str  # loading | ready | draining | stopping | failed
+    launcher_pid: int
+    engine_pid: int | None
+    started_at: float
+    ready_at: float | None
+    load_duration_seconds: float | None
+    phase: str
+    last_probe_at: float | None
+    last_probe_ok: bool | None
+    last_probe_latency_seconds: float | None
+    last_probe_kind: str | None
+    probes_total: int
+    probe_failures_total: int
+    failure_reason: str | None
+    failure_process: str | None
+    failure_signal: str | None
+    updated_at: float
+
+
+# key → (accepted JSON types, nullable)
+_STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    "instance": ((str,), False),
+    "served_model_name": ((str,), False),
+    "port": ((int,), False),
+    "state": ((str,), False),
+    "launcher_pid": ((int,), False),
+    "engine_pid": ((int,), True),
+    "started_at": ((int, float), False),
+    "ready_at": ((int, float), True),
+    "load_duration_seconds": ((int, float), True),
+    "phase": ((str,), False),
+    "last_probe_at": ((int, float), True),
+    "last_probe_ok": ((bool,), True),
+    "last_probe_latency_seconds": ((int, float), True),
+    "last_probe_kind": ((str,), True),
+    "probes_total": ((int,), False),
+    "probe_failures_total": ((int,), False),
+    "failure_reason": ((str,), True),
+    "failure_process": ((str,), True),
+    "failure_signal": ((str,), True),
+    "updated_at": ((int, float), False),
+}
+STATE_KEYS = tuple(_STATE_TYPES)
+
+
+def parse_state(data: Any, source: str = "") -> StateFile:
+    """Check a state file's content: every known key that is present has its type (unknown keys, from a
+    newer launcher, are kept). ``ContractError`` names the first wrong one."""
+    d = _mapping(data, source, "(root)")
+    for key, (types, nullable) in _STATE_TYPES.items():
+        if key not in d:
+            continue
+        v = d[key]
+        if v is None and nullable:
+            continue
+        # JSON true is not a number here (bool is an int in Python)
+        ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+        if not ok:
+            want = "/".join(t.__name__ for t in types) + (" or null" if nullable else "")
+            raise ContractError(f"{_where(source, key)}: expected {want}, got {v!r}")
+    return d  # type: ignore[return-value]
+
+
+def read_state(path: str | Path) -> StateFile:
+    """Read and check a state file (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise ContractError(f"{p}: not JSON ({exc})") from None
+    return parse_state(data, str(p))
