@@ -1,4 +1,5 @@
-"""Alert rules: rendered from a test spec, checked and unit-tested with promtool, thresholds from the spec."""
+"""Alert rules: generated from the alerts table for a test spec, checked and unit-tested with promtool,
+thresholds from the spec; the table itself (runbooks, names, severities, placeholders)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import pytest
 import yaml
 
 from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL
 from vllm_fleet.fleet.render import render_monitoring
-from vllm_fleet.fleet.spec import load_spec, parse_spec
+from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_SPEC = REPO / "alerts" / "tests" / "spec.yml"
@@ -189,7 +190,7 @@ def test_decode_floor_zero_disables_the_rule(tmp_path: Path) -> None:
 def test_ttft_slo_must_be_a_bucket_bound(tmp_path: Path) -> None:
     data = spec_data()
     data["alerts"]["ttft_p99_slo_seconds"] = 2.0  # vLLM's TTFT buckets go 1.0, 2.5: no 2.0 bound
-    with pytest.raises(jinja2.UndefinedError, match="TTFT_histogram_bucket_bound"):
+    with pytest.raises(ValueError, match="not a bucket bound of vLLM's TTFT histogram"):
         render_rules(data, tmp_path)
     problems = check_alert_thresholds(parse_spec(data))
     assert problems and problems[0][0] == "alerts.ttft_p99_slo_seconds" and "2.5" in problems[0][1]
@@ -276,6 +277,41 @@ def test_templates_render_the_same_without_lstrip_blocks() -> None:
         for f in ("alerts", "monitoring", "dashboards")
         for p in (REPO / f).glob("*.j2")
     ]
-    assert len(templates) >= 8
+    assert len(templates) >= 7
     for t in templates:
         assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
+
+
+# ------------------------------------------------------------------------------------- the alerts table
+
+
+def test_table_entries_follow_the_conventions(rendered: Path) -> None:
+    """Every table alert: CamelCase name, known severity, a runbook naming it, rendered into the rules."""
+    names = [a.name for a in ALERTS]
+    assert len(names) == len(set(names))
+    rendered_names = {r["alert"] for r in rules_of(rendered)}
+    for a in ALERTS:
+        assert re.fullmatch(r"(?:[A-Z][a-z0-9]+)+", a.name), a.name
+        assert a.severity in {"critical", "warning", "info", "none"}, a.name
+        runbook = REPO / a.runbook
+        assert runbook.is_file(), f"missing runbook {runbook}"
+        assert a.name in runbook.read_text()
+        assert a.name in rendered_names  # the test spec enables every alert
+        assert a.summary and a.description
+
+
+def test_table_placeholders_and_spec_keys() -> None:
+    for a in ALERTS:
+        texts = (a.expression, a.summary, a.description)
+        used = set(re.findall(r"\$\{(\w+)\}", " ".join(texts)))
+        assert used <= SPEC_KEYS | SPECIAL, (a.name, used - SPEC_KEYS - SPECIAL)
+        assert not {"value", "op"} & used, a.name  # filled in by .expression
+        assert a.for_ is None or a.for_ in SPEC_KEYS, a.name
+        assert not isinstance(a.threshold, str) or a.threshold in SPEC_KEYS, a.name
+        assert set(a.spec_keys) <= SPEC_KEYS
+        if a.per_instance:  # the per-instance override has the fleet-wide key's name
+            assert isinstance(a.threshold, str) and a.threshold in ModelAlerts.model_fields, a.name
+            assert "${sel}" in a.expression, a.name
+        else:
+            assert "${sel}" not in a.expression, a.name
+        assert "${threshold}" not in a.description or a.per_instance, a.name
