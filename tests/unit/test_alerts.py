@@ -1,5 +1,5 @@
 """Alert rules: generated from the alerts table for a test spec, checked and unit-tested with promtool,
-thresholds from the spec; the table itself (runbooks, names, severities, placeholders)."""
+thresholds from the spec; the table itself (runbooks, names, severities, Grafana copies)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
 from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL
+from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
 from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
 
@@ -264,7 +266,6 @@ def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, 
 
 def test_templates_render_the_same_without_lstrip_blocks() -> None:
     """Ansible's template module defaults to lstrip_blocks=False; our templates must not depend on it."""
-    from vllm_fleet.fleet.context import build_context
     from vllm_fleet.fleet.render import make_env
 
     data = spec_data()
@@ -315,3 +316,22 @@ def test_table_placeholders_and_spec_keys() -> None:
         else:
             assert "${sel}" not in a.expression, a.name
         assert "${threshold}" not in a.description or a.per_instance, a.name
+
+
+def test_grafana_rules_are_the_table_alerts_with_a_uid(tmp_path: Path) -> None:
+    data = spec_data()
+    doc = yaml.safe_load(alert_rules_yaml(build_context(parse_spec(data), "h1")))
+    got = {r["title"]: r for r in doc["groups"][0]["rules"]}
+    want = {a.name: a for a in ALERTS if a.grafana_uid}
+    assert set(got) == set(want) and len(want) >= 4
+    data["models"][1].pop("alerts")  # no per-instance variants: one Prometheus rule per alert
+    prom = {r["alert"]: r for r in rules_of(render_rules(data, tmp_path))}
+    for name, a in want.items():
+        r = got[name]
+        assert r["uid"] == a.grafana_uid and r["labels"]["severity"] == a.severity
+        assert r["annotations"]["summary"] == prom[name]["annotations"]["summary"]
+        query = r["data"][0]["model"]["expr"]
+        assert query in prom[name]["expr"], name  # Grafana queries the value the Prometheus rule compares
+        threshold = data["alerts"].get(a.threshold) if isinstance(a.threshold, str) else a.threshold
+        assert r["data"][-1]["model"]["expression"] == f"$B {a.op} {threshold}"
+        assert r["for"] == prom[name]["for"]
