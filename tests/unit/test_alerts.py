@@ -1,5 +1,5 @@
 """Alert rules: generated from the alerts table for a test spec, checked and unit-tested with promtool,
-thresholds from the spec; the table itself (runbooks, names, severities, Grafana copies)."""
+thresholds from the spec; the table itself (runbooks, names, severities, Grafana copies, the doc's table)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 
 from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
-from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL
+from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, markdown_table
 from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
 from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
@@ -335,3 +335,12 @@ def test_grafana_rules_are_the_table_alerts_with_a_uid(tmp_path: Path) -> None:
         threshold = data["alerts"].get(a.threshold) if isinstance(a.threshold, str) else a.threshold
         assert r["data"][-1]["model"]["expression"] == f"$B {a.op} {threshold}"
         assert r["for"] == prom[name]["for"]
+
+
+def test_observability_doc_lists_the_table() -> None:
+    """docs/observability.md holds the table's markdown (rewrite it with tools/alerts_doc.py)."""
+    doc = (REPO / "docs" / "observability.md").read_text()
+    assert markdown_table() in doc, (
+        "docs/observability.md is behind the alerts table: run tools/alerts_doc.py"
+    )
+    assert len(markdown_table().splitlines()) == 2 + len(ALERTS)
