@@ -56,7 +56,7 @@ class Alert:
     expr: str = "${value} ${op} ${threshold}"  # the Prometheus expression
     scope: Literal["instance", "fleet"] = "instance"  # which dashboard the alert links to
     per_instance: bool = False  # models[].alerts.<threshold> overrides the threshold per instance
-    zero_disables: bool = False
+    zero_disables: bool = False  # a threshold of 0 leaves the rule out (fleet-wide or for that instance)
     grafana_uid: str | None = None  # also a Grafana-managed rule, with this uid
     group: str = "vllm-fleet"
     section: str = ""  # a comment line above the alert in the rules file
