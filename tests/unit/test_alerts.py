@@ -1,4 +1,5 @@
-"""Alert rules: rendered from a test spec, checked and unit-tested with promtool, thresholds from the spec."""
+"""Alert rules: generated from the alerts table for a test spec, checked and unit-tested with promtool,
+thresholds from the spec; the table itself (runbooks, names, severities, Grafana copies, the doc's table)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import pytest
 import yaml
 
+from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, markdown_table
+from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
-from vllm_fleet.fleet.spec import load_spec, parse_spec
+from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_SPEC = REPO / "alerts" / "tests" / "spec.yml"
@@ -189,7 +192,7 @@ def test_decode_floor_zero_disables_the_rule(tmp_path: Path) -> None:
 def test_ttft_slo_must_be_a_bucket_bound(tmp_path: Path) -> None:
     data = spec_data()
     data["alerts"]["ttft_p99_slo_seconds"] = 2.0  # vLLM's TTFT buckets go 1.0, 2.5: no 2.0 bound
-    with pytest.raises(jinja2.UndefinedError, match="TTFT_histogram_bucket_bound"):
+    with pytest.raises(ValueError, match="not a bucket bound of vLLM's TTFT histogram"):
         render_rules(data, tmp_path)
     problems = check_alert_thresholds(parse_spec(data))
     assert problems and problems[0][0] == "alerts.ttft_p99_slo_seconds" and "2.5" in problems[0][1]
@@ -263,7 +266,6 @@ def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, 
 
 def test_templates_render_the_same_without_lstrip_blocks() -> None:
     """Ansible's template module defaults to lstrip_blocks=False; our templates must not depend on it."""
-    from vllm_fleet.fleet.context import build_context
     from vllm_fleet.fleet.render import make_env
 
     data = spec_data()
@@ -276,6 +278,69 @@ def test_templates_render_the_same_without_lstrip_blocks() -> None:
         for f in ("alerts", "monitoring", "dashboards")
         for p in (REPO / f).glob("*.j2")
     ]
-    assert len(templates) >= 8
+    assert len(templates) >= 7
     for t in templates:
         assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
+
+
+# ------------------------------------------------------------------------------------- the alerts table
+
+
+def test_table_entries_follow_the_conventions(rendered: Path) -> None:
+    """Every table alert: CamelCase name, known severity, a runbook naming it, rendered into the rules."""
+    names = [a.name for a in ALERTS]
+    assert len(names) == len(set(names))
+    rendered_names = {r["alert"] for r in rules_of(rendered)}
+    for a in ALERTS:
+        assert re.fullmatch(r"(?:[A-Z][a-z0-9]+)+", a.name), a.name
+        assert a.severity in {"critical", "warning", "info", "none"}, a.name
+        runbook = REPO / a.runbook
+        assert runbook.is_file(), f"missing runbook {runbook}"
+        assert a.name in runbook.read_text()
+        assert a.name in rendered_names  # the test spec enables every alert
+        assert a.summary and a.description
+
+
+def test_table_placeholders_and_spec_keys() -> None:
+    for a in ALERTS:
+        texts = (a.expression, a.summary, a.description)
+        used = set(re.findall(r"\$\{(\w+)\}", " ".join(texts)))
+        assert used <= SPEC_KEYS | SPECIAL, (a.name, used - SPEC_KEYS - SPECIAL)
+        assert not {"value", "op"} & used, a.name  # filled in by .expression
+        assert a.for_ is None or a.for_ in SPEC_KEYS, a.name
+        assert not isinstance(a.threshold, str) or a.threshold in SPEC_KEYS, a.name
+        assert set(a.spec_keys) <= SPEC_KEYS
+        if a.per_instance:  # the per-instance override has the fleet-wide key's name
+            assert isinstance(a.threshold, str) and a.threshold in ModelAlerts.model_fields, a.name
+            assert "${sel}" in a.expression, a.name
+        else:
+            assert "${sel}" not in a.expression, a.name
+        assert "${threshold}" not in a.description or a.per_instance, a.name
+
+
+def test_grafana_rules_are_the_table_alerts_with_a_uid(tmp_path: Path) -> None:
+    data = spec_data()
+    doc = yaml.safe_load(alert_rules_yaml(build_context(parse_spec(data), "h1")))
+    got = {r["title"]: r for r in doc["groups"][0]["rules"]}
+    want = {a.name: a for a in ALERTS if a.grafana_uid}
+    assert set(got) == set(want) and len(want) >= 4
+    data["models"][1].pop("alerts")  # no per-instance variants: one Prometheus rule per alert
+    prom = {r["alert"]: r for r in rules_of(render_rules(data, tmp_path))}
+    for name, a in want.items():
+        r = got[name]
+        assert r["uid"] == a.grafana_uid and r["labels"]["severity"] == a.severity
+        assert r["annotations"]["summary"] == prom[name]["annotations"]["summary"]
+        query = r["data"][0]["model"]["expr"]
+        assert query in prom[name]["expr"], name  # Grafana queries the value the Prometheus rule compares
+        threshold = data["alerts"].get(a.threshold) if isinstance(a.threshold, str) else a.threshold
+        assert r["data"][-1]["model"]["expression"] == f"$B {a.op} {threshold}"
+        assert r["for"] == prom[name]["for"]
+
+
+def test_observability_doc_lists_the_table() -> None:
+    """docs/observability.md holds the table's markdown (rewrite it with tools/alerts_doc.py)."""
+    doc = (REPO / "docs" / "observability.md").read_text()
+    assert markdown_table() in doc, (
+        "docs/observability.md is behind the alerts table: run tools/alerts_doc.py"
+    )
+    assert len(markdown_table().splitlines()) == 2 + len(ALERTS)

@@ -14,8 +14,8 @@ from typing import Any
 import grafanalib.core as G
 from grafanalib._gen import DashboardEncoder
 
-OVERVIEW_UID = "vllm-fleet-overview"
-INSTANCE_UID = "vllm-fleet-instance"
+from vllm_fleet.fleet.observability.alerts import INSTANCE_UID, OVERVIEW_UID
+
 RI = "$__rate_interval"
 M = 'model=~"$model"'
 I = 'instance="$instance"'  # noqa: E741 - PromQL selector fragment

@@ -2,9 +2,11 @@
 
 grafanalib nests a rule under ``grafana_alert`` (the Ruler API shape); Grafana's file provisioning
 (``/etc/grafana/provisioning/alerting/*.yml``) wants the flat shape ``uid, title, condition, data,
-noDataState, execErrState, for, labels, annotations``: ``flatten_rule`` converts it. Thresholds come from
-``vf.alerts``, like the Prometheus rules (those stay the source of truth for paging through Alertmanager;
-these let Grafana users see and route the same conditions).
+noDataState, execErrState, for, labels, annotations``: ``flatten_rule`` converts it. The rules are the
+alerts of the alerts table (``alerts.py``) that have a ``grafana_uid``: the table's compared ``value`` is the
+query, its ``op`` and fleet-wide threshold (from ``vf.alerts``) the math condition. The Prometheus rules stay
+the source of truth for paging through Alertmanager; these let Grafana users see and route the same
+conditions.
 """
 
 from __future__ import annotations
@@ -14,42 +16,47 @@ from typing import Any
 import grafanalib.core as G
 import yaml
 
-from vllm_fleet.fleet.observability.dashboards import INSTANCE_UID
+from vllm_fleet.fleet.observability.alerts import (
+    ALERTS,
+    INSTANCE_UID,
+    OVERVIEW_UID,
+    Alert,
+    fill,
+    runbook_url,
+    spec_values,
+)
 
 FOLDER_UID = "vllm-fleet"
 
 
-def _rule(
-    vf: dict[str, Any],
-    uid: str,
-    title: str,
-    expr: str,
-    op: str,
-    threshold: float,
-    for_: str,
-    severity: str,
-    summary: str,
-) -> G.AlertRulev9:
+def _rule(vf: dict[str, Any], alert: Alert) -> G.AlertRulev9:
+    """The Grafana copy of a table alert: its compared value queried, the comparison in a math expression,
+    the fleet-wide threshold (Grafana has no per-instance variants)."""
+    a = vf["alerts"]
+    assert alert.op is not None and alert.threshold is not None and alert.for_, alert.name
     ds = vf["monitoring"]["grafana"]["datasource_uid"]
-    base = vf["alerts"]["runbook_base_url"].rstrip("/")
+    threshold = a[alert.threshold] if isinstance(alert.threshold, str) else alert.threshold
+    expr = fill(alert.value, spec_values(a) | {"sel": ""})
     return G.AlertRulev9(
-        title=title,
-        uid=uid,
+        title=alert.name,
+        uid=alert.grafana_uid,
         condition="C",
         triggers=[
             G.Target(expr=expr, refId="A", datasource=ds, instant=True),
             G.AlertExpression(
                 refId="B", expressionType=G.EXP_TYPE_REDUCE, expression="A", reduceFunction="last"
             ),
-            G.AlertExpression(refId="C", expressionType=G.EXP_TYPE_MATH, expression=f"$B {op} {threshold}"),
+            G.AlertExpression(
+                refId="C", expressionType=G.EXP_TYPE_MATH, expression=f"$B {alert.op} {threshold}"
+            ),
         ],
         annotations={
-            "summary": summary,
-            "runbook_url": f"{base}/{title}.md",
-            "__dashboardUid__": INSTANCE_UID,
+            "summary": alert.summary,
+            "runbook_url": runbook_url(vf, alert),
+            "__dashboardUid__": INSTANCE_UID if alert.scope == "instance" else OVERVIEW_UID,
         },
-        labels={"severity": severity, "source": "grafana"},
-        evaluateFor=for_,
+        labels={"severity": alert.severity, "source": "grafana"},
+        evaluateFor=a[alert.for_],
         # no data = nothing to alert on (instances come and go); a broken query must be visible
         noDataAlertState="OK",
         errorAlertState="Error",
@@ -58,21 +65,8 @@ def _rule(
 
 
 def rules(vf: dict[str, Any]) -> list[G.AlertRulev9]:
-    a = vf["alerts"]
-    w = a["rate_window"]
-    by = "host, instance, model"
-    return [
-        _rule(vf, "vf-kv-cache-critical", "VllmKvCacheUsageCritical", f"max by ({by}) (vllm:kv_cache_usage_perc)",
-              ">", a["kv_cache_critical"], a["kv_cache_for"], "critical", "vLLM KV cache full"),
-        _rule(vf, "vf-queue-wait", "VllmQueueWaitHigh",
-              f"histogram_quantile(0.99, sum by ({by}, le) (rate(vllm:request_queue_time_seconds_bucket[{w}])))",
-              ">", a["queue_wait_p99_seconds"], a["queue_wait_for"], "warning", "vLLM queue wait p99 too high"),
-        _rule(vf, "vf-ttft-slo", "VllmTtftSloBreached",
-              f"histogram_quantile(0.99, sum by ({by}, le) (rate(vllm:time_to_first_token_seconds_bucket[{w}])))",
-              ">", a["ttft_p99_slo_seconds"], a["ttft_for"], "warning", "vLLM TTFT p99 above SLO"),
-        _rule(vf, "vf-instance-down", "VllmInstanceDown", 'up{job="vllm"}', "<", 1, a["instance_down_for"],
-              "critical", "vLLM instance unreachable"),
-    ]  # fmt: skip
+    """One Grafana rule per table alert with a ``grafana_uid``."""
+    return [_rule(vf, alert) for alert in ALERTS if alert.grafana_uid]
 
 
 def flatten_rule(rule: G.AlertRulev9) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from vllm_fleet.fleet.spec import FleetSpec
 
 # vLLM's default TTFT histogram bounds (vllm/v1/metrics/buckets.py, 0.32). A p99 threshold between two
 # bounds is an interpolation artefact: the SLO must be one of these, or the engine needs
-# --custom-histogram-buckets with that bound.
+# --custom-histogram-buckets with that bound. The one list: the planner's check below and the rules generator
+# (alerts.py) read it.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
     80.0, 160.0, 640.0, 2560.0,

@@ -1,0 +1,401 @@
+"""The one table of alerts. Everything about an alert is written here once; generated from it:
+
+- the Prometheus rules file (``rules_yaml``, the ``generator:`` of ``alerts/artifacts.yml``),
+- the Grafana-managed copies of the alerts that have a ``grafana_uid`` (``grafana.py``),
+- the names, summaries and dashboard links the promtool tests expect (``alerts/tests/make_tests.py``),
+- the alerts table of docs/observability.md (``markdown_table``; ``tools/alerts_doc.py`` writes it).
+
+Texts hold placeholders ``${name}``, filled per fleet spec:
+
+- ``${KEY}`` for every field ``KEY`` of the spec's ``alerts:`` section (thresholds, ``for`` durations,
+  ``rate_window`` ...),
+- ``${by}``: the engine label set ``host, instance, model``,
+- ``${threshold}``: the alert's threshold (the per-instance value in a per-instance variant),
+- ``${sel}``: the instance selector of a per-instance alert (``{instance="a"}``, ``{instance!~"a|b"}``, or
+  nothing), written right after a metric name,
+- in ``expr`` only: ``${value}`` and ``${op}`` (the entry's fields).
+
+``{{ $labels.x }}`` / ``{{ $value }}`` are Prometheus' own annotation templates and stay as they are.
+
+Per-instance variants: an alert with ``per_instance=True`` reads its threshold from ``models[].alerts.KEY``
+where an instance sets it (``KEY`` = ``threshold``): such an instance gets its own rule (``${sel}`` =
+``{instance="NAME"}``, labelled ``threshold: "VALUE"``); the fleet-wide rule excludes these instances.
+``zero_disables``: a threshold of 0 leaves the rule out (fleet-wide or for that instance).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm_fleet.fleet.observability.thresholds import TTFT_BUCKETS
+from vllm_fleet.fleet.spec import AlertThresholds
+
+Severity = Literal["critical", "warning", "info", "none"]
+BY = "host, instance, model"  # the labels every engine series has (prometheus.yml)
+SPEC_KEYS = frozenset(AlertThresholds.model_fields)
+SPECIAL = frozenset({"by", "sel", "threshold", "value", "op"})
+OVERVIEW_UID = "vllm-fleet-overview"  # the dashboards' uids (the alerts link to them; dashboards.py)
+INSTANCE_UID = "vllm-fleet-instance"
+_PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str  # CamelCase: the alertname, the runbook docs/runbooks/NAME.md, the Grafana rule's title
+    severity: Severity
+    summary: str
+    description: str  # Prometheus annotation template
+    # the compared PromQL: Grafana queries it and compares the result itself (``$B op threshold``)
+    value: str
+    op: str | None = None  # comparison of value and threshold; None: ``value`` is the whole expression
+    threshold: str | float | None = None  # a key of the spec's ``alerts:`` (str) or a constant
+    for_: str | None = None  # key of the spec's ``alerts:`` holding the ``for:`` duration; None: no ``for``
+    expr: str = "${value} ${op} ${threshold}"  # the Prometheus expression
+    scope: Literal["instance", "fleet"] = "instance"  # which dashboard the alert links to
+    per_instance: bool = False  # models[].alerts.<threshold> overrides the threshold per instance
+    zero_disables: bool = False  # a threshold of 0 leaves the rule out (fleet-wide or for that instance)
+    grafana_uid: str | None = None  # also a Grafana-managed rule, with this uid
+    group: str = "vllm-fleet"
+    section: str = ""  # a comment line above the alert in the rules file
+
+    @property
+    def runbook(self) -> str:
+        return f"docs/runbooks/{self.name}.md"
+
+    @property
+    def expression(self) -> str:
+        """The Prometheus expression template, ``${value}`` / ``${op}`` filled in."""
+        if self.op is None:
+            return self.value
+        values = {"value": self.value, "op": self.op}
+        if not isinstance(self.threshold, str):  # a constant; a spec key stays ${threshold}, filled per rule
+            values["threshold"] = _num(self.threshold)
+        return fill(self.expr, values, keep=True)
+
+    def symbolic(self, text: str) -> str:
+        """``text`` with ``${threshold}`` written as the spec key it stands for (docs)."""
+        key = f"${{{self.threshold}}}" if isinstance(self.threshold, str) else _num(self.threshold)
+        return fill(text, {"threshold": key}, keep=True)
+
+    @property
+    def spec_keys(self) -> list[str]:
+        """The keys of the spec's ``alerts:`` this alert reads, in order of appearance."""
+        keys = [self.threshold] if isinstance(self.threshold, str) else []
+        keys += [self.for_] if self.for_ else []
+        keys += _PLACEHOLDER.findall(self.symbolic(self.expression + self.description))
+        return list(dict.fromkeys(k for k in keys if k in SPEC_KEYS))
+
+
+def _num(v: Any) -> str:
+    return str(v)
+
+
+def fill(text: str, values: dict[str, str], *, keep: bool = False) -> str:
+    """Replace every ``${name}`` by ``values[name]``; an unknown name is an error (or stays, with ``keep``)."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in values:
+            return values[name]
+        if keep:
+            return m.group(0)
+        raise KeyError(f"unknown placeholder ${{{name}}} in {text!r}")
+
+    return _PLACEHOLDER.sub(one, text)
+
+
+# fmt: off
+ALERTS: tuple[Alert, ...] = (
+    Alert(
+        "VllmKvCacheUsageHigh", "warning", section="KV cache",
+        summary="vLLM KV cache almost full",
+        description="KV cache of {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) is "
+                    "{{ $value | humanizePercentage }} full (warning above ${kv_cache_warning}); new requests "
+                    "queue and running ones may be preempted.",
+        value="max by (${by}) (vllm:kv_cache_usage_perc)", op=">", threshold="kv_cache_warning",
+        for_="kv_cache_for",
+    ),
+    Alert(
+        "VllmKvCacheUsageCritical", "critical", grafana_uid="vf-kv-cache-critical",
+        summary="vLLM KV cache full",
+        description="KV cache of {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) is "
+                    "{{ $value | humanizePercentage }} full (critical above ${kv_cache_critical}); requests are "
+                    "being preempted or queued.",
+        value="max by (${by}) (vllm:kv_cache_usage_perc)", op=">", threshold="kv_cache_critical",
+        for_="kv_cache_for",
+    ),
+    Alert(
+        "VllmQueueWaitHigh", "warning", section="queue wait", grafana_uid="vf-queue-wait",
+        summary="vLLM requests wait too long in the queue",
+        description="p99 queue wait of {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) is "
+                    "{{ $value | humanizeDuration }} over ${rate_window} (threshold ${queue_wait_p99_seconds}s).",
+        value="histogram_quantile(0.99, sum by (${by}, le) "
+              "(rate(vllm:request_queue_time_seconds_bucket[${rate_window}])))",
+        op=">", threshold="queue_wait_p99_seconds", for_="queue_wait_for",
+    ),
+    Alert(
+        "VllmDecodeRateLow", "warning", section="decode rate floor",
+        summary="vLLM decode rate below its floor while requests run",
+        description='{{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) generates '
+                    '{{ $value | printf "%.1f" }} tokens/s with requests running (floor ${threshold} tokens/s).',
+        value="sum by (${by}) (rate(vllm:generation_tokens_total${sel}[${rate_window}]))",
+        op="<", threshold="decode_rate_floor", for_="decode_rate_for",
+        expr="${value} ${op} ${threshold}\n"
+             "and on (${by})\n"
+             "sum by (${by}) (vllm:num_requests_running${sel}) > 0",
+        per_instance=True, zero_disables=True,
+    ),
+    Alert(
+        # requests were running during the whole window and not one token was generated in it
+        "VllmDecodeStalled", "critical", section="decode stalled",
+        summary="vLLM decode stalled: requests running, no tokens generated",
+        description="{{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) has had requests running "
+                    "for ${decode_stall_for} without generating a token. /health can stay 200 in this state "
+                    "(NCCL hang, GPU fault).",
+        value="min by (${by}) (min_over_time(vllm:num_requests_running[${decode_stall_for}]))",
+        op=">", threshold=0,
+        expr="${value} ${op} ${threshold}\n"
+             "and on (${by})\n"
+             "sum by (${by}) (increase(vllm:generation_tokens_total[${decode_stall_for}])) == 0",
+    ),
+    Alert(
+        "VllmInstanceDown", "critical", section="availability", grafana_uid="vf-instance-down",
+        summary="vLLM instance unreachable",
+        description="Prometheus cannot scrape {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) "
+                    "and its launcher does not report it loading.",
+        value='up{job="vllm"}', op="==", threshold=0, for_="instance_down_for",
+        expr='${value} ${op} ${threshold}\n'
+             'unless on (instance) (vllm_fleet_instance_state{state="loading"} == 1)',
+    ),
+    Alert(
+        "VllmUnitRestartLoop", "critical",
+        summary="vLLM unit is restarting in a loop",
+        description='systemd restarted {{ $labels.unit }} ({{ $labels.instance }} on {{ $labels.host }}) '
+                    '{{ $value | printf "%.0f" }} times in ${restart_loop_window} (threshold ${restart_loop_count}).',
+        value="increase(vllm_fleet_instance_restarts_total[${restart_loop_window}])",
+        op=">=", threshold="restart_loop_count",
+    ),
+    Alert(
+        "VllmGateway5xxRatioHigh", "critical", section="gateway", scope="fleet",
+        summary="Gateway answers too many 5xx",
+        description="{{ $value | humanizePercentage }} of gateway requests for model {{ $labels.model }} on "
+                    "{{ $labels.host }} ended in 5xx over ${rate_window} (threshold ${gateway_5xx_ratio}).",
+        value='sum by (host, model) (rate(vllm_fleet_gateway_requests_total{code=~"5.."}[${rate_window}]))\n'
+              "/\n"
+              "sum by (host, model) (rate(vllm_fleet_gateway_requests_total[${rate_window}]))",
+        op=">", threshold="gateway_5xx_ratio", for_="gateway_5xx_for",
+        expr="${value}\n${op} ${threshold}",
+    ),
+    Alert(
+        "VllmFailoverActive", "warning", scope="fleet",
+        summary="Backup/fallback instances are serving",
+        description="Backup or fallback instances of model {{ $labels.model }} are serving traffic: every "
+                    "primary is down, drained or failing.",
+        value="(\n"
+              '  sum by (model) (rate(vllm:request_success_total{role!="primary"}[${rate_window}]))\n'
+              '  + sum by (model) (vllm:num_requests_running{role!="primary"})\n'
+              ")",
+        op=">", threshold=0,
+    ),
+    Alert(
+        "VllmTtftSloBreached", "warning", section="latency SLO", grafana_uid="vf-ttft-slo",
+        summary="vLLM time to first token above its SLO",
+        description="p99 time to first token of {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) "
+                    "is {{ $value | humanizeDuration }} over ${rate_window} (SLO ${threshold}s).",
+        value="histogram_quantile(0.99, sum by (${by}, le) "
+              "(rate(vllm:time_to_first_token_seconds_bucket${sel}[${rate_window}])))",
+        op=">", threshold="ttft_p99_slo_seconds", for_="ttft_for", per_instance=True,
+    ),
+    Alert(
+        "VllmPreemptions", "warning", section="preemptions",
+        summary="vLLM is preempting requests",
+        description='{{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) preempts '
+                    '{{ $value | printf "%.2f" }} requests/s (threshold ${preemptions_per_second}/s): the KV cache '
+                    'is too small for the load.',
+        value="sum by (${by}) (rate(vllm:num_preemptions_total[${rate_window}]))",
+        op=">", threshold="preemptions_per_second", for_="preemptions_for",
+    ),
+    Alert(
+        "VllmSaturated", "warning", section="saturation",
+        summary="vLLM instance full: its queue bound turns requests away",
+        description='{{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) rejects '
+                    '{{ $value | printf "%.2f" }} requests/s with 503 (queue bound max_num_queued_reqs reached; '
+                    'threshold ${saturation_rejections_per_second}/s): the gateway retries them on other '
+                    'instances; add capacity if it lasts.',
+        value="sum by (${by}) (rate(vllm:admission_rejections_total[${rate_window}]))",
+        op=">", threshold="saturation_rejections_per_second", for_="saturation_for",
+    ),
+    Alert(
+        "Watchdog", "none", section="pipeline", scope="fleet",
+        summary="Always firing: proves Prometheus -> Alertmanager works",
+        description="This alert always fires. If it stops arriving at its receiver, the alerting pipeline is "
+                    "broken.",
+        value="vector(1)",
+    ),
+)
+# fmt: on
+BY_NAME = {a.name: a for a in ALERTS}
+
+
+# ---------------------------------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Prometheus rule of an alert: the fleet-wide one, or a per-instance variant."""
+
+    alert: Alert
+    expr: str
+    for_: str | None
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+def spec_values(a: dict[str, Any]) -> dict[str, str]:
+    """The placeholders' values of the spec's ``alerts:`` (``a``), and ``${by}``."""
+    return {k: _num(v) for k, v in a.items() if k in SPEC_KEYS} | {"by": BY}
+
+
+def dashboard_url(vf: dict[str, Any], alert: Alert) -> str:
+    grafana = vf["monitoring"]["grafana"]["url"].rstrip("/")
+    if alert.scope == "instance":
+        return f"{grafana}/d/{INSTANCE_UID}/{INSTANCE_UID}?var-instance={{{{ $labels.instance }}}}"
+    return f"{grafana}/d/{OVERVIEW_UID}/{OVERVIEW_UID}"
+
+
+def runbook_url(vf: dict[str, Any], alert: Alert) -> str:
+    return vf["alerts"]["runbook_base_url"].rstrip("/") + f"/{alert.name}.md"
+
+
+def _rule(vf: dict[str, Any], alert: Alert, sel: str, threshold: Any) -> Rule:
+    values = spec_values(vf["alerts"]) | {"sel": sel, "threshold": _num(threshold)}
+    labels: dict[str, str] = {"severity": alert.severity}
+    if alert.per_instance:
+        labels["threshold"] = _num(threshold)
+    return Rule(
+        alert=alert,
+        expr=fill(alert.expression, values),
+        for_=vf["alerts"][alert.for_] if alert.for_ else None,
+        labels=labels,
+        annotations={
+            "summary": fill(alert.summary, values),
+            "description": fill(alert.description, values),
+            "runbook_url": runbook_url(vf, alert),
+            "dashboard_url": dashboard_url(vf, alert),
+        },
+    )
+
+
+def rules(vf: dict[str, Any], alerts: tuple[Alert, ...] = ALERTS) -> list[Rule]:
+    """Every Prometheus rule for the fleet ``vf`` (the template context's ``vf``), in table order."""
+    a = vf["alerts"]
+    out: list[Rule] = []
+    for alert in alerts:
+        fleet = a[alert.threshold] if isinstance(alert.threshold, str) else alert.threshold
+        if not alert.per_instance:
+            out.append(_rule(vf, alert, "", fleet))
+            continue
+        assert isinstance(alert.threshold, str)
+        key = alert.threshold
+        own = [i for i in vf["all_instances"] if i["alerts"].get(key) is not None]
+        others = '{instance!~"' + "|".join(i["name"] for i in own) + '"}' if own else ""
+        if not (alert.zero_disables and fleet == 0):
+            out.append(_rule(vf, alert, others, fleet))
+        for i in own:
+            if not (alert.zero_disables and i["alerts"][key] == 0):
+                out.append(_rule(vf, alert, f'{{instance="{i["name"]}"}}', i["alerts"][key]))
+    return out
+
+
+def check_ttft_buckets(vf: dict[str, Any]) -> None:
+    """The TTFT SLO must be a bound of vLLM's time_to_first_token histogram, else "p99 > SLO" is an
+    interpolation guess; instances that set their own bounds (--custom-histogram-buckets) are not checked
+    (the planner's ``check_alert_thresholds`` checks those against their own bounds)."""
+    for i in vf["all_instances"]:
+        if "--custom-histogram-buckets" in " ".join(i["extra_args"]):
+            continue
+        own = i["alerts"].get("ttft_p99_slo_seconds")
+        slo = own if own is not None else vf["alerts"]["ttft_p99_slo_seconds"]
+        if slo not in TTFT_BUCKETS:
+            raise ValueError(
+                f"TTFT SLO {slo}s of instance {i['name']} (ttft_p99_slo_seconds) is not a bucket bound of "
+                f"vLLM's TTFT histogram {list(TTFT_BUCKETS)}: use a bound, or add it with "
+                "--custom-histogram-buckets (see docs/observability.md)"
+            )
+
+
+def _q(s: str) -> str:
+    return json.dumps(s)
+
+
+def rules_yaml(ctx: dict[str, Any]) -> str:
+    """The Prometheus rules file (generator of alerts/artifacts.yml)."""
+    vf = ctx["vf"]
+    check_ttft_buckets(vf)
+    out = [
+        f"# {ctx['ansible_managed']}",
+        f"# vllm-fleet alert rules for fleet {vf['name']} (spec {vf['spec_hash']}), generated from the alerts",
+        "# table vllm_fleet/fleet/observability/alerts.py. Every threshold comes from the fleet spec (`alerts:`",
+        "# and per-instance `models[].alerts:`). Metric names are the ones vLLM 0.32 exports",
+        "# (docs/observability.md), with `_total` on counters. Labels on every engine series (set by",
+        "# prometheus.yml): host, instance (= the fleet instance name), model (= served model name), role, pool.",
+        "groups:",
+    ]
+    all_rules = rules(vf)
+    for group in dict.fromkeys(a.group for a in ALERTS):
+        out += [f"  - name: {group}", "    rules:"]
+        seen: set[str] = set()
+        for r in all_rules:
+            a = r.alert
+            if a.group != group:
+                continue
+            out.append("")
+            if a.section and a.name not in seen:
+                out.append(f"      # {'-' * 64} {a.section}")
+            seen.add(a.name)
+            out.append(f"      - alert: {a.name}")
+            if a.op is None:  # a constant expression (Watchdog): one plain line
+                out.append(f"        expr: {r.expr}")
+            else:
+                out.append("        expr: |")
+                out += [f"          {line}" for line in r.expr.splitlines()]
+            if r.for_:
+                out.append(f"        for: {r.for_}")
+            out.append("        labels:")
+            out += [f"          {k}: {v if k == 'severity' else _q(v)}" for k, v in r.labels.items()]
+            out.append("        annotations:")
+            out += [f"          {k}: {_q(v)}" for k, v in r.annotations.items()]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- docs
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    """The alerts table of docs/observability.md."""
+    rows = [
+        "| Alert | Severity | Expression (`${key}`: the spec's `alerts.key`) | for | Summary |",
+        "|---|---|---|---|---|",
+    ]
+    for a in ALERTS:
+        expr = fill(a.symbolic(a.expression), {"by": BY, "sel": ""}, keep=True)
+        notes = []
+        if a.per_instance:
+            notes.append(f"per instance: `models[].alerts.{a.threshold}`")
+        if a.zero_disables:
+            notes.append("0 disables")
+        if a.grafana_uid:
+            notes.append("also a Grafana rule")
+        cell = f"`{_cell(expr)}`" + (f" ({'; '.join(notes)})" if notes else "")
+        for_ = f"`{a.for_}`" if a.for_ else "-"
+        rows.append(
+            f"| [{a.name}](runbooks/{a.name}.md) | {a.severity} | {cell} | {for_} | {_cell(a.summary)} |"
+        )
+    return "\n".join(rows) + "\n"
