@@ -36,7 +36,7 @@ class Stub:
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 stub.hits += 1
                 body = json.dumps({"served_by": stub.name, "status": stub.status}).encode()
@@ -131,8 +131,13 @@ def test_drain_walks_the_rest_then_backups_then_fallback(stubs: dict[str, Stub],
         g.stop()
 
 
-def test_drain_of_the_only_primary_without_fallback_is_a_json_502(stubs: dict[str, Stub], tmp_path: Path) -> None:
-    g = _gw(tmp_path, [{"name": "a", "port": stubs["a"].port}, {"name": "c", "port": free_port(), "role": "backup"}])
+def test_drain_of_the_only_primary_without_fallback_is_a_json_502(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    g = _gw(
+        tmp_path,
+        [{"name": "a", "port": stubs["a"].port}, {"name": "c", "port": free_port(), "role": "backup"}],
+    )
     try:
         assert drain(g, "drain", "a").returncode == 0  # c is left (down, but drain cannot know)
         st, body = http_json("POST", g.url + "/v1/chat/completions", chat_body())
