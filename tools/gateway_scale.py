@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -171,12 +172,9 @@ def main() -> None:
             "bytes": len(r.content.encode()),
             "lines": r.content.count("\n"),
         }
-    res["server_lines"] = sum(
-        line.lstrip().startswith("server ")
-        for r in files
-        if r.dest.endswith("upstreams.conf")
-        for line in r.content.splitlines()
-    )
+    ups = next(r.content for r in files if r.dest.endswith("upstreams.conf"))
+    res["upstreams"] = len(re.findall(r"(?m)^upstream ", ups))
+    res["server_directives"] = len(re.findall(r"(?m)(?:^\s+|\{ )server \S", ups))
     gw = NginxGateway(etc / "etc" / "nginx", work / "prefix", workers=1)
     res["nginx_t_s"] = statistics.median(timed(gw.argv("-t", "-q")) for _ in range(3))
     url = f"http://127.0.0.1:{spec.gateway.port}"

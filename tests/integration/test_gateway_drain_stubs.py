@@ -62,9 +62,9 @@ def stubs() -> Iterator[dict[str, Stub]]:
         x.server.shutdown()
 
 
-def _gw(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:
+def _gw(tmp: Path, servers: list[dict[str, Any]], **gw: Any) -> Gateway:
     rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl), tmp).start()
+    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, **gw), tmp).start()
 
 
 def drain(g: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
@@ -146,5 +146,27 @@ def test_drain_of_the_only_primary_without_fallback_is_a_json_502(
         st, body = http_json("POST", g.url + "/v1/chat/completions", chat_body())
         assert st == 502 and body["error"]["code"] == "upstream_unavailable"
         assert drain(g, "drain", "nope").returncode == 1
+    finally:
+        g.stop()
+
+
+def test_a_refused_connection_is_retried_even_without_retry_non_idempotent(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    """Like proxy_next_upstream: a POST that never reached a server (connection refused) goes to the next one
+    also with retry_non_idempotent: false."""
+    g = _gw(
+        tmp_path,
+        [
+            {"name": "a", "port": stubs["a"].port},
+            {"name": "x", "port": free_port()},
+            {"name": "c", "port": stubs["c"].port, "role": "backup"},
+        ],
+        retry_non_idempotent=False,
+    )
+    try:
+        assert drain(g, "drain", "a").returncode == 0
+        assert ask(g, 4) == [(200, "c")] * 4
+        assert {e["upstream_status"] for e in g.log()[-4:]} == {"502 : 200"}  # x refused, then c
     finally:
         g.stop()
