@@ -120,6 +120,14 @@ def workers(master: int) -> set[int]:
     return out
 
 
+def rss_kib(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("VmRSS:"))
+
+
 def reload_time(gw: NginxGateway, master: int) -> float:
     """Seconds from ``nginx -s reload`` until a new worker process accepts (the old ones then stop)."""
     before = workers(master)
@@ -153,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=500)
     ap.add_argument("--load", type=int, default=0, metavar="S", help="wrk seconds per run (0: no load)")
+    ap.add_argument("--reloads", type=int, default=3, help="graceful reloads to time (median)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vf-gw-scale-"))
@@ -176,7 +185,7 @@ def main() -> None:
     res["upstreams"] = len(re.findall(r"(?m)^upstream ", ups))
     res["server_directives"] = len(re.findall(r"(?m)(?:^\s+|\{ )server \S", ups))
     gw = NginxGateway(etc / "etc" / "nginx", work / "prefix", workers=1)
-    res["nginx_t_s"] = statistics.median(timed(gw.argv("-t", "-q")) for _ in range(3))
+    res["nginx_t_s"] = statistics.median(timed(gw.argv("-t", "-q")) for _ in range(max(1, a.reloads)))
     url = f"http://127.0.0.1:{spec.gateway.port}"
     t0 = time.perf_counter()
     gw.start(url + "/health", timeout=120)
@@ -184,13 +193,9 @@ def main() -> None:
     stub = None
     try:
         assert gw.proc is not None
-        res["reload_s"] = statistics.median(reload_time(gw, gw.proc.pid) for _ in range(3))
-        res["rss_kib_worker"] = sum(
-            int(line.split()[1])
-            for w in workers(gw.proc.pid)
-            for line in Path(f"/proc/{w}/status").read_text().splitlines()
-            if line.startswith("VmRSS:")
-        )
+        res["reload_s"] = statistics.median(reload_time(gw, gw.proc.pid) for _ in range(a.reloads))
+        time.sleep(1)  # the old workers exit
+        res["rss_kib_worker"] = sum(rss_kib(w) for w in workers(gw.proc.pid))
         if a.load:
             (work / "stub" / "tmp").mkdir(parents=True)
             conf = work / "stub" / "stub.conf"
