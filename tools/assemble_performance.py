@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ORDER = ["fresh-machine", "gpu", "gateway", "engine-service", "ansible", "observability", "bench", "sandbox"]
+ORDER = [
+    "fresh-machine",
+    "gpu",
+    "gateway",
+    "gateway-scale",
+    "engine-service",
+    "ansible",
+    "observability",
+    "bench",
+    "sandbox",
+]
 
 
 def _shift(lines: list[str]) -> list[str]:
