@@ -10,6 +10,7 @@ ORDER = [
     "fresh-machine",
     "gpu",
     "gateway",
+    "gateway-scale",
     "engine-service",
     "ansible",
     "render-scale",

@@ -36,7 +36,6 @@ PLAYBOOK = """
       vars:
         vllm_fleet_artifacts_component: "{{ component }}"
         vllm_fleet_dest_root: "{{ stage }}/{{ inventory_hostname }}"
-        vllm_fleet_gateway_drained: []
       loop: [engine, gateway, monitoring]
       loop_control:
         loop_var: component

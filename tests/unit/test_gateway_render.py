@@ -1,4 +1,4 @@
-"""Gateway rendering: routing table, upstream file, drain edits, and `nginx -t` of the rendered config."""
+"""Gateway rendering: routing table (routes.json), upstream file, drain state, and `nginx -t` of the rendered config."""
 
 from __future__ import annotations
 
@@ -14,15 +14,7 @@ from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.render import make_env, render_fleet, render_host
 from vllm_fleet.fleet.routes import gateway_routes
 from vllm_fleet.fleet.spec import load_spec
-from vllm_fleet.host.drain import (
-    DrainError,
-    apply_drained,
-    instances,
-    needs_marks,
-    parse_upstreams,
-    set_drained,
-    stranded_models,
-)
+from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
@@ -91,28 +83,34 @@ def test_examples_render_gateway(example: str, host: str) -> None:
     conf = files["/etc/nginx/conf.d/vllm-fleet.conf"]
     ups = files["/etc/nginx/vllm-fleet/upstreams.conf"]
     js = files["/etc/nginx/vllm-fleet/router.js"]
+    routes = json.loads(files["/etc/nginx/vllm-fleet/routes.json"])["routes"]
     assert "Ansible managed" in conf and "Ansible managed" in ups and "Ansible managed" in js
     assert "proxy_buffering off;" in conf and 'proxy_set_header Connection "";' in conf
     assert "proxy_http_version 1.1;" in conf and "stub_status;" in conf
     assert "least_conn;" in ups and "keepalive 32;" in ups and "zone " in ups
     spec = load_spec(REPO / "examples" / example)
+    assert instances(routes).keys() == {m.name for m in spec.models}
     for m in spec.models:
-        assert f"# vf-instance={m.name} " in ups
-        assert json.dumps(m.served_model_name) in js
+        assert f"server {instances(routes)[m.name]} " in ups
+        assert m.served_model_name in {rt["model"] for rt in routes}
+    assert "vf_routes" in js and "Qwen" not in js  # the router holds no fleet data
 
 
-def test_drained_from_spec_and_from_ansible_var(tmp_path: Path) -> None:
+def _downs(text: str) -> set[str]:
+    return {ln.split()[1] for ln in text.splitlines() if ln.strip().startswith("server ") and " down;" in ln}
+
+
+def test_drained_from_spec_only(tmp_path: Path) -> None:
+    """gateway.drained of the spec is rendered as `down`; nothing else (the Ansible role passes no drained set)."""
     spec = gateway_spec([{"name": "a", "port": 9001}, {"name": "b", "port": 9002}], tmp_path, drained=["a"])
     ctx = build_context(spec, "h1")
     tpl = make_env().get_template("nginx/upstreams.conf.j2")
     text = tpl.render(**ctx)
-    assert {i for u in parse_upstreams(text) for i, _, d in u.servers if d} == {"a"}
-    # the Ansible role passes the gateway host's drained.json as vllm_fleet_gateway_drained
-    text = tpl.render(**ctx, vllm_fleet_gateway_drained=["b"])
-    assert {i for u in parse_upstreams(text) for i, _, d in u.servers if d} == {"a", "b"}
+    assert _downs(text) == {"127.0.0.1:9001"}
+    assert tpl.render(**ctx, vllm_fleet_gateway_drained=["b"]) == text
 
 
-def test_apply_drained_round_trip(tmp_path: Path) -> None:
+def test_instances_and_stranded_models_from_routes(tmp_path: Path) -> None:
     spec = gateway_spec(
         [
             {"name": "a", "port": 9001},
@@ -121,16 +119,10 @@ def test_apply_drained_round_trip(tmp_path: Path) -> None:
         ],
         tmp_path,
     )
-    text = make_env().get_template("nginx/upstreams.conf.j2").render(**build_context(spec, "h1"))
-    assert instances(text) == {"a": "127.0.0.1:9001", "b": "127.0.0.1:9002", "c": "127.0.0.1:9003"}
-    drained = apply_drained(text, {"a", "c"})
-    for up in parse_upstreams(drained):
-        for inst, _, down in up.servers:
-            assert down == (inst in {"a", "c"})
-    assert "backup down;" in drained  # other parameters kept
-    assert apply_drained(drained, set()) == text
-    assert stranded_models(drained) == []
-    assert stranded_models(apply_drained(text, {"a", "b", "c"})) == ["tiny-qwen3"]
+    routes = build_context(spec, "h1")["vf"]["gateway_routes"]
+    assert instances(routes) == {"a": "127.0.0.1:9001", "b": "127.0.0.1:9002", "c": "127.0.0.1:9003"}
+    assert stranded_models(routes) == [] and stranded_models(routes, {"a", "c"}) == []
+    assert stranded_models(routes, {"a", "b", "c"}) == ["tiny-qwen3"]
 
 
 @pytest.fixture
@@ -163,7 +155,7 @@ def test_nginx_t_accepts_rendered_config(rendered: NginxGateway) -> None:
 
 @needs_nginx
 def test_nginx_t_rejects_a_broken_config(rendered: NginxGateway) -> None:
-    """The check can fail: a broken upstream file is refused, and drain restores the previous file."""
+    """The check can fail: a broken upstream file is refused."""
     ups = rendered.upstreams_file
     good = ups.read_text()
     ups.write_text(good.replace("least_conn;", "least_conn_typo;", 1))
@@ -171,96 +163,71 @@ def test_nginx_t_rejects_a_broken_config(rendered: NginxGateway) -> None:
     ups.write_text(good)
 
 
-@needs_nginx
+def _routes_file(g: NginxGateway) -> Path:
+    return g.etc_nginx / "vllm-fleet" / "routes.json"
+
+
+def _rendered_files(g: NginxGateway) -> dict[str, str]:
+    return {str(p): p.read_text() for p in sorted(g.etc_nginx.rglob("*")) if p.is_file()}
+
+
 def test_set_drained_checks_and_refuses(rendered: NginxGateway, tmp_path: Path) -> None:
     state = tmp_path / "drained.json"
-    nginx = rendered.argv()
-    ups = rendered.upstreams_file
-    assert set_drained("a", True, ups, state, nginx, reload=False) == {"a"}
+    routes = _routes_file(rendered)
+    fresh = _rendered_files(rendered)
+    assert set_drained("a", True, routes, state) == {"a"}
     assert json.loads(state.read_text())["drained"] == ["a"]
-    assert set_drained("b", True, ups, state, nginx, reload=False) == {"a", "b"}
-    assert set_drained("c", True, ups, state, nginx, reload=False) == {"a", "b", "c"}
+    assert set_drained("b", True, routes, state) == {"a", "b"}
+    assert set_drained("c", True, routes, state) == {"a", "b", "c"}
     with pytest.raises(DrainError) as exc:  # d is the model's last server in rotation
-        set_drained("d", True, ups, state, nginx, reload=False)
+        set_drained("d", True, routes, state)
     assert exc.value.code == 3
-    with pytest.raises(DrainError):
-        set_drained("nope", True, ups, state, nginx, reload=False)
-    assert set_drained("b", False, ups, state, nginx, reload=False) == {"a", "c"}
-    # a broken config is detected by nginx -t and the previous upstream file is restored
-    before = ups.read_text()
-    conf = rendered.etc_nginx / "conf.d" / "vllm-fleet.conf"
-    good_conf = conf.read_text()
-    conf.write_text(good_conf + "\nbroken_directive;\n")
-    with pytest.raises(DrainError):
-        set_drained("b", True, ups, state, nginx, reload=False)
-    assert ups.read_text() == before
-    conf.write_text(good_conf)
+    assert json.loads(state.read_text())["drained"] == ["a", "b", "c"]  # a refusal writes nothing
+    assert set_drained("d", True, routes, state, force=True) == {"a", "b", "c", "d"}
+    with pytest.raises(DrainError) as exc:
+        set_drained("nope", True, routes, state)
+    assert exc.value.code == 1 and "unknown instance" in str(exc.value)
+    assert set_drained("b", False, routes, state) == {"a", "c", "d"}
+    assert set_drained("b", False, routes, state) == {"a", "c", "d"}  # undrain twice: no error
+    # no rendered file was touched, and no temp file is left next to the state file
+    assert _rendered_files(rendered) == fresh
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".drained")] == []
 
 
-@needs_nginx
-def test_apply_restores_the_drained_set_after_a_re_render(rendered: NginxGateway, tmp_path: Path) -> None:
-    """`vllm-fleet drain --apply`: a freshly rendered upstream file gets the state file's drained set back."""
+def test_state_survives_a_re_render_and_forgets_removed_instances(
+    rendered: NginxGateway, tmp_path: Path
+) -> None:
+    """The drained set is not in any rendered file: a re-render (or an Ansible run) cannot lose it; names no
+    longer in routes.json are dropped at the next drain/undrain."""
     state = tmp_path / "drained.json"
-    ups = rendered.upstreams_file
-    fresh = ups.read_text()
-    set_drained("b", True, ups, state, rendered.argv(), reload=False)
-    set_drained(
-        "c", True, ups, state, rendered.argv(), reload=False
-    )  # the main upstream loses b and c: marks
-    ups.write_text(fresh)  # what a re-render without the state does
-    assert set_drained(None, True, ups, state, rendered.argv(), reload=False) == {"b", "c"}
-    assert {i for u in parse_upstreams(ups.read_text()) for i, _, d in u.servers if d} == {"b", "c"}
+    routes = _routes_file(rendered)
+    set_drained("b", True, routes, state)
+    state.write_text(json.dumps({"drained": ["b", "gone"]}))
+    assert set_drained("c", True, routes, state) == {"b", "c"}
 
 
-def _downs(text: str) -> set[str]:
-    return {i for u in parse_upstreams(text) for i, _, d in u.servers if d}
-
-
-@needs_nginx
-def test_one_drained_instance_needs_no_marks_and_no_reload(rendered: NginxGateway, tmp_path: Path) -> None:
-    """One instance out of an upstream: the router picks the copy without it (state file only, config
-    untouched); a second one out of the same upstream: `down` marks (+ reload); back to one: marks removed."""
+def test_broken_state_file_is_an_error_not_a_guess(rendered: NginxGateway, tmp_path: Path) -> None:
     state = tmp_path / "drained.json"
-    ups = rendered.upstreams_file
-    fresh = ups.read_text()
-    copies = {(u.variant_of, u.excludes): u for u in parse_upstreams(fresh) if u.variant_of}
-    main = next(u for u in parse_upstreams(fresh) if not u.variant_of and u.model == "tiny-qwen3")
-    assert {i for i, _, _ in copies[(main.name, "a")].servers} == {"b", "c"}
-    # a and c drained from the default pool's upstream (a first, b and c backups): b serves as a primary
-    assert needs_marks(fresh, {"a"}) is False and needs_marks(fresh, set()) is False
-    assert set_drained("a", True, ups, state, rendered.argv(), reload=False) == {"a"}
-    assert ups.read_text() == fresh
-    assert json.loads(state.read_text())["down"] == []
-    assert needs_marks(fresh, {"a", "c"}) is True
-    set_drained("c", True, ups, state, rendered.argv(), reload=False)
-    assert _downs(ups.read_text()) == {"a", "c"}
-    assert json.loads(state.read_text())["down"] == ["a", "c"]
-    set_drained("a", False, ups, state, rendered.argv(), reload=False)
-    assert ups.read_text() == fresh and json.loads(state.read_text()) | {"updated": 0} == {
-        "drained": ["c"],
-        "down": [],
-        "updated": 0,
-    }
-    # the fallback upstream (d alone) and the other model's (q alone) have no copy: marks
-    assert needs_marks(fresh, {"d"}) is True and needs_marks(fresh, {"q"}) is True
+    state.write_text("{not json")
+    with pytest.raises(DrainError):
+        set_drained("a", True, _routes_file(rendered), state)
+    with pytest.raises(DrainError):
+        load_routes(state)
 
 
-def test_copies_promote_backups_when_no_primary_is_left(tmp_path: Path) -> None:
-    spec = gateway_spec(
-        [{"name": "a", "port": 9001}, {"name": "c", "port": 9003, "role": "backup"}], tmp_path
-    )
-    (rt,) = build_context(spec, "h1")["vf"]["gateway_routes"]
-    (copy_a, copy_c) = rt["variants"]
-    assert (copy_a["excludes"], [(s["instance"], s["backup"]) for s in copy_a["servers"]]) == (
-        "a",
-        [("c", False)],
-    )
-    assert (copy_c["excludes"], [(s["instance"], s["backup"]) for s in copy_c["servers"]]) == (
-        "c",
-        [("a", False)],
-    )
-    assert rt["without"] == {rt["upstream"]: {"a": copy_a["name"], "c": copy_c["name"]}}
-    assert rt["members"] == {rt["upstream"]: ["a", "c"]}
+def test_config_is_linear_in_the_instances(tmp_path: Path) -> None:
+    """No per-instance copies of upstreams: with one model, N primaries and a backup, upstreams.conf has
+    2 × (N + 1) server lines in the model upstream and its spill twin, plus one one-server upstream each."""
+    for n in (2, 8, 32):
+        servers = [{"name": f"p{i}", "port": 9000 + i} for i in range(n)]
+        servers.append({"name": "bk", "port": 8999, "role": "backup"})
+        spec = gateway_spec(servers, tmp_path)
+        ups = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/vllm-fleet/upstreams.conf"]
+        assert sum(ln.strip().startswith("server ") for ln in ups.splitlines()) == 2 * (n + 1)
+        assert ups.count(" { server ") == n + 1
+        (rt,) = build_context(spec, "h1")["vf"]["gateway_routes"]
+        assert sorted(rt["solo"]) == sorted(s["name"] for s in servers)
+        assert "variants" not in rt and len(rt["upstreams"]) == 1
 
 
 def test_retry_policy_follows_the_spec(tmp_path: Path) -> None:
@@ -287,22 +254,10 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
     ctx = build_context(spec, "h1")
     ours, ansible_like = make_env(REPO), make_env(REPO)
     ansible_like.lstrip_blocks = False
-    for t in ("nginx/vllm-fleet.conf.j2", "nginx/upstreams.conf.j2", "nginx/router.js.j2"):
+    for t in (
+        "nginx/vllm-fleet.conf.j2",
+        "nginx/upstreams.conf.j2",
+        "nginx/routes.json.j2",
+        "nginx/router.js.j2",
+    ):
         assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
-
-
-def test_reload_command_uses_the_given_nginx_outside_systemd() -> None:
-    from vllm_fleet.host.drain import reload_command
-
-    # a prefix-run nginx (tests, bench lab) is always reloaded with its own -s reload
-    assert reload_command(["nginx", "-p", "/x", "-c", "/y"]) == [
-        "nginx",
-        "-p",
-        "/x",
-        "-c",
-        "/y",
-        "-s",
-        "reload",
-    ]
-    # the default nginx: through systemd only where systemd manages it (not on this test machine)
-    assert reload_command(["nginx"])[-1] == "reload"

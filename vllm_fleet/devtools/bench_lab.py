@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
 import sys
 import threading
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=e.watch, daemon=True).start()
         # the console script (``python -m vllm_fleet.cli`` would not load the drain/undrain plugins)
         vf = str(Path(sys.executable).with_name("vllm-fleet"))
-        common = (
-            f"--upstreams {gw.nginx.upstreams_file} --state {gw.state} --nginx {shlex.quote(gw.nginx_cmd)}"
-        )
+        common = f"--routes {gw.nginx.etc_nginx / 'vllm-fleet' / 'routes.json'} --state {gw.state}"
         info = {
             "gateway": gw.url,
             "engines": {e.name: {"url": e.engine.url, "pidfile": str(e.pidfile)} for e in engines},

@@ -327,15 +327,17 @@ class Gateway(_Model):
     keepalive: int = Field(32, ge=0)
     tls: Tls | None = None
     stub_status_port: Port = 8081
-    # instance names taken out of rotation (managed by `vllm-fleet drain`)
+    # instance names the spec keeps out of rotation (rendered `down`; `vllm-fleet drain` keeps its own set in
+    # state_file, and undrain does not override these)
     drained: list[str] = []
     # retry a POST on the next server after a connection error/timeout even if it was already sent (bounded by
     # next_upstream_tries/_timeout; nothing is retried after the first byte reached the client): docs/gateway.md
     retry_non_idempotent: bool = True
     # Retry-After of the JSON 503 a client gets when every instance of the model (and its fallback) is full
     full_retry_after_seconds: int = Field(1, ge=0)
-    # where `vllm-fleet drain` keeps the drained set; the njs router reads it on every request, so a drain or
-    # undrain needs no reload (docs/gateway.md). Empty: PATHS.CONFIG_DIR/gateway/drained.json
+    # where `vllm-fleet drain` keeps the drained set (runtime state, never rendered); the njs router overlays it
+    # on routes.json on every request, so a drain or undrain needs no reload (docs/gateway.md).
+    # Empty: PATHS.CONFIG_DIR/gateway/drained.json
     state_file: str = ""
     access_log: str = "/var/log/nginx/vllm-fleet.access.log"
     error_log: str = "/var/log/nginx/vllm-fleet.error.log"
