@@ -36,6 +36,7 @@ class ServiceDefaults:
     probe_interval_seconds: float = 10.0
     probe_timeout_seconds: float = 20.0
     stop_kill_after_loading_seconds: float = 5.0
+    starved_grace_seconds: int = 300
     restart_sec: int = 10
     start_limit_burst: int = 5
     start_limit_interval_seconds: int = 900
@@ -84,6 +85,7 @@ class ServiceConfig:
     probe_interval_seconds: float = _D.probe_interval_seconds
     probe_timeout_seconds: float = _D.probe_timeout_seconds
     stop_kill_after_loading_seconds: float = _D.stop_kill_after_loading_seconds
+    starved_grace_seconds: float = _D.starved_grace_seconds
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "") -> ServiceConfig:
@@ -190,6 +192,7 @@ class StateFile(TypedDict, total=False):
     last_probe_kind: str | None
     probes_total: int
     probe_failures_total: int
+    probes_starved_total: int
     failure_reason: str | None
     failure_process: str | None
     failure_signal: str | None
@@ -214,6 +217,7 @@ _STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "last_probe_kind": ((str,), True),
     "probes_total": ((int,), False),
     "probe_failures_total": ((int,), False),
+    "probes_starved_total": ((int,), False),
     "failure_reason": ((str,), True),
     "failure_process": ((str,), True),
     "failure_signal": ((str,), True),

@@ -160,6 +160,9 @@ class ServiceSettings(_Model):
     watchdog_seconds: int = Field(_SD.watchdog_seconds, ge=0)
     probe_interval_seconds: float = Field(_SD.probe_interval_seconds, gt=0)
     probe_timeout_seconds: float = Field(_SD.probe_timeout_seconds, gt=0)
+    # a check that times out while the engine's threads wait for a CPU (the host is starved, the engine is not
+    # hung) still pings the watchdog, for at most this long after the engine last answered in time; 0: never
+    starved_grace_seconds: int = Field(_SD.starved_grace_seconds, ge=0)
     # SIGTERM during start-up is ignored by vLLM: SIGKILL the engine's process group after this long
     stop_kill_after_loading_seconds: float = Field(_SD.stop_kill_after_loading_seconds, gt=0)
     restart_sec: int = Field(_SD.restart_sec, ge=0)

@@ -364,6 +364,12 @@ STATE_METRICS = (
     ("gauge", "probe_last_timestamp_seconds", "Time of the last probe", "last_probe_at"),
     ("counter", "probes", "Probes since the launcher started", "probes_total"),
     ("counter", "probe_failures", "Failed probes since the launcher started", "probe_failures_total"),
+    (
+        "counter",
+        "probes_starved",
+        "Liveness checks that timed out while the engine waited for CPUs (counted as alive)",
+        "probes_starved_total",
+    ),
 )
 
 

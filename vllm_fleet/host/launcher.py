@@ -44,6 +44,7 @@ from typing import Any, BinaryIO
 
 from vllm_fleet.cli import command
 from vllm_fleet.contracts import InstanceConfig, StateFile
+from vllm_fleet.host.cpu_wait import CpuReading, read_group, starvation
 from vllm_fleet.host.engine_death import Death, DeathWatch
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, Progress, health, inflight, liveness, probe
@@ -182,7 +183,11 @@ class Launcher:
         self.last_probe_kind = ""  # how the last liveness check passed or failed (probe.ProbeResult.stage)
         self.probes_total = 0
         self.probe_failures_total = 0
+        self.probes_starved_total = 0  # checks that timed out while the engine was starved of CPU (alive)
         self.consecutive_failures = 0
+        self._alive_at = 0.0  # monotonic time of the last check that passed on the engine's own answer
+        self._was_starved = False  # the last check passed as starved (the status says so)
+        self._cpu_at_check: CpuReading | None = None  # the engine's CPU figures when the last check began
         self._signals: list[int] = []
         self._wake = threading.Event()
         self._drained = threading.Event()
@@ -228,6 +233,7 @@ class Launcher:
             "last_probe_kind": self.last_probe_kind or None,
             "probes_total": self.probes_total,
             "probe_failures_total": self.probe_failures_total,
+            "probes_starved_total": self.probes_starved_total,
             "failure_reason": self.failure_reason or None,
             "failure_process": (self.failure.process or None) if self.failure else None,
             "failure_signal": sig.name if self.failure and (sig := self.failure.signal) else None,
@@ -325,9 +331,9 @@ class Launcher:
     def _start_probe(self, first: bool) -> None:
         def run() -> None:
             if first:
-                ok, err = health(self.cfg.probe_host, self.cfg.port, 2.0)
-                if not ok:
-                    res = ProbeResult(False, 0.0, err, "health")
+                h = health(self.cfg.probe_host, self.cfg.port, 2.0)
+                if not h.ok:
+                    res = ProbeResult(False, 0.0, h.error, "health")
                 else:
                     res = probe(
                         self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout
@@ -337,13 +343,7 @@ class Launcher:
                             False, res.latency, "admission 503 before the first decode", "decode"
                         )
             else:
-                res, self._progress = liveness(
-                    self.cfg.probe_host,
-                    self.cfg.port,
-                    self.cfg.served_model_name,
-                    self.probe_timeout,
-                    self._progress,
-                )
+                res = self._liveness()
             with self._lock:
                 self._probe_result = res
             self._wake.set()
@@ -351,6 +351,40 @@ class Launcher:
         self._probe_started = time.monotonic()
         self._probe_thread = threading.Thread(target=run, name="probe", daemon=True)
         self._probe_thread.start()
+
+    def _liveness(self) -> ProbeResult:
+        """One periodic liveness check (``probe.liveness``); a check that failed for want of an answer in
+        time while the kernel shows the engine's threads waiting for a CPU is starvation, not a hang: it
+        passes as ``starved`` — for at most ``starved_grace_seconds`` after the last check the engine
+        passed on its own answer (a hang on a starved host is still caught after that)."""
+        assert self.proc is not None
+        pgid = self.proc.pid
+        previous, at_start = self._cpu_at_check, read_group(pgid)
+        self._cpu_at_check = at_start
+        prev_progress = self._progress
+        res, self._progress = liveness(
+            self.cfg.probe_host, self.cfg.port, self.cfg.served_model_name, self.probe_timeout, prev_progress
+        )
+        if res.ok:
+            self._alive_at = time.monotonic()
+            return res
+        if not (res.timed_out or res.stage == "stalled"):
+            return res  # an error answer is no starvation
+        # a stall spans the time since the previous reading of the counters; a timeout this check
+        since = previous if res.stage == "stalled" and previous is not None else at_start
+        verdict = starvation(since, read_group(pgid))
+        grace = self.cfg.service.starved_grace_seconds
+        late = time.monotonic() - self._alive_at
+        if verdict.starved and late <= grace:
+            self.probes_starved_total += 1
+            return ProbeResult(True, res.latency, f"{verdict.why}; {res.error}", "starved")
+        if verdict.starved:
+            why = (
+                f"{verdict.why}, but no answer of its own for {late:.0f}s (> starved_grace_seconds {grace:g})"
+            )
+        else:
+            why = verdict.why
+        return ProbeResult(False, res.latency, f"{res.error} ({why})", res.stage, res.timed_out)
 
     def _take_probe(self) -> ProbeResult | None:
         with self._lock:
@@ -574,6 +608,7 @@ class Launcher:
                 self.state = "ready"
                 self.phase = "serving"
                 self.ready_at = time.time()
+                self._alive_at = now
                 self.load_duration = round(self.elapsed(), 3)
                 self.save()  # the state file is current before anyone hears READY
                 self.n.send(
@@ -618,8 +653,13 @@ class Launcher:
             if res.ok:
                 if self.watchdog:
                     self.n.send("WATCHDOG=1")
-                if was_failing:
+                if res.stage == "starved":
+                    self.status(f"Serving {cfg.served_model_name} slowly: starved of CPU")
+                    _log(f"Probe late, engine alive: {res.error}", 4)
+                    self._was_starved = True
+                elif was_failing or self._was_starved:
                     _log("probes succeed again")
+                    self._was_starved = False
                     self.status(f"Serving {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
             else:
                 msg = f"Probe failing ({self.consecutive_failures}x): {res.error}"

@@ -31,6 +31,7 @@ class ProbeResult:
     latency: float
     error: str = ""
     stage: str = ""  # where it failed ("health", "decode", "metrics", "stalled"), or how it passed ("progress", "full")
+    timed_out: bool = False  # failed for want of an answer in time (not an error answer)
 
 
 @dataclass(frozen=True)
@@ -60,58 +61,71 @@ def _request(
         conn.close()
 
 
-def health(host: str, port: int, timeout: float = 5.0) -> tuple[bool, str]:
+@dataclass(frozen=True)
+class Answer:
+    """What one request to the engine showed."""
+
+    ok: bool
+    error: str = ""  # why not, or "full" for an admission 503 (ok: alive and full)
+    timed_out: bool = False  # no answer within the timeout (slow or hung: the caller may ask the kernel)
+
+
+def _failed(path: str, exc: Exception) -> Answer:
+    return Answer(False, f"{path}: {type(exc).__name__}: {exc}", isinstance(exc, TimeoutError))
+
+
+def health(host: str, port: int, timeout: float = 5.0) -> Answer:
     try:
         status, _ = _request(host, port, "GET", "/health", None, timeout)
     except (OSError, http.client.HTTPException) as exc:
-        return False, f"/health: {type(exc).__name__}: {exc}"
-    return status == 200, "" if status == 200 else f"/health: HTTP {status}"
+        return _failed("/health", exc)
+    return Answer(True) if status == 200 else Answer(False, f"/health: HTTP {status}")
 
 
-def decode(host: str, port: int, model: str, timeout: float) -> tuple[bool, str]:
+def decode(host: str, port: int, model: str, timeout: float) -> Answer:
     body = json.dumps(
         {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0, "stream": False}
     ).encode()
     try:
         status, raw = _request(host, port, "POST", "/v1/completions", body, timeout)
     except (OSError, http.client.HTTPException) as exc:
-        return False, f"/v1/completions: {type(exc).__name__}: {exc}"
+        return _failed("/v1/completions", exc)
     if status == 503 and _ADMISSION_RE.search(raw.decode(errors="replace")):
-        return True, "full"  # admission control turned it away: alive, and full
+        return Answer(True, "full")  # admission control turned it away: alive, and full
     if status != 200:
-        return False, f"/v1/completions: HTTP {status}: {raw[:200].decode(errors='replace')}"
+        return Answer(False, f"/v1/completions: HTTP {status}: {raw[:200].decode(errors='replace')}")
     try:
         data = json.loads(raw)
         choices = data["choices"]
         if not choices:
-            return False, "/v1/completions: no choices"
+            return Answer(False, "/v1/completions: no choices")
     except (ValueError, KeyError, TypeError) as exc:
-        return False, f"/v1/completions: bad answer: {exc}"
-    return True, ""
+        return Answer(False, f"/v1/completions: bad answer: {exc}")
+    return Answer(True)
 
 
 def probe(host: str, port: int, model: str, timeout: float, health_timeout: float = 5.0) -> ProbeResult:
     """Health, then a 1-token decode. Latency covers both."""
     t0 = time.monotonic()
-    ok, err = health(host, port, min(health_timeout, timeout))
-    if not ok:
-        return ProbeResult(False, time.monotonic() - t0, err, "health")
+    h = health(host, port, min(health_timeout, timeout))
+    if not h.ok:
+        return ProbeResult(False, time.monotonic() - t0, h.error, "health", h.timed_out)
     remaining = max(0.5, timeout - (time.monotonic() - t0))
-    ok, err = decode(host, port, model, remaining)
-    if ok:  # err is "full" for an admission 503
-        return ProbeResult(True, time.monotonic() - t0, "", err or "decode")
-    return ProbeResult(False, time.monotonic() - t0, err, "decode")
+    d = decode(host, port, model, remaining)
+    if d.ok:  # error is "full" for an admission 503
+        return ProbeResult(True, time.monotonic() - t0, "", d.error or "decode")
+    return ProbeResult(False, time.monotonic() - t0, d.error, "decode", d.timed_out)
 
 
-def progress(host: str, port: int, timeout: float = 3.0) -> tuple[Progress | None, str]:
+def progress(host: str, port: int, timeout: float = 3.0) -> tuple[Progress | None, Answer]:
     """The engine's work counters from ``/metrics`` (answered by the API server), or None and why."""
     t0 = time.monotonic()
     try:
         status, raw = _request(host, port, "GET", "/metrics", None, timeout)
     except (OSError, http.client.HTTPException) as exc:
-        return None, f"/metrics: {type(exc).__name__}: {exc}"
+        return None, _failed("/metrics", exc)
     if status != 200:
-        return None, f"/metrics: HTTP {status}"
+        return None, Answer(False, f"/metrics: HTTP {status}")
     vals = {"num_requests_running": 0.0, "num_requests_waiting": 0.0}
     work = 0.0
     for line in raw.decode(errors="replace").splitlines():
@@ -126,7 +140,7 @@ def progress(host: str, port: int, timeout: float = 3.0) -> tuple[Progress | Non
             vals[m.group(1)] += v
         else:
             work += v
-    return Progress(vals["num_requests_running"], vals["num_requests_waiting"], work, t0), ""
+    return Progress(vals["num_requests_running"], vals["num_requests_waiting"], work, t0), Answer(True)
 
 
 def liveness(
@@ -137,9 +151,9 @@ def liveness(
     decode must succeed (an admission 503 counts as alive and full). Returns the verdict and the reading to
     pass as ``prev`` next time."""
     t0 = time.monotonic()
-    now, err = progress(host, port, min(timeout, 5.0))
+    now, got = progress(host, port, min(timeout, 5.0))
     if now is None:
-        return ProbeResult(False, time.monotonic() - t0, err, "metrics"), prev
+        return ProbeResult(False, time.monotonic() - t0, got.error, "metrics", got.timed_out), prev
     if now.busy:
         if prev is not None and now.work > prev.work:
             return ProbeResult(True, time.monotonic() - t0, "", "progress"), now
@@ -150,7 +164,7 @@ def liveness(
         )
         return ProbeResult(False, time.monotonic() - t0, f"stalled: {still}", "stalled"), prev
     res = probe(host, port, model, max(0.5, timeout - (time.monotonic() - t0)))
-    return ProbeResult(res.ok, time.monotonic() - t0, res.error, res.stage), now
+    return ProbeResult(res.ok, time.monotonic() - t0, res.error, res.stage, res.timed_out), now
 
 
 def inflight(host: str, port: int, timeout: float = 3.0) -> int | None:
