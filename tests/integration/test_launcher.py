@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from vllm_fleet.devtools.cpu_throttle import throttled
 from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, group_processes, http_json
 from vllm_fleet.host.launcher import EXIT_CONFIG
 from vllm_fleet.host.notify import NotifyListener
@@ -36,6 +37,7 @@ SERVICE = {
     "start_timeout_seconds": 60,
     "load_timeout_seconds": 900,
     "stall_timeout_seconds": 600,
+    "starved_grace_seconds": 20,
 }
 ENV_KEYS = (
     "HF_HUB_OFFLINE",
@@ -247,6 +249,62 @@ def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     print(
         f"kill -STOP ({mode}): last ping {last:+.1f}s from the stop → a systemd restart by "
         f"{last + SERVICE['watchdog_seconds']:.1f}s (WatchdogSec {SERVICE['watchdog_seconds']}s)"
+    )
+
+
+def _wait_status(run: Run, words: str, since: int, timeout: float) -> float:
+    """Time of the first ``STATUS=Probe failing …`` at or after message ``since`` that holds ``words``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for t, f in run.notify.messages[since:]:
+            if f.get("STATUS", "").startswith("Probe failing") and words in f["STATUS"]:
+                return t
+        time.sleep(0.2)
+    raise AssertionError(
+        f"no failing probe naming {words!r} within {timeout}s: {run.notify.values('STATUS')[-5:]}"
+    )
+
+
+def _pings_between(run: Run, t0: float, t1: float) -> list[float]:
+    return [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1" and t0 <= t < t1]
+
+
+def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> None:
+    """Idle, but its CPUs taken (a CFS quota of 0.5 % of one CPU on every engine process: what a neighbour's
+    burst does on a small host): the decode probe times out, the kernel shows the engine's threads waiting for a
+    CPU, so the check passes as ``starved`` and the pings go on (before, the watchdog killed such an engine:
+    the previous CI failure). ``starved_grace_seconds`` after the engine last answered in time the checks
+    fail again (a spinning hang on a starved host is caught after all); once the CPUs are back, pings resume."""
+    run.notify.wait_for("READY", "1", timeout=1500)
+    grace = SERVICE["starved_grace_seconds"]
+    before = run.state()["probes_starved_total"]
+    with throttled(sorted(group_processes(run.engine_pid())), 0.5):
+        t0 = time.monotonic()
+        deadline = t0 + grace + 60
+        while time.monotonic() < deadline and run.state()["probes_starved_total"] == before:
+            time.sleep(0.5)
+        t_starved = time.monotonic()
+        assert run.state()["probes_starved_total"] > before, run.state()
+        assert run.state()["last_probe_kind"] == "starved", run.state()
+        # ... then the grace ends: a check fails, naming it, and the pings stop
+        t_fail = _wait_status(
+            run, "starved_grace_seconds", since=len(run.notify.messages), timeout=grace + 60
+        )
+        time.sleep(SERVICE["probe_timeout_seconds"] + SERVICE["probe_interval_seconds"] + 1)
+        t_quiet = time.monotonic()
+        time.sleep(6)
+        assert _pings_between(run, t_quiet, time.monotonic()) == [], "pinged after the starvation grace"
+    pinged = _pings_between(run, t0, t_fail)
+    assert pinged, "no WATCHDOG=1 while the engine was starved within the grace"
+    status = [f["STATUS"] for t, f in run.notify.messages if t >= t0 and "STATUS" in f]
+    assert any("starved of CPU" in s for s in status), status
+    since = len(run.notify.messages)
+    run.notify.wait_for("WATCHDOG", "1", since=since, timeout=60)  # CPUs back: pings resume
+    assert run.state()["last_probe_ok"] is True
+    assert "Probe late, engine alive: starved of CPU: its threads waited" in run.output()
+    print(
+        f"starved at 0.5 % CPU: first starved pass {t_starved - t0:.1f}s after throttling, "
+        f"{len(pinged)} pings, checks fail {t_fail - t0:.1f}s after (grace {grace}s)"
     )
 
 

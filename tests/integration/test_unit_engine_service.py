@@ -3,9 +3,10 @@
 One host, at most two engines (`tiny-a`, `tiny-b`), in file order:
 bad model path → failed, clear status, no restart storm; `systemctl start` returns only when serving (a);
 kill -9 of the worker → restart and serve again, the worker and signal named (a, while b starts);
-CUDA_VISIBLE_DEVICES of both engines; a burst past the queue bound gets fast JSON 503s, no restart (a); a burst
-queued deeper than two watchdog periods keeps the busy engine alive (b, unbounded queue); stop during a stream
-drains it (b); kill -STOP → the watchdog restarts a;
+CUDA_VISIBLE_DEVICES of both engines; idle and starved of CPU is not restarted (a); a burst past the queue
+bound gets fast JSON 503s, no restart (a); a burst queued deeper than two watchdog periods keeps the busy engine
+alive (b, unbounded queue); a worker hung while busy → the watchdog restarts a; stop during a stream drains it
+(b);
 stop while loading is quick (a); a worker killed by SIGILL fails the unit once, no restart storm (b).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.devtools.cpu_throttle import host_pids_of_group, throttled
 from vllm_fleet.devtools.sandbox import free_address
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import load_spec
@@ -223,6 +225,33 @@ def test_two_instances_get_their_cuda_visible_devices(host: Remote) -> None:
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert env["VLLM_CACHE_ROOT"] == f"/var/lib/vllm-fleet/cache/vllm/{name}"
         assert "NOTIFY_SOCKET" not in env
+
+
+def test_an_idle_engine_starved_of_cpu_is_not_restarted(host: Remote) -> None:
+    """The previous CI failure: on 2 cores a neighbour's burst starved idle tiny-a's 1-token decode probe past
+    its timeout, and the watchdog killed a healthy engine. Here tiny-a's processes get 0.5 % of one CPU (a CFS
+    quota, from this machine) for more than two watchdog periods: its checks time out, the kernel shows its
+    threads waiting for a CPU, the launcher counts them as starved and keeps pinging — no restart; once the
+    CPUs are back it serves at once."""
+    before = host.show("vllm@tiny-a", "NRestarts", "MainPID")
+    starved0 = host.state("tiny-a")["probes_starved_total"]
+    pids = host_pids_of_group(host.h.pid1, host.state("tiny-a")["engine_pid"])
+    assert len(pids) >= 3, pids  # API server, engine core, worker
+    hold = 2 * SERVICE["watchdog_seconds"] + 10
+    with throttled(pids, 0.5):
+        time.sleep(hold)
+        during = host.state("tiny-a")
+    after = host.show("vllm@tiny-a", "NRestarts", "MainPID")
+    journal = host.sh("journalctl --no-pager -o cat -u vllm@tiny-a | tail -200")
+    assert after == before, f"restarted while starved: {before} → {after}\n{journal[-3000:]}"
+    assert during["probes_starved_total"] > starved0, during  # the starvation was real, and seen as such
+    assert "Probe late, engine alive: starved of CPU" in journal
+    t0 = time.monotonic()
+    assert host.completion(8101, "tiny-a")["choices"]
+    print(
+        f"tiny-a at 0.5 % CPU for {hold}s: {during['probes_starved_total'] - starved0} starved checks, "
+        f"no restart; a completion {time.monotonic() - t0:.1f}s after the CPUs came back"
+    )
 
 
 BURST = """
