@@ -205,6 +205,24 @@ def build() -> str:
             ],
         ),
     )
+    doc += case(
+        "CPU starvation: a starved check a minute on tiny (fires); 2 in all on tiny-b (silent)",
+        series("vllm_fleet_probes_starved_total", rl, "0+1x10")
+        + series("vllm_fleet_probes_starved_total", rl2, "0 0 1 1 2 2 2 2 2 2"),
+        fires_after(
+            "VllmEngineCpuStarved",
+            "1m",
+            "4m",
+            [
+                (
+                    {"job": "vllm-fleet-exporter", **LT, "unit": "vllm@tiny.service"},
+                    "4 liveness checks of tiny (tiny-qwen3 on h1) timed out in 5m while its threads waited "
+                    "for a CPU. It serves slowly; the launcher counts such checks as alive for "
+                    "starved_grace_seconds only.",
+                )
+            ],
+        ),
+    )
     gl = 'job="vllm-fleet-exporter", host="h1", instance="h1", model="{m}", code="{c}"'
     doc += case(
         "gateway 5xx: 10 of 110 req/min for tiny-qwen3 fail (9% > 5%: fires); 1 of 101 for other (silent)",

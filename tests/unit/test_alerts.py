@@ -18,15 +18,17 @@ from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, ma
 from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
 from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
+from vllm_fleet.host.exporter import PREFIX, STATE_METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_SPEC = REPO / "alerts" / "tests" / "spec.yml"
 RULES_DEST = "etc/prometheus/rules/vllm-fleet.rules.yml"
+# the host exporter's series: a few by hand, and every one it derives from the launcher's state file
 EXPORTER_METRICS = {
     "vllm_fleet_instance_state",
     "vllm_fleet_instance_restarts_total",
     "vllm_fleet_gateway_requests_total",
-}
+} | {PREFIX + name + ("_total" if kind == "counter" else "") for kind, name, _help, _key in STATE_METRICS}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"

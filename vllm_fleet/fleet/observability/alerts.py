@@ -179,6 +179,16 @@ ALERTS: tuple[Alert, ...] = (
         op=">=", threshold="restart_loop_count",
     ),
     Alert(
+        # the launcher's liveness rule (docs/engine-service.md): a late check while the engine waits for CPUs
+        # passes as "starved" for at most starved_grace_seconds; this says the host is short of CPU
+        "VllmEngineCpuStarved", "warning",
+        summary="vLLM engine starved of CPU: its liveness checks answer late",
+        description='{{ $value | printf "%.0f" }} liveness checks of {{ $labels.instance }} ({{ $labels.model }} '
+                    "on {{ $labels.host }}) timed out in ${rate_window} while its threads waited for a CPU. It "
+                    "serves slowly; the launcher counts such checks as alive for starved_grace_seconds only.",
+        value="increase(vllm_fleet_probes_starved_total[${rate_window}])", op=">=", threshold=3,
+    ),
+    Alert(
         "VllmGateway5xxRatioHigh", "critical", section="gateway", scope="fleet",
         summary="Gateway answers too many 5xx",
         description="{{ $value | humanizePercentage }} of gateway requests for model {{ $labels.model }} on "
