@@ -32,6 +32,8 @@ from prometheus_client.registry import Collector
 
 from vllm_fleet.cli import command
 from vllm_fleet.contracts import ContractError, StateFile, read_state
+from vllm_fleet.host.drain import STATE_FILE as DRAIN_STATE_FILE
+from vllm_fleet.host.manifest import DEFAULT_PATH as MANIFEST_FILE
 
 log = logging.getLogger("vllm_fleet.host.exporter")
 
@@ -397,11 +399,15 @@ class FleetCollector(Collector):
         access_log: AccessLogTail | None = None,
         nvml: Nvml | None = None,
         use_systemd: bool | None = None,
+        drain_state: Path | None = None,
+        manifest: Path | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.config_dir = config_dir
         self.access_log = access_log
         self.nvml = nvml
+        self.drain_state = drain_state
+        self.manifest = manifest
         self.use_systemd = systemd_available() if use_systemd is None else use_systemd
 
     def collect(self) -> Iterable[Metric]:
@@ -421,6 +427,7 @@ class FleetCollector(Collector):
             yield fam
         if self.access_log is not None:
             yield from self.access_log.metrics()
+        yield from self._deployment_metrics()
         if self.nvml is not None and self.nvml.available:
             yield from self.nvml.metrics()
         yield CounterMetricFamily(
@@ -431,6 +438,38 @@ class FleetCollector(Collector):
             "Time this scrape took",
             value=time.monotonic() - started,
         )
+
+    def _deployment_metrics(self) -> Iterator[Metric]:
+        """What was deployed here (the manifest ``vllm-fleet manifest`` writes) and, on the gateway host, which
+        instances are out of rotation (the drain state file ``vllm-fleet drain`` writes)."""
+        if self.manifest is not None and (m := _read_json(self.manifest)) is not None:
+            stack: dict[str, Any] = m["stack"] if isinstance(m.get("stack"), dict) else {}
+            info = GaugeMetricFamily(
+                PREFIX + "deployed_info",
+                "The deployment on this host (manifest): spec hash, profile, pinned and installed vLLM",
+                labels=["spec_hash", "profile", "pinned_vllm", "vllm"],
+            )
+            info.add_metric(
+                [
+                    str(m.get("spec_hash") or ""),
+                    str(m.get("profile") or ""),
+                    str(m.get("pinned_vllm") or ""),
+                    str(stack.get("vllm") or ""),
+                ],
+                1,
+            )
+            yield info
+        if self.drain_state is not None and self.drain_state.exists():
+            doc = _read_json(self.drain_state)
+            drained = doc.get("drained") if doc is not None else None
+            fam = GaugeMetricFamily(
+                PREFIX + "gateway_drained",
+                "1 for each instance the gateway keeps out of rotation (vllm-fleet drain)",
+                labels=["instance"],
+            )
+            for name in drained if isinstance(drained, list) else []:
+                fam.add_metric([str(name)], 1)
+            yield fam
 
     def _instance_metrics(self, instances: list[Instance]) -> Iterator[Metric]:
         lbl = ["instance", "model"]
@@ -457,8 +496,25 @@ class FleetCollector(Collector):
                 v = value(st.get(key))
                 if v is not None:
                     fam.add_metric(lv, v)
+        phase = GaugeMetricFamily(
+            PREFIX + "instance_phase_info",
+            "The launcher's phase and failure reason (its systemd STATUS, in words)",
+            labels=[*lbl, "phase", "reason"],
+        )
+        for i in instances:
+            if i.state is not None:
+                phase.add_metric(
+                    [
+                        i.name,
+                        i.model,
+                        str(i.state.get("phase") or ""),
+                        str(i.state.get("failure_reason") or ""),
+                    ],
+                    1,
+                )
         yield state
         yield present
+        yield phase
         yield from (fam for fam, _, _ in fams)
 
 
@@ -471,7 +527,14 @@ def build_registry(args: argparse.Namespace) -> CollectorRegistry:
     )
     nvml = None if args.no_nvml else Nvml()
     registry.register(
-        FleetCollector(Path(args.state_dir), Path(args.config_dir) if args.config_dir else None, tail, nvml)
+        FleetCollector(
+            Path(args.state_dir),
+            Path(args.config_dir) if args.config_dir else None,
+            tail,
+            nvml,
+            drain_state=Path(args.drain_state) if args.drain_state else None,
+            manifest=Path(args.manifest) if args.manifest else None,
+        )
     )
     return registry
 
@@ -506,5 +569,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--access-log-from-start", action="store_true", help="count the existing log too (tests)")
     p.add_argument("--no-nvml", action="store_true", help="do not export GPU metrics")
+    p.add_argument(
+        "--drain-state", default=DRAIN_STATE_FILE, help="the gateway's drained-set file (on the gateway host)"
+    )
+    p.add_argument("--manifest", default=MANIFEST_FILE, help="the deployment manifest of this host")
     p.add_argument("--once", action="store_true", help="print the metrics once and exit")
     p.set_defaults(handler=_run)
