@@ -87,6 +87,12 @@ def _cmd_context(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(a: argparse.Namespace) -> int:
+    from vllm_fleet.fleet.status import run
+
+    return run(a, _spec(a.spec))
+
+
 def _cmd_validate(a: argparse.Namespace) -> int:
     _spec(a.spec)
     print(f"{a.spec}: valid")
@@ -130,6 +136,21 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
         help='every host at once: {"fleet": shared variables, "hosts": {HOST: its own variables and artifacts}}',
     )
     sp.add_argument("--compact", action="store_true")
+    sp = spec_cmd(
+        "status",
+        "the fleet in one table from the monitoring host's Prometheus; exit 0 serving, 1 degraded, 2 a model down, "
+        "3 Prometheus unreachable",
+        _cmd_status,
+    )
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="repeat every SECONDS")
+    sp.add_argument("--prometheus", default="", metavar="URL", help="default: the spec's monitoring host")
+    sp.add_argument(
+        "--prometheus-user",
+        default="",
+        help="basic auth user (password: --prometheus-password-file or $VLLM_FLEET_PROMETHEUS_PASSWORD)",
+    )
+    sp.add_argument("--prometheus-password-file", default="", metavar="FILE")
     broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
     for name in sorted([*_COMMANDS, *broken]):
         if name in broken:
@@ -150,7 +171,7 @@ def _unavailable(name: str, text: str) -> Handler:
     return handler
 
 
-BUILTINS = ("validate", "plan", "render", "context")
+BUILTINS = ("validate", "plan", "render", "context", "status")
 # sub-commands that live in their own modules (registered there with @command), imported only when needed:
 # a module that fails to import breaks its own commands, not the others
 PLUGINS: dict[str, str] = {

@@ -34,7 +34,8 @@ import yaml
 from vllm_fleet.devtools.testing import EngineProcess, free_port, http_json
 from vllm_fleet.fleet.observability.dashboards import panel_queries
 from vllm_fleet.fleet.render import render_monitoring
-from vllm_fleet.fleet.spec import FleetSpec, parse_spec
+from vllm_fleet.fleet.spec import FleetSpec, parse_spec, spec_hash
+from vllm_fleet.fleet.status import QUERY, judge, query, table
 from vllm_fleet.host.launcher import write_state
 from vllm_fleet.host.probe import probe
 
@@ -356,7 +357,13 @@ def live(
             str(Path(sys.executable).parent / "vllm-fleet"), "exporter", "--listen", f"127.0.0.1:{mon.exporter_port}",
             "--state-dir", str(state_dir), "--config-dir", str(h1 / "etc/vllm-fleet/instances"),
             "--access-log", spec.gateway.access_log, "--no-nvml",
+            "--drain-state", str(work / "drained.json"), "--manifest", str(work / "manifest.json"),
         ]  # fmt: skip
+        # what `vllm-fleet manifest` writes on a deployed host (the parts the exporter reads)
+        (work / "manifest.json").write_text(json.dumps({
+            "fleet": spec.name, "spec_hash": spec_hash(spec), "profile": "cpu", "pinned_vllm": spec.stack.vllm_version,
+            "stack": {"vllm": "0.32.0"},
+        }))  # fmt: skip
         node = [
             "prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{mon.node_exporter_port}",
             "--collector.disable-defaults", "--collector.loadavg", "--collector.meminfo",
@@ -457,6 +464,41 @@ def _settle(live: Live) -> None:
                 "POST", live.gateway_url + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 4}
             )
     assert wait_until(ready, 30), prom_query(live.prom_port, "vllm_fleet_gateway_requests_total")
+
+
+def test_fleet_status_from_the_live_prometheus(live: Live) -> None:
+    """`vllm-fleet status` reads the fleet from this Prometheus in one query: the serving instances, the down
+    one (no launcher state, its model without a serving instance: exit 2), then one drained at the gateway."""
+    _settle(live)
+    url = f"http://127.0.0.1:{live.prom_port}"
+    st = judge(live.spec, query(url, QUERY), url)
+    rows = {r.instance: r for r in st.rows}
+    print(table(st))
+    tiny = rows["tiny"]
+    assert (tiny.verdict, tiny.state, tiny.rotation, tiny.probe_ok) == ("serving", "ready", "in", True), tiny
+    assert tiny.running is not None and tiny.waiting is not None and tiny.kv_cache is not None, tiny
+    assert tiny.ready_since and tiny.probe_latency is not None and tiny.host == "h1"
+    assert rows["tiny-b"].verdict == "serving" and rows["tiny-b"].role == "backup"
+    assert (rows["gone"].verdict, rows["gone"].state) == ("down", "unknown"), rows["gone"]
+    assert st.models_down == ["gone-model"] and st.exit_code == 2
+    assert [(h.name, h.reachable, h.drift, h.deployed_spec) for h in st.hosts] == [
+        ("h1", True, False, st.spec_hash),
+        ("h2", True, False, st.spec_hash),
+    ]
+    drained = live.out.parent.parent / "drained.json"  # the exporter's --drain-state
+    drained.write_text(json.dumps({"drained": ["tiny-b"], "updated": time.time()}))
+    try:
+
+        def seen() -> bool:
+            r = {x.instance: x for x in judge(live.spec, query(url, QUERY), url).rows}
+            return r["tiny-b"].rotation == "drained"
+
+        assert wait_until(seen, 20)
+        rows = {r.instance: r for r in judge(live.spec, query(url, QUERY), url).rows}
+        assert (rows["tiny-b"].verdict, rows["tiny-b"].phase) == ("degraded", "drained at the gateway")
+        assert rows["tiny"].rotation == "in" and rows["tiny"].verdict == "serving"
+    finally:
+        drained.unlink()
 
 
 def test_metric_name_typo_is_caught(live: Live) -> None:

@@ -1,0 +1,212 @@
+"""fleet.status: rows, verdicts and exit codes from one Prometheus answer; the command against a fake server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.fleet.spec import FleetSpec, parse_spec, spec_hash
+from vllm_fleet.fleet.status import EXIT_DEGRADED, EXIT_DOWN, EXIT_SERVING, QUERY, Sample, judge, table
+
+NOW = 1_800_000_000.0
+
+
+def spec_doc() -> dict[str, Any]:
+    m = {"source": {"path": "/models/tiny"}, "kv_cache_memory_bytes": 67108864, "max_model_len": 1024}
+    return {
+        "name": "st",
+        "stack": {"profile": "cpu"},
+        "hosts": [
+            {"name": "h1", "address": "10.0.0.1", "memory_gib": 16},
+            {"name": "h2", "address": "10.0.0.2", "memory_gib": 16},
+        ],
+        "models": [
+            {**m, "name": "a", "served_model_name": "qwen", "host": "h1", "port": 8001},
+            {**m, "name": "b", "served_model_name": "qwen", "host": "h2", "port": 8001},
+            {**m, "name": "c", "served_model_name": "other", "host": "h2", "port": 8002, "role": "fallback"},
+        ],
+        "gateway": {"host": "h1"},
+        "monitoring": {"host": "h1"},
+    }
+
+
+@pytest.fixture
+def spec() -> FleetSpec:
+    return parse_spec(spec_doc(), "test")
+
+
+def healthy(spec: FleetSpec, **hosts_up: int) -> list[Sample]:
+    out: list[Sample] = []
+    exp = "vllm-fleet-exporter"
+    for h in ("h1", "h2"):
+        out.append(({"__name__": "up", "job": exp, "host": h, "instance": h}, float(hosts_up.get(h, 1))))
+        out.append(
+            (
+                {"__name__": "vllm_fleet_deployed_info", "job": exp, "host": h, "instance": h,
+                 "spec_hash": spec_hash(spec), "profile": "cpu", "pinned_vllm": "0.32.0", "vllm": "0.32.0"},
+                1.0,
+            )
+        )  # fmt: skip
+    for name, host, model in (("a", "h1", "qwen"), ("b", "h2", "qwen"), ("c", "h2", "other")):
+        if hosts_up.get(host, 1) == 0:
+            continue
+        lab = {"job": exp, "host": host, "instance": name, "model": model}
+        for state in ("loading", "ready", "draining", "failed", "stopped"):
+            out.append(
+                ({"__name__": "vllm_fleet_instance_state", **lab, "state": state}, float(state == "ready"))
+            )
+        out += [
+            ({"__name__": "vllm_fleet_instance_phase_info", **lab, "phase": "serving", "reason": ""}, 1.0),
+            ({"__name__": "vllm_fleet_instance_ready_timestamp_seconds", **lab}, NOW - 3725),
+            ({"__name__": "vllm_fleet_instance_restarts_total", **lab, "unit": f"vllm@{name}.service"}, 1.0),
+            ({"__name__": "vllm_fleet_probe_success", **lab}, 1.0),
+            ({"__name__": "vllm_fleet_probe_latency_seconds", **lab}, 0.042),
+        ]
+        eng = {"job": "vllm", "host": host, "instance": name, "model": model}
+        out += [
+            ({"__name__": "up", **eng}, 1.0),
+            ({"__name__": "vllm:num_requests_running", **eng, "engine": "0"}, 3.0),
+            ({"__name__": "vllm:num_requests_waiting", **eng, "engine": "0"}, 1.0),
+            ({"__name__": "vllm:kv_cache_usage_perc", **eng, "engine": "0"}, 0.25),
+        ]
+    return out
+
+
+def set_value(samples: list[Sample], name: str, value: float, **labels: str) -> list[Sample]:
+    return [
+        (lv, value if lv["__name__"] == name and all(lv.get(k) == v for k, v in labels.items()) else v)
+        for lv, v in samples
+    ]
+
+
+def test_a_healthy_fleet_is_serving(spec: FleetSpec) -> None:
+    st = judge(spec, healthy(spec), "http://p", now=NOW)
+    assert [r.verdict for r in st.rows] == ["serving"] * 3 and st.exit_code == EXIT_SERVING
+    a = st.rows[0]
+    assert (a.host, a.instance, a.model, a.state, a.restarts, a.running, a.waiting, a.kv_cache, a.rotation) == (
+        "h1", "a", "qwen", "ready", 1, 3, 1, 0.25, "in",
+    )  # fmt: skip
+    text = table(st)
+    assert text.splitlines()[0].split() == [
+        "HOST", "INSTANCE", "MODEL", "GPUS", "STATE", "SINCE", "RESTARTS", "PROBE", "RUN/WAIT", "KV", "GATEWAY",
+    ]  # fmt: skip
+    assert "1h2m" in text and "ok 42ms" in text and "25%" in text and "c [fallback]" in text
+    assert text.splitlines()[-1].startswith("3/3 instances serving")
+    assert "\x1b[" not in text and "\x1b[32m" in table(st, colour=True)
+
+
+def test_drained_is_degraded_and_a_model_without_a_serving_instance_is_down(spec: FleetSpec) -> None:
+    drained = [
+        *healthy(spec),
+        ({"__name__": "vllm_fleet_gateway_drained", "host": "h1", "instance": "b"}, 1.0),
+    ]
+    st = judge(spec, drained, now=NOW)
+    b = st.rows[1]
+    assert (b.verdict, b.rotation, b.phase) == ("degraded", "drained", "drained at the gateway")
+    assert st.exit_code == EXIT_DEGRADED and st.models_down == []  # a still serves qwen
+    failed = set_value(healthy(spec), "vllm_fleet_instance_state", 0.0, instance="c")
+    failed = set_value(failed, "vllm_fleet_instance_state", 1.0, instance="c", state="failed")
+    st = judge(spec, failed, now=NOW)
+    assert st.rows[2].verdict == "down" and st.rows[2].state == "failed"
+    assert st.models_down == ["other"] and st.exit_code == EXIT_DOWN
+
+
+def test_a_failing_probe_and_loading_are_degraded(spec: FleetSpec) -> None:
+    s = set_value(healthy(spec), "vllm_fleet_probe_success", 0.0, instance="a")
+    s = set_value(s, "vllm_fleet_instance_state", 0.0, instance="b")
+    s = set_value(s, "vllm_fleet_instance_state", 1.0, instance="b", state="loading")
+    st = judge(spec, s, now=NOW)
+    assert (st.rows[0].verdict, st.rows[0].phase) == ("degraded", "probe failing")
+    assert (st.rows[1].verdict, st.rows[1].state) == ("degraded", "loading")
+    assert st.models_down == ["qwen"] and st.exit_code == EXIT_DOWN  # neither instance of qwen serves
+
+
+def test_a_powered_off_host_is_named_and_its_instances_are_down(spec: FleetSpec) -> None:
+    st = judge(spec, healthy(spec, h2=0), "http://p", now=NOW)
+    assert [(r.instance, r.verdict, r.state) for r in st.rows] == [
+        ("a", "serving", "ready"), ("b", "down", "unreachable"), ("c", "down", "unreachable"),
+    ]  # fmt: skip
+    assert [h.reachable for h in st.hosts] == [True, False]
+    assert "host h2: unreachable" in table(st) and st.exit_code == EXIT_DOWN
+    # a host Prometheus has no series for at all reads the same
+    st = judge(spec, [x for x in healthy(spec) if x[0].get("host") != "h2"], now=NOW)
+    assert st.hosts[1].reachable is False and st.rows[1].state == "unreachable"
+
+
+def test_spec_drift_is_shown(spec: FleetSpec) -> None:
+    other = set_value(healthy(spec), "vllm_fleet_deployed_info", 1.0)
+    other = [
+        ({**lv, "spec_hash": "0123456789ab"} if lv["__name__"] == "vllm_fleet_deployed_info" and lv["host"] == "h2"
+         else lv, v)
+        for lv, v in other
+    ]  # fmt: skip
+    st = judge(spec, other, now=NOW)
+    assert [h.drift for h in st.hosts] == [False, True]
+    assert f"host h2: deployed spec 0123456789ab, this spec is {spec_hash(spec)} (drift)" in table(st)
+
+
+class _FakePrometheus(BaseHTTPRequestHandler):
+    samples: list[Sample] = []
+    queries: list[str] = []
+
+    def do_GET(self) -> None:
+        from urllib.parse import parse_qs, urlparse
+
+        q = parse_qs(urlparse(self.path).query)["query"][0]
+        type(self).queries.append(q)
+        result = [{"metric": lv, "value": [NOW, str(v)]} for lv, v in self.samples]
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_prometheus(spec: FleetSpec) -> Iterator[str]:
+    _FakePrometheus.samples = healthy(spec)
+    _FakePrometheus.queries = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakePrometheus)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
+def test_the_command_asks_once_and_exits_by_verdict(tmp_path: Path, fake_prometheus: str) -> None:
+    path = tmp_path / "spec.yml"
+    path.write_text(yaml.safe_dump(spec_doc()))
+    cmd = [sys.executable, "-m", "vllm_fleet.cli", "status", str(path), "--prometheus", fake_prometheus]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_SERVING, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["exit_code"] == 0 and [r["instance"] for r in doc["rows"]] == ["a", "b", "c"]
+    assert _FakePrometheus.queries == [QUERY]  # one round trip
+    _FakePrometheus.samples = healthy(parse_spec(spec_doc(), "t"), h2=0)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_DOWN and "host h2: unreachable" in out.stdout, out
+    assert "\x1b[" not in out.stdout  # piped: no colours
+
+
+def test_an_unreachable_prometheus_exits_3_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yml"
+    path.write_text(yaml.safe_dump(spec_doc()))
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_fleet.cli", "status", str(path), "--prometheus", "http://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 3 and "Prometheus at http://127.0.0.1:9" in out.stderr, out

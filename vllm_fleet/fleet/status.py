@@ -1,0 +1,351 @@
+"""``vllm-fleet status SPEC``: the whole fleet in one table, from the monitoring host's Prometheus.
+
+One instant query (``QUERY``) brings every series the table needs: the host exporters' view of each launcher
+(state, phase and failure reason, ready since, probe, restarts), each engine's own load (running / waiting
+requests, KV cache), the gateway's drained set and what each host has deployed (the manifest's spec hash).
+Rows are the spec's instances, so an instance Prometheus knows nothing about still shows — as unknown; a host
+whose exporter is not scraped is named as unreachable.
+
+Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
+draining, drained, probe failing) or ``down`` (failed, stopped, unreachable, unknown). Exit codes
+(``EXIT_*``): 0 every instance serving; 1 some instance is not, but every served model still has a serving
+instance; 2 a served model has none; 3 Prometheus could not be asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_fleet.fleet.spec import FleetSpec, spec_hash
+
+EXIT_SERVING, EXIT_DEGRADED, EXIT_DOWN, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXPORTER_JOB, ENGINE_JOB = "vllm-fleet-exporter", "vllm"  # monitoring/prometheus.yml.j2
+METRICS = (
+    "up",
+    "vllm_fleet_instance_state",
+    "vllm_fleet_instance_phase_info",
+    "vllm_fleet_instance_ready_timestamp_seconds",
+    "vllm_fleet_instance_restarts_total",
+    "vllm_fleet_probe_success",
+    "vllm_fleet_probe_latency_seconds",
+    "vllm_fleet_gateway_drained",
+    "vllm_fleet_deployed_info",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
+QUERY = '{__name__=~"' + "|".join(METRICS) + '"}'
+
+Sample = tuple[dict[str, str], float]
+
+
+class StatusError(RuntimeError):
+    """Prometheus could not be asked (the message says where and why)."""
+
+
+@dataclass
+class Row:
+    host: str
+    instance: str
+    model: str
+    role: str
+    gpus: list[int]
+    verdict: str = "down"  # serving | degraded | down
+    state: str = (
+        "unknown"  # the launcher's: loading | ready | draining | failed | stopped; unknown; unreachable
+    )
+    phase: str = ""  # the launcher's phase, or its failure reason
+    ready_since: float | None = None
+    restarts: int | None = None
+    probe_ok: bool | None = None
+    probe_latency: float | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache: float | None = None
+    rotation: str = "?"  # in | drained | ? (the gateway's exporter is not scraped)
+
+
+@dataclass
+class HostStatus:
+    name: str
+    reachable: bool
+    deployed_spec: str = ""  # the spec hash the host's manifest records ("" when unknown)
+    drift: bool = False
+
+
+@dataclass
+class FleetStatus:
+    fleet: str
+    spec_hash: str
+    prometheus: str
+    at: float
+    rows: list[Row] = field(default_factory=list)
+    hosts: list[HostStatus] = field(default_factory=list)
+    models_down: list[str] = field(default_factory=list)  # served models without a serving instance
+
+    @property
+    def exit_code(self) -> int:
+        if self.models_down:
+            return EXIT_DOWN
+        return EXIT_SERVING if all(r.verdict == "serving" for r in self.rows) else EXIT_DEGRADED
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["exit_code"] = self.exit_code
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def prometheus_url(spec: FleetSpec) -> str:
+    host = next(h for h in spec.hosts if h.name == spec.monitoring_host)
+    return f"http://{host.address}:{spec.monitoring.prometheus_port}"
+
+
+def query(url: str, expr: str, auth: tuple[str, str] | None = None, timeout: float = 10.0) -> list[Sample]:
+    """One instant query: ``(labels, value)`` per series."""
+    req = urllib.request.Request(f"{url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        req.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise StatusError(f"Prometheus at {url}: HTTP {exc.code} {exc.reason}") from None
+    except (OSError, ValueError) as exc:
+        raise StatusError(f"Prometheus at {url}: {type(exc).__name__}: {exc}") from None
+    if doc.get("status") != "success":
+        raise StatusError(f"Prometheus at {url}: {doc.get('errorType')}: {doc.get('error')}")
+    out: list[Sample] = []
+    for s in doc["data"]["result"]:
+        try:
+            out.append((dict(s["metric"]), float(s["value"][1])))
+        except (KeyError, IndexError, ValueError):
+            continue
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ judging
+
+
+class _Index:
+    """The samples by metric name, with lookups by labels."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.by_name: dict[str, list[Sample]] = {}
+        for labels, value in samples:
+            self.by_name.setdefault(labels.get("__name__", ""), []).append((labels, value))
+
+    def find(self, name: str, **labels: str) -> list[Sample]:
+        return [
+            (lv, v) for lv, v in self.by_name.get(name, []) if all(lv.get(k) == x for k, x in labels.items())
+        ]
+
+    def one(self, name: str, **labels: str) -> float | None:
+        found = self.find(name, **labels)
+        return found[0][1] if found else None
+
+    def total(self, name: str, **labels: str) -> float | None:
+        found = self.find(name, **labels)
+        return sum(v for _, v in found) if found else None
+
+
+def judge(
+    spec: FleetSpec, samples: list[Sample], prometheus: str = "", now: float | None = None
+) -> FleetStatus:
+    """The status of every instance of ``spec`` from one query's ``samples``."""
+    idx = _Index(samples)
+    want = spec_hash(spec)
+    st = FleetStatus(spec.name, want, prometheus, time.time() if now is None else now)
+    for h in spec.hosts:
+        up = idx.one("up", job=EXPORTER_JOB, host=h.name)
+        deployed = next(
+            (lv.get("spec_hash", "") for lv, _ in idx.find("vllm_fleet_deployed_info", host=h.name)), ""
+        )
+        st.hosts.append(HostStatus(h.name, up == 1, deployed, bool(deployed) and deployed != want))
+    reachable = {h.name: h.reachable for h in st.hosts}
+    gateway_seen = reachable.get(spec.gateway_host, False) if spec.gateway.enabled else False
+    for m in spec.models:
+        row = Row(m.host, m.name, m.served_model_name or m.name, m.role, list(m.gpus))
+        _fill(row, idx, reachable.get(m.host, False), gateway_seen, spec.gateway.enabled)
+        st.rows.append(row)
+    models = dict.fromkeys(r.model for r in st.rows)
+    st.models_down = [x for x in models if not any(r.model == x and r.verdict == "serving" for r in st.rows)]
+    return st
+
+
+def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: bool) -> None:
+    i = row.instance
+    if gateway:
+        drained = idx.one("vllm_fleet_gateway_drained", instance=i) == 1
+        row.rotation = "drained" if drained else "in" if gateway_seen else "?"
+    else:
+        row.rotation = "-"
+    if not host_up:
+        row.state, row.phase, row.verdict = "unreachable", "the host's exporter is not scraped", "down"
+        return
+    current = [lv["state"] for lv, v in idx.find("vllm_fleet_instance_state", instance=i) if v == 1]
+    row.state = current[0] if current else "unknown"
+    info = idx.find("vllm_fleet_instance_phase_info", instance=i)
+    if info:
+        row.phase = info[0][0].get("reason") or info[0][0].get("phase", "")
+    ready = idx.one("vllm_fleet_instance_ready_timestamp_seconds", instance=i)
+    row.ready_since = ready if ready else None
+    restarts = idx.one("vllm_fleet_instance_restarts_total", instance=i)
+    row.restarts = int(restarts) if restarts is not None else None
+    ok = idx.one("vllm_fleet_probe_success", instance=i)
+    row.probe_ok = None if ok is None else ok == 1
+    row.probe_latency = idx.one("vllm_fleet_probe_latency_seconds", instance=i)
+    engine_up = idx.one("up", job=ENGINE_JOB, instance=i) == 1
+    running = idx.total("vllm:num_requests_running", job=ENGINE_JOB, instance=i)
+    waiting = idx.total("vllm:num_requests_waiting", job=ENGINE_JOB, instance=i)
+    row.running = int(running) if running is not None else None
+    row.waiting = int(waiting) if waiting is not None else None
+    kv = [v for _, v in idx.find("vllm:kv_cache_usage_perc", job=ENGINE_JOB, instance=i)]
+    row.kv_cache = max(kv) if kv else None
+    if row.state == "ready" and engine_up and row.probe_ok is not False and row.rotation != "drained":
+        row.verdict = "serving"
+    elif row.state in ("loading", "draining") or (row.state == "ready" and (engine_up or row.probe_ok)):
+        row.verdict = "degraded"
+        if row.state == "ready" and row.rotation == "drained":
+            row.phase = "drained at the gateway"
+        elif row.state == "ready" and row.probe_ok is False:
+            row.phase = "probe failing"
+        elif row.state == "ready":
+            row.phase = "engine not scraped"
+    else:
+        row.verdict = "down"
+
+
+# ------------------------------------------------------------------------------------------------ showing
+
+_COLOURS = {"serving": "\x1b[32m", "degraded": "\x1b[33m", "down": "\x1b[31m"}
+_COLUMNS = (
+    "HOST",
+    "INSTANCE",
+    "MODEL",
+    "GPUS",
+    "STATE",
+    "SINCE",
+    "RESTARTS",
+    "PROBE",
+    "RUN/WAIT",
+    "KV",
+    "GATEWAY",
+)
+
+
+def _age(ts: float | None, now: float) -> str:
+    if not ts:
+        return "-"
+    s = max(0, int(now - ts))
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 60}m{s % 60}s"
+
+
+def table(st: FleetStatus, colour: bool = False) -> str:
+    lines: list[list[str]] = []
+    verdicts: list[str] = []
+    for r in st.rows:
+        state = r.state + (f" ({r.phase})" if r.phase and r.phase not in ("serving", r.state) else "")
+        probe = "-" if r.probe_ok is None else ("ok" if r.probe_ok else "FAIL")
+        if r.probe_ok is not None and r.probe_latency is not None:
+            probe += f" {r.probe_latency * 1000:.0f}ms"
+        load = "-" if r.running is None else f"{r.running}/{r.waiting if r.waiting is not None else '-'}"
+        kv = "-" if r.kv_cache is None else f"{r.kv_cache:.0%}"
+        gpus = ",".join(str(g) for g in r.gpus) or "-"
+        role = "" if r.role == "primary" else f" [{r.role}]"
+        lines.append(
+            [
+                r.host,
+                r.instance + role,
+                r.model,
+                gpus,
+                state,
+                _age(r.ready_since, st.at) if r.state == "ready" else "-",
+                "-" if r.restarts is None else str(r.restarts),
+                probe,
+                load,
+                kv,
+                r.rotation,
+            ]
+        )
+        verdicts.append(r.verdict)
+    widths = [
+        max(len(c), *(len(row[k]) for row in lines)) if lines else len(c) for k, c in enumerate(_COLUMNS)
+    ]
+    out = ["  ".join(c.ljust(widths[k]) for k, c in enumerate(_COLUMNS)).rstrip()]
+    for row, verdict in zip(lines, verdicts, strict=True):
+        text = "  ".join(c.ljust(widths[k]) for k, c in enumerate(row)).rstrip()
+        out.append(f"{_COLOURS[verdict]}{text}\x1b[0m" if colour else text)
+    for h in st.hosts:
+        if not h.reachable:
+            out.append(
+                f"host {h.name}: unreachable (its exporter is not scraped by {st.prometheus or 'Prometheus'})"
+            )
+        elif h.drift:
+            out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
+        elif not h.deployed_spec:
+            out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
+    serving = sum(r.verdict == "serving" for r in st.rows)
+    summary = f"{serving}/{len(st.rows)} instances serving"
+    if st.models_down:
+        summary += "; no serving instance for " + ", ".join(st.models_down)
+    out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def _auth(a: argparse.Namespace) -> tuple[str, str] | None:
+    if not a.prometheus_user:
+        return None
+    password = os.environ.get("VLLM_FLEET_PROMETHEUS_PASSWORD", "")
+    if a.prometheus_password_file:
+        with open(a.prometheus_password_file) as f:
+            password = f.read().strip()
+    return a.prometheus_user, password
+
+
+def run(a: argparse.Namespace, spec: FleetSpec) -> int:
+    url = a.prometheus or prometheus_url(spec)
+    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not a.json
+    while True:
+        try:
+            st = judge(spec, query(url, QUERY, _auth(a)), url)
+        except StatusError as exc:
+            if a.json:
+                print(json.dumps({"fleet": spec.name, "error": str(exc), "exit_code": EXIT_UNREACHABLE}))
+            else:
+                print(f"vllm-fleet status: {exc}", file=sys.stderr)
+            code = EXIT_UNREACHABLE
+            if not a.watch:
+                return code
+        else:
+            code = st.exit_code
+            if a.json:
+                print(json.dumps(st.to_dict(), indent=None if a.watch else 2))
+            else:
+                if a.watch and sys.stdout.isatty():
+                    print("\x1b[H\x1b[2J", end="")
+                print(table(st, colour))
+            if not a.watch:
+                return code
+        sys.stdout.flush()
+        time.sleep(a.watch)
