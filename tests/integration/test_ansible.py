@@ -325,3 +325,65 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     assert len(traffic.failures) <= traffic.workers, traffic.failures  # at most the streams in flight
     assert traffic.ok["plain"] > 0 and traffic.ok["stream"] > 0
     assert h1.run(f"systemctl is-active vllm@{name}.service").stdout.strip() == "active"
+
+
+def _status(fleet: Fleet) -> tuple[int, dict[str, Any]]:
+    """``vllm-fleet status --json`` as an operator on the monitoring host runs it (Prometheus on its loopback)."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    port = fleet.spec["monitoring"].get("prometheus_port", 9090)
+    mon.copy_to(fleet.spec_path, "/tmp/fleet.yml", mode=0o644)
+    cp = mon.run(
+        f"/opt/vllm-fleet/venv/bin/vllm-fleet status /tmp/fleet.yml --prometheus http://127.0.0.1:{port} --json",
+        timeout=120,
+    )
+    return cp.returncode, json.loads(cp.stdout)
+
+
+def _wait_status(fleet: Fleet, ok: Any, what: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    code, doc = _status(fleet)
+    while not ok(code, doc) and time.monotonic() < deadline:
+        time.sleep(3)
+        code, doc = _status(fleet)
+    assert ok(code, doc), f"status never showed {what}: exit {code}\n{json.dumps(doc, indent=1)[-3000:]}"
+    return doc
+
+
+def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet) -> None:
+    """`vllm-fleet status` on the deployed fleet: every instance serving (exit 0); tiny-b drained at the
+    gateway → degraded, exit 1; h2 powered off → its instance down as unreachable and the host named, exit 1
+    (tiny-qwen3 still serves on h1). Last in the file: h2 stays off."""
+    doc = _wait_status(fleet, lambda c, d: c == 0, "every instance serving")
+    rows = {r["instance"]: r for r in doc["rows"]}
+    assert set(rows) == {m["name"] for m in fleet.spec["models"]}
+    for r in rows.values():
+        assert (r["verdict"], r["state"], r["rotation"], r["probe_ok"]) == ("serving", "ready", "in", True), r
+        assert r["ready_since"] and r["running"] is not None and r["kv_cache"] is not None, r
+    assert all(
+        h["reachable"] and not h["drift"] and h["deployed_spec"] == doc["spec_hash"] for h in doc["hosts"]
+    )
+
+    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
+    venv = "/opt/vllm-fleet/venv/bin/vllm-fleet"
+    assert gw.run(f"{venv} drain tiny-b").returncode == 0
+    try:
+        doc = _wait_status(fleet, lambda c, d: c == 1, "tiny-b drained")
+        b = {r["instance"]: r for r in doc["rows"]}["tiny-b"]
+        assert (b["verdict"], b["rotation"]) == ("degraded", "drained"), b
+        assert doc["models_down"] == []
+    finally:
+        assert gw.run(f"{venv} undrain tiny-b").returncode == 0
+    _wait_status(fleet, lambda c, d: c == 0, "tiny-b back in rotation")
+
+    backup = next(m for m in fleet.spec["models"] if m.get("role") == "backup")
+    h2 = fleet.hosts[backup["host"]]
+    os.kill(h2.nspawn_pid, 15)  # SIGTERM to systemd-nspawn: a clean poweroff
+
+    def off(code: int, d: dict[str, Any]) -> bool:
+        return not next(h for h in d["hosts"] if h["name"] == backup["host"])["reachable"]
+
+    _wait_status(fleet, off, "the powered-off host unreachable", timeout=180)
+    code, doc = _status(fleet)
+    rows = {r["instance"]: r for r in doc["rows"]}
+    assert (rows[backup["name"]]["verdict"], rows[backup["name"]]["state"]) == ("down", "unreachable")
+    assert rows["tiny-a"]["verdict"] == "serving" and doc["models_down"] == [] and code == 1, doc
