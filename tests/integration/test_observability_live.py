@@ -319,7 +319,8 @@ def _state_writer(engines: dict[str, EngineProcess], state_dir: Path, stop: thre
                 "state": "ready", "launcher_pid": os.getpid(), "engine_pid": engine.proc.pid if engine.proc else None,
                 "started_at": started, "ready_at": started, "load_duration_seconds": 0.0, "phase": "ready",
                 "last_probe_at": now, "last_probe_ok": res.ok, "last_probe_latency_seconds": res.latency,
-                "probes_total": probes, "probe_failures_total": failures[name], "updated_at": now,
+                "probes_total": probes, "probe_failures_total": failures[name], "probes_starved_total": 0,
+                "updated_at": now,
             })  # fmt: skip
         stop.wait(1.0)
 
