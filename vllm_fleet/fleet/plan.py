@@ -264,7 +264,12 @@ def _plan_memory(
         )
     if spec.stack.profile == "gpu":
         if host.gpus.detect or not host.gpus.memory_gib:
-            ip.notes.append(f"GPU memory of {host.name} is detected at deploy: fit checked in preflight")
+            # preflight checks the driver and that the GPUs exist, not their memory; vLLM refuses to start
+            # when weights and KV cache do not fit
+            ip.notes.append(
+                f"GPU memory of {host.name} is not in the spec (gpus.detect or no gpus.memory_gib): memory fit "
+                "not checked before deploy (vLLM refuses to start when it does not fit)"
+            )
             return
         n_gpu = max(1, len(m.gpus))
         budget = int(n_gpu * host.gpus.memory_gib * GIB * m.gpu_memory_utilization)
