@@ -33,13 +33,10 @@ def instance_ctx(
     d = m.model_dump(mode="json")
     ip = ip or plan.instance(m.name)
     host = host or spec.host(m.host)
-    addr = listen_address(spec, m)
     d.update(
         unit=f"vllm@{m.name}.service",
         model_path=model_path(spec, m),
-        listen_address=addr,
-        # where other hosts (gateway, Prometheus) reach this engine
-        reach_address=addr if addr != "127.0.0.1" else "127.0.0.1",
+        listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,
         command=engine_command(spec, m),
         environment=engine_env(spec, m),
