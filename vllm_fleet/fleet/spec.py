@@ -289,7 +289,6 @@ class Paths(_Model):
     models_dir: str = "/var/lib/vllm-fleet/models"
     cache_dir: str = "/var/lib/vllm-fleet/cache"
     state_dir: str = "/run/vllm-fleet"
-    log_dir: str = "/var/log/vllm-fleet"
     user: str = "vllm"
     group: str = "vllm"
 
