@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from vllm_fleet.cli import command
 from vllm_fleet.contracts import ContractError, StateFile, read_state
+from vllm_fleet.files import read_json_object
 
 log = logging.getLogger("vllm_fleet.host.exporter")
 
@@ -52,21 +53,13 @@ class Instance:
     state: StateFile | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
     """Instances known from the instance configs and/or launcher state files. Returns (instances, errors)."""
     found: dict[str, Instance] = {}
     errors = 0
     if config_dir is not None and config_dir.is_dir():
         for p in sorted(config_dir.glob("*.json")):
-            cfg = _read_json(p)
+            cfg = read_json_object(p)
             if cfg is None:
                 errors += 1
                 continue
