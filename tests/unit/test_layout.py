@@ -221,7 +221,7 @@ def test_cli_without_the_harness_offers_the_other_commands() -> None:
     env = dict(os.environ, COLUMNS="200")
     r = subprocess.run([sys.executable, "-c", BLOCK_DEVTOOLS], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    harness = {name for name, mod in cli.PLUGINS.items() if mod.startswith("vllm_fleet.devtools.")}
+    harness = {name for name, p in cli.PLUGINS.items() if p.module.startswith("vllm_fleet.devtools.")}
     assert harness == {"sandbox", "tiny-model"}
     listed = {m.group(1) for m in re.finditer(r"^    (\S+)", r.stdout, re.M)}
     assert listed == (set(cli.BUILTINS) | set(cli.PLUGINS)) - harness

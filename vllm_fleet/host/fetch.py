@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.file_lock import file_lock
 from vllm_fleet.files import read_json_object, sha256_file
 from vllm_fleet.fleet.engine import model_path
@@ -270,8 +269,7 @@ def fetch_all(
     return out
 
 
-@command("fetch", "download models (HF / ModelScope / local path), verify sha256 checksums")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="fleet spec YAML")
     p.add_argument("--host", help="only the models of this host")
     p.add_argument("--instance", help="only this instance")
