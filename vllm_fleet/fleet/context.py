@@ -143,10 +143,16 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
 
 
 def repo_root() -> Path:
-    """Folder holding the template folders (units/, nginx/, alerts/, dashboards/ ...)."""
+    """Folder holding the template folders (units/, nginx/, alerts/, dashboards/ ...): $VLLM_FLEET_TEMPLATES,
+    else the checkout this module runs from, else the copy installed with the package (setup.py puts it in
+    the wheel as vllm_fleet/templates/)."""
     import os
 
     env = os.environ.get("VLLM_FLEET_TEMPLATES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2]  # the checkout: vllm_fleet/fleet/context.py
+    here = Path(__file__).resolve()
+    checkout = here.parents[2]  # vllm_fleet/fleet/context.py
+    if (checkout / "units" / "artifacts.yml").is_file():
+        return checkout
+    return here.parents[1] / "templates"
