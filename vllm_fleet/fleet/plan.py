@@ -90,22 +90,22 @@ class Plan:
         return d
 
 
-def _host_service_ports(spec: FleetSpec, host: str) -> dict[int, str]:
-    """Ports our other services take on this host."""
-    ports: dict[int, str] = {}
+def _host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
+    """(port, field) of each of our other services on this host, in spec order (a port may repeat)."""
+    ports: list[tuple[int, str]] = []
     if spec.gateway.enabled and spec.gateway_host == host:
-        ports[spec.gateway.port] = "gateway.port"
-        ports[spec.gateway.stub_status_port] = "gateway.stub_status_port"
+        ports.append((spec.gateway.port, "gateway.port"))
+        ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
         if spec.gateway.tls:
-            ports[spec.gateway.tls.port] = "gateway.tls.port"
+            ports.append((spec.gateway.tls.port, "gateway.tls.port"))
     if spec.monitoring.enabled and spec.monitoring_host == host:
-        ports[spec.monitoring.prometheus_port] = "monitoring.prometheus_port"
-        ports[spec.monitoring.alertmanager_port] = "monitoring.alertmanager_port"
+        ports.append((spec.monitoring.prometheus_port, "monitoring.prometheus_port"))
+        ports.append((spec.monitoring.alertmanager_port, "monitoring.alertmanager_port"))
     if spec.monitoring.enabled:
-        ports[spec.monitoring.node_exporter_port] = "monitoring.node_exporter_port"
-        ports[spec.monitoring.exporter_port] = "monitoring.exporter_port"
+        ports.append((spec.monitoring.node_exporter_port, "monitoring.node_exporter_port"))
+        ports.append((spec.monitoring.exporter_port, "monitoring.exporter_port"))
         if spec.gateway.enabled and spec.gateway_host == host:
-            ports[spec.monitoring.nginx_exporter_port] = "monitoring.nginx_exporter_port"
+            ports.append((spec.monitoring.nginx_exporter_port, "monitoring.nginx_exporter_port"))
     return ports
 
 
@@ -120,10 +120,11 @@ def _models_by_host(spec: FleetSpec) -> dict[str, list[tuple[int, ModelInstance]
 def _service_ports(spec: FleetSpec, host: Host, problems: list[Problem]) -> dict[int, str]:
     """port → owner of the services (gateway, monitoring) on ``host``; a port taken twice is a problem."""
     ports: dict[int, str] = {}
-    for port, owner in _host_service_ports(spec, host.name).items():
+    for port, owner in _host_service_ports(spec, host.name):
         if port in ports:
             problems.append(Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}"))
-        ports[port] = owner
+        else:
+            ports[port] = owner
     return ports
 
 
