@@ -16,7 +16,7 @@ from vllm_fleet import __version__
 from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
-from vllm_fleet.fleet.routes import gateway_routes
+from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
@@ -89,9 +89,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
-    vf["gateway_routes"] = gateway_routes(
-        vf["upstreams"], mml
-    )  # nginx templates (vllm_fleet/fleet/routes.py)
+    # the gateway's table and the router's index of it (vllm_fleet/fleet/routes.py)
+    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)
+    vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     vf["monitoring_host"] = spec.monitoring_host
