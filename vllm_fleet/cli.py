@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from vllm_fleet.fleet.spec import FleetSpec, SpecError, load_spec
 
 Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
+AddArgs = Callable[[argparse.ArgumentParser], None]
 
 
-def command(
-    name: str, help_text: str
-) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[..., None]]:
-    """Register ``name``: the decorated function adds arguments; it must set ``handler`` on the parser."""
+class Plugin(NamedTuple):
+    """A command that lives in its own module: ``target`` is ``MODULE:FUNCTION``, the function that adds the
+    command's arguments to its parser and sets ``handler`` on it."""
 
-    def deco(fn: Callable[[argparse.ArgumentParser], None]) -> Callable[..., None]:
-        _COMMANDS[name] = (fn, lambda a: 0, help_text)
-        return fn
+    target: str
+    help: str
 
-    return deco
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    def add_args(self) -> AddArgs:
+        module, _, fn = self.target.partition(":")
+        add_args: AddArgs = getattr(importlib.import_module(module), fn)
+        return add_args
 
 
 def _spec(path: str) -> FleetSpec:
@@ -99,9 +106,12 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(unavailable: dict[str, str] | None = None) -> argparse.ArgumentParser:
-    """The parser of the built-in commands and the registered plugin commands; ``unavailable`` (command →
-    why its module cannot be imported) are listed too, marked so, and only report that when run."""
+def build_parser(
+    unavailable: dict[str, str] | None = None, loaded: set[str] | None = None
+) -> argparse.ArgumentParser:
+    """The parser of the built-in commands and the PLUGINS commands: those of ``loaded`` (all when None);
+    ``unavailable`` (command → why its module cannot be imported) are listed too, marked so, and only report
+    that when run."""
     p = argparse.ArgumentParser(
         prog="vllm-fleet",
         description="Deploy and operate vLLM fleets on systemd hosts: plan, render, launch, gateway, monitoring, bench.",
@@ -151,15 +161,16 @@ def build_parser(unavailable: dict[str, str] | None = None) -> argparse.Argument
         help="basic auth user (password: --prometheus-password-file or $VLLM_FLEET_PROMETHEUS_PASSWORD)",
     )
     sp.add_argument("--prometheus-password-file", default="", metavar="FILE")
-    broken = {name: why for name, why in (unavailable or {}).items() if name not in _COMMANDS}
-    for name in sorted([*_COMMANDS, *broken]):
+    broken = unavailable or {}
+    for name, plugin in sorted(PLUGINS.items()):
         if name in broken:
             text = f"UNAVAILABLE: {broken[name]}"
             sub.add_parser(name, help=text, description=text).set_defaults(handler=_unavailable(name, text))
             continue
-        add_args, _, help_text = _COMMANDS[name]
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        add_args(sp)
+        if loaded is not None and name not in loaded:
+            continue  # its module is not in this installation (the harness of a product-only install)
+        sp = sub.add_parser(name, help=plugin.help, description=plugin.help)
+        plugin.add_args()(sp)
     return p
 
 
@@ -172,28 +183,58 @@ def _unavailable(name: str, text: str) -> Handler:
 
 
 BUILTINS = ("validate", "plan", "render", "context", "status")
-# sub-commands that live in their own modules (registered there with @command), imported only when needed:
-# a module that fails to import breaks its own commands, not the others
-PLUGINS: dict[str, str] = {
-    "bench": "vllm_fleet.bench.cli",
-    "doctor": "vllm_fleet.host.doctor",
-    "drain": "vllm_fleet.host.drain",
-    "exporter": "vllm_fleet.host.exporter",
-    "fetch": "vllm_fleet.host.fetch",
-    "launch": "vllm_fleet.host.launcher",
-    "lock": "vllm_fleet.fleet.lock",
-    "manifest": "vllm_fleet.host.manifest",
-    "sandbox": "vllm_fleet.devtools.sandbox",
-    "tiny-model": "vllm_fleet.devtools.tinymodel",
-    "undrain": "vllm_fleet.host.drain",
+# The one list of the sub-commands that live in their own modules, imported only when needed: a module that
+# fails to import breaks its own commands, not the others.
+PLUGINS: dict[str, Plugin] = {
+    "bench": Plugin(
+        "vllm_fleet.bench.cli:add_args",
+        "load-test an OpenAI/Anthropic-compatible endpoint (profiles, compare, scenarios)",
+    ),
+    "doctor": Plugin(
+        "vllm_fleet.host.doctor:add_args",
+        "check the engine stack layer by layer (driver, CUDA, torch, vLLM, tiny load)",
+    ),
+    "drain": Plugin(
+        "vllm_fleet.host.drain:add_drain_args",
+        "take an engine instance out of the gateway's rotation (no nginx reload, no config change)",
+    ),
+    "exporter": Plugin(
+        "vllm_fleet.host.exporter:add_args",
+        "host exporter: launcher states, probes, restarts, NVML GPU metrics, gateway log (Prometheus)",
+    ),
+    "fetch": Plugin(
+        "vllm_fleet.host.fetch:add_args",
+        "download models (HF / ModelScope / local path), verify sha256 checksums",
+    ),
+    "launch": Plugin(
+        "vllm_fleet.host.launcher:add_args",
+        "run one engine instance under systemd (the main process of vllm@NAME.service)",
+    ),
+    "lock": Plugin(
+        "vllm_fleet.fleet.lock:add_args",
+        "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse",
+    ),
+    "manifest": Plugin(
+        "vllm_fleet.host.manifest:add_args",
+        "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)",
+    ),
+    "sandbox": Plugin(
+        "vllm_fleet.devtools.sandbox:add_args",
+        "real systemd hosts as systemd-nspawn containers (tests, CI, demo)",
+    ),
+    "tiny-model": Plugin(
+        "vllm_fleet.devtools.tinymodel:add_args", "build the tiny random Qwen3 model + tokenizer offline"
+    ),
+    "undrain": Plugin(
+        "vllm_fleet.host.drain:add_undrain_args",
+        "put a drained engine instance back into the gateway's rotation",
+    ),
 }
 
 
 def _import_plugin(module: str) -> bool:
-    """Import ``module`` (it registers its commands). False when it is not there at all: a vllm_fleet
-    module missing from this installation is skipped quietly, its commands are not offered."""
-    import importlib
-
+    """Import ``module``. False when it is not there at all: a vllm_fleet module missing from this
+    installation is skipped quietly, its commands are not offered."""
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -203,28 +244,30 @@ def _import_plugin(module: str) -> bool:
     return True
 
 
-def _load_plugins(argv: list[str]) -> dict[str, str]:
+def _load_plugins(argv: list[str]) -> tuple[dict[str, str], set[str]]:
     """Import the module of the command being run, that one only (its import error is that command's
     error). Without a plugin command (``--help``, a built-in command, a mistyped one), built-ins import
-    nothing and the others import every module, guarded: returns command → why its module cannot be
-    imported, for the listing."""
+    nothing and the others import every module, guarded. Returns (command → why its module cannot be
+    imported, for the listing; the commands whose module is loaded)."""
     cmd = next((x for x in argv if not x.startswith("-")), None)
-    if cmd in PLUGINS and _import_plugin(PLUGINS[cmd]):
-        return {}
+    if cmd in PLUGINS and _import_plugin(PLUGINS[cmd].module):
+        return {}, {cmd}
     if cmd in BUILTINS:
-        return {}
+        return {}, set()
     unavailable: dict[str, str] = {}
-    for name, module in sorted(PLUGINS.items()):
+    loaded: set[str] = set()
+    for name, plugin in sorted(PLUGINS.items()):
         try:
-            _import_plugin(module)
+            if _import_plugin(plugin.module):
+                loaded.add(name)
         except Exception as exc:
-            unavailable[name] = f"{module} cannot be imported ({type(exc).__name__}: {exc})"
-    return unavailable
+            unavailable[name] = f"{plugin.module} cannot be imported ({type(exc).__name__}: {exc})"
+    return unavailable, loaded
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(_load_plugins(argv))
+    parser = build_parser(*_load_plugins(argv))
     a = parser.parse_args(argv)
     try:
         return int(a.handler(a))
@@ -236,8 +279,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m vllm_fleet.cli` runs this file as __main__; plugins register with the importable module
-    # `vllm_fleet.cli`, so hand over to that one (else sub-commands of plugins would be missing).
-    from vllm_fleet.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

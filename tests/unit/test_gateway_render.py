@@ -12,7 +12,7 @@ from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.render import make_env, render_fleet, render_host
-from vllm_fleet.fleet.routes import gateway_routes
+from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
 from vllm_fleet.fleet.spec import load_spec
 from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
 
@@ -72,6 +72,27 @@ def test_routes_only_fallback_and_name_collisions() -> None:
     assert r1["upstream"] != r2["upstream"]
 
 
+def test_the_index_finds_each_model_and_its_summary_has_no_servers() -> None:
+    """What the router reads for every request: the model's position by name and a summary whose size does
+    not depend on the model's instances (the server lists stay in routes, read only while drained)."""
+    ups = [
+        {
+            "model": f"m{k}",
+            "upstream": f"m_m{k}",
+            "servers": _servers(*[(f"i{k}-{j}", "primary", "default") for j in range(n)]),
+        }
+        for k, n in enumerate((1, 50))
+    ]
+    routes = gateway_routes(ups, {"m0": 512, "m1": 512})
+    idx = route_index(routes)
+    assert idx["index"] == {"m0": 0, "m1": 1}
+    for name, i in idx["index"].items():
+        assert routes[i]["model"] == idx["models"][i]["model"] == name
+        assert set(idx["models"][i]) == set(SUMMARY_KEYS)
+        assert all(idx["models"][i][k] == routes[i][k] for k in SUMMARY_KEYS)
+    assert len(json.dumps(idx["models"][0])) == len(json.dumps(idx["models"][1]))
+
+
 def _render(spec_path: Path, host: str) -> dict[str, str]:
     spec = load_spec(spec_path)
     return {r.dest: r.content for r in render_host(spec, host)}
@@ -83,7 +104,10 @@ def test_examples_render_gateway(example: str, host: str) -> None:
     conf = files["/etc/nginx/conf.d/vllm-fleet.conf"]
     ups = files["/etc/nginx/vllm-fleet/upstreams.conf"]
     js = files["/etc/nginx/vllm-fleet/router.js"]
-    routes = json.loads(files["/etc/nginx/vllm-fleet/routes.json"])["routes"]
+    doc = json.loads(files["/etc/nginx/vllm-fleet/routes.json"])
+    routes = doc["routes"]
+    assert doc["index"] == {rt["model"]: i for i, rt in enumerate(routes)}
+    assert [m["model"] for m in doc["models"]] == [rt["model"] for rt in routes]
     assert "Ansible managed" in conf and "Ansible managed" in ups and "Ansible managed" in js
     assert "proxy_buffering off;" in conf and 'proxy_set_header Connection "";' in conf
     assert "proxy_http_version 1.1;" in conf and "stub_status;" in conf
@@ -261,3 +285,11 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
         "nginx/router.js.j2",
     ):
         assert ours.get_template(t).render(**ctx) == ansible_like.get_template(t).render(**ctx), t
+
+
+def test_the_router_finds_a_missing_state_file_without_a_throw() -> None:
+    """njs 0.7.9 walks every global (the preloaded routing table too) to name a thrown error's backtrace:
+    the per-request drain-state read lists the folder first instead of catching readFileSync's ENOENT."""
+    js = _render(REPO / "examples" / "tiny-cpu.yml", "h1")["/etc/nginx/vllm-fleet/router.js"]
+    body = js.split("function drainedList() {", 1)[1].split("\n}\n", 1)[0]
+    assert body.index("fs.readdirSync(STATE_DIR)") < body.index("fs.readFileSync(STATE_FILE")

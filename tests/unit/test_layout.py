@@ -148,12 +148,23 @@ def test_the_spec_is_the_leaf() -> None:
     assert _ours(IMPORTS["vllm_fleet.fleet.spec"]) <= {"vllm_fleet.contracts"}
 
 
-def test_the_contracts_are_a_leaf_of_the_standard_library() -> None:
-    """vllm_fleet.contracts is shared by the controller and the hosts: it imports none of ours and nothing
-    outside the standard library (no pydantic, no jinja2)."""
-    imported = {t for t, _ in IMPORTS["vllm_fleet.contracts"]}
-    assert _ours(IMPORTS["vllm_fleet.contracts"]) == set()
-    assert {t.split(".")[0] for t in imported} <= set(sys.stdlib_module_names) | {"__future__"}, imported
+def test_the_shared_leaves_use_the_standard_library_only() -> None:
+    """vllm_fleet.contracts (the files one side writes and the other reads) and vllm_fleet.files (checksum,
+    JSON reader) are shared by the controller and the hosts: they import none of ours and nothing outside the
+    standard library (no pydantic, no jinja2)."""
+    for leaf in ("vllm_fleet.contracts", "vllm_fleet.files"):
+        imported = {t for t, _ in IMPORTS[leaf]}
+        assert _ours(IMPORTS[leaf]) == set(), leaf
+        assert {t.split(".")[0] for t in imported} <= set(sys.stdlib_module_names) | {"__future__"}, imported
+
+
+def test_one_copy_of_the_file_helpers() -> None:
+    """sha256_file and the JSON-object reader live in vllm_fleet/files.py only."""
+    for name, path in FILES.items():
+        tree = ast.parse(path.read_text())
+        defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        if name != "vllm_fleet.files":
+            assert not defs & {"sha256_file", "read_json_object", "_read_json"}, name
 
 
 def test_host_code_stays_off_the_planner_and_the_renderer() -> None:
@@ -175,6 +186,7 @@ def test_the_product_does_not_import_the_harness() -> None:
         *_room("vllm_fleet.bench"),
         "vllm_fleet.cli",
         "vllm_fleet.file_lock",
+        "vllm_fleet.files",
         "vllm_fleet.vllm_metrics",
         "vllm_fleet",
     ]
@@ -209,7 +221,7 @@ def test_cli_without_the_harness_offers_the_other_commands() -> None:
     env = dict(os.environ, COLUMNS="200")
     r = subprocess.run([sys.executable, "-c", BLOCK_DEVTOOLS], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    harness = {name for name, mod in cli.PLUGINS.items() if mod.startswith("vllm_fleet.devtools.")}
+    harness = {name for name, p in cli.PLUGINS.items() if p.module.startswith("vllm_fleet.devtools.")}
     assert harness == {"sandbox", "tiny-model"}
     listed = {m.group(1) for m in re.finditer(r"^    (\S+)", r.stdout, re.M)}
     assert listed == (set(cli.BUILTINS) | set(cli.PLUGINS)) - harness

@@ -58,6 +58,13 @@ def test_port_clash_with_gateway_refused() -> None:
     assert refusals(d) == ["models[0].port: port 8000 on gpu-a is already used by gateway.port"]
 
 
+def test_port_clash_between_services_refused() -> None:
+    """Two services of one host on one port: the later field is named (the first keeps the port)."""
+    d = copy.deepcopy(SEED4)
+    d["monitoring"] = dict(d.get("monitoring") or {}, prometheus_port=8000)
+    assert refusals(d) == ["monitoring.prometheus_port: port 8000 on gpu-a is already used by gateway.port"]
+
+
 def test_tp_mismatch_refused() -> None:
     d = copy.deepcopy(SEED4)
     d["models"][0]["tensor_parallel_size"] = 4

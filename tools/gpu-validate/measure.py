@@ -41,7 +41,7 @@ KV_RE = re.compile(
 
 
 def vf_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-    # the console entry point (``python -m vllm_fleet.cli`` would import cli twice: plugins register in the copy)
+    # the console entry point
     code = "import sys; from vllm_fleet.cli import main; sys.exit(main())"
     return subprocess.run([PY, "-c", code, *args], text=True, capture_output=True, cwd=REPO, **kw)
 

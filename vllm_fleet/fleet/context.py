@@ -16,7 +16,7 @@ from vllm_fleet import __version__
 from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
-from vllm_fleet.fleet.routes import gateway_routes
+from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
@@ -33,13 +33,10 @@ def instance_ctx(
     d = m.model_dump(mode="json")
     ip = ip or plan.instance(m.name)
     host = host or spec.host(m.host)
-    addr = listen_address(spec, m)
     d.update(
         unit=f"vllm@{m.name}.service",
         model_path=model_path(spec, m),
-        listen_address=addr,
-        # where other hosts (gateway, Prometheus) reach this engine
-        reach_address=addr if addr != "127.0.0.1" else "127.0.0.1",
+        listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,
         command=engine_command(spec, m),
         environment=engine_env(spec, m),
@@ -92,9 +89,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
-    vf["gateway_routes"] = gateway_routes(
-        vf["upstreams"], mml
-    )  # nginx templates (vllm_fleet/fleet/routes.py)
+    # the gateway's table and the router's index of it (vllm_fleet/fleet/routes.py)
+    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)
+    vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     vf["monitoring_host"] = spec.monitoring_host
@@ -146,10 +143,16 @@ def build_context(spec: FleetSpec, host: str | None = None, plan: Plan | None = 
 
 
 def repo_root() -> Path:
-    """Folder holding the template folders (units/, nginx/, alerts/, dashboards/ ...)."""
+    """Folder holding the template folders (units/, nginx/, alerts/, dashboards/ ...): $VLLM_FLEET_TEMPLATES,
+    else the checkout this module runs from, else the copy installed with the package (setup.py puts it in
+    the wheel as vllm_fleet/templates/)."""
     import os
 
     env = os.environ.get("VLLM_FLEET_TEMPLATES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2]  # the checkout: vllm_fleet/fleet/context.py
+    here = Path(__file__).resolve()
+    checkout = here.parents[2]  # vllm_fleet/fleet/context.py
+    if (checkout / "units" / "artifacts.yml").is_file():
+        return checkout
+    return here.parents[1] / "templates"

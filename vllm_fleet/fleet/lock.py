@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
+from vllm_fleet.files import sha256_file
 
 # the cpu profile never installs these: pip pulls builds that do not match the +cpu torch and break start-up
 # (torchvision::nms, _torchaudio.so); triton is unused on CPUs (≈ 1 GB)
@@ -128,14 +128,6 @@ def parse_lock(text: str) -> list[Pin]:
 
 def lock_path(out_dir: Path, profile: str, version: str) -> Path:
     return out_dir / f"{profile}-{version}.txt"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_lock(
@@ -306,8 +298,7 @@ def check_wheelhouse(lock: Path, wheelhouse: Path) -> list[str]:
     return missing
 
 
-@command("lock", "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", default="resolve", choices=["resolve", "wheelhouse", "self-wheel"])
     p.add_argument("--profile", choices=sorted(DIST), default="cpu")
     p.add_argument("--vllm-version", default="", help="release to lock (default: the profile's default)")

@@ -90,22 +90,22 @@ class Plan:
         return d
 
 
-def _host_service_ports(spec: FleetSpec, host: str) -> dict[int, str]:
-    """Ports our other services take on this host."""
-    ports: dict[int, str] = {}
+def _host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
+    """(port, field) of each of our other services on this host, in spec order (a port may repeat)."""
+    ports: list[tuple[int, str]] = []
     if spec.gateway.enabled and spec.gateway_host == host:
-        ports[spec.gateway.port] = "gateway.port"
-        ports[spec.gateway.stub_status_port] = "gateway.stub_status_port"
+        ports.append((spec.gateway.port, "gateway.port"))
+        ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
         if spec.gateway.tls:
-            ports[spec.gateway.tls.port] = "gateway.tls.port"
+            ports.append((spec.gateway.tls.port, "gateway.tls.port"))
     if spec.monitoring.enabled and spec.monitoring_host == host:
-        ports[spec.monitoring.prometheus_port] = "monitoring.prometheus_port"
-        ports[spec.monitoring.alertmanager_port] = "monitoring.alertmanager_port"
+        ports.append((spec.monitoring.prometheus_port, "monitoring.prometheus_port"))
+        ports.append((spec.monitoring.alertmanager_port, "monitoring.alertmanager_port"))
     if spec.monitoring.enabled:
-        ports[spec.monitoring.node_exporter_port] = "monitoring.node_exporter_port"
-        ports[spec.monitoring.exporter_port] = "monitoring.exporter_port"
+        ports.append((spec.monitoring.node_exporter_port, "monitoring.node_exporter_port"))
+        ports.append((spec.monitoring.exporter_port, "monitoring.exporter_port"))
         if spec.gateway.enabled and spec.gateway_host == host:
-            ports[spec.monitoring.nginx_exporter_port] = "monitoring.nginx_exporter_port"
+            ports.append((spec.monitoring.nginx_exporter_port, "monitoring.nginx_exporter_port"))
     return ports
 
 
@@ -117,88 +117,119 @@ def _models_by_host(spec: FleetSpec) -> dict[str, list[tuple[int, ModelInstance]
     return by_host
 
 
+def _service_ports(spec: FleetSpec, host: Host, problems: list[Problem]) -> dict[int, str]:
+    """port → owner of the services (gateway, monitoring) on ``host``; a port taken twice is a problem."""
+    ports: dict[int, str] = {}
+    for port, owner in _host_service_ports(spec, host.name):
+        if port in ports:
+            problems.append(Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}"))
+        else:
+            ports[port] = owner
+    return ports
+
+
+def _claim_port(host: Host, i: int, m: ModelInstance, ports: dict[int, str], problems: list[Problem]) -> None:
+    """Instance ``models[i]`` takes its port on ``host``, unless a service or an earlier instance has it."""
+    if m.port in ports:
+        problems.append(
+            Problem(f"models[{i}].port", f"port {m.port} on {host.name} is already used by {ports[m.port]}")
+        )
+    else:
+        ports[m.port] = f"models[{i}] ({m.name})"
+
+
+def _check_gpus(
+    spec: FleetSpec,
+    host: Host,
+    i: int,
+    m: ModelInstance,
+    gpu_owner: dict[int, int],
+    gpu_map: dict[int, list[str]],
+    problems: list[Problem],
+) -> None:
+    """One instance on the gpu profile: tensor parallel size = its GPUs, the GPUs exist and are its own
+    (unless both share them), FP8 on a GPU that has it. Records the GPUs it uses in ``gpu_owner`` (first
+    instance) and ``gpu_map`` (every instance)."""
+    path = f"models[{i}]"
+    if m.tensor_parallel_size != len(m.gpus):
+        problems.append(
+            Problem(
+                f"{path}.tensor_parallel_size",
+                f"tensor_parallel_size {m.tensor_parallel_size} != {len(m.gpus)} GPU(s) in gpus {m.gpus}",
+            )
+        )
+    if not host.gpus.detect and host.gpus.count:
+        bad = [g for g in m.gpus if g >= host.gpus.count]
+        if bad:
+            problems.append(
+                Problem(
+                    f"{path}.gpus", f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)"
+                )
+            )
+    for g in m.gpus:
+        if g in gpu_owner:
+            j = gpu_owner[g]
+            other = spec.models[j]
+            if not (m.share_gpus and other.share_gpus):
+                problems.append(
+                    Problem(
+                        f"{path}.gpus",
+                        f"GPU {g} on {host.name} is already used by models[{j}] ({other.name})",
+                    )
+                )
+        else:
+            gpu_owner[g] = i
+        gpu_map.setdefault(g, []).append(m.name)
+    fp8 = m.quantization == "fp8" or m.kv_cache_dtype.startswith("fp8")
+    cc = host.gpus.cc_tuple()
+    if fp8 and cc is not None and cc < FP8_MIN_CC:
+        field_name = "quantization" if m.quantization == "fp8" else "kv_cache_dtype"
+        problems.append(
+            Problem(
+                f"{path}.{field_name}",
+                f"FP8 needs compute capability >= 8.9; {host.name} has {host.gpus.model or 'GPUs'} "
+                f"with compute capability {host.gpus.compute_capability}",
+            )
+        )
+
+
+def _check_shared_gpus(
+    spec: FleetSpec, host: Host, gpu_map: dict[int, list[str]], problems: list[Problem]
+) -> None:
+    """Instances sharing a GPU: their gpu_memory_utilization must add up to 0.95 at most."""
+    for g, names in gpu_map.items():
+        if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
+            total = sum(spec.model(n).gpu_memory_utilization for n in names)
+            if total > 0.95:
+                problems.append(
+                    Problem(
+                        f"models[{spec.models.index(spec.model(names[-1]))}].gpu_memory_utilization",
+                        f"instances sharing GPU {g} on {host.name} ({', '.join(names)}) ask for "
+                        f"{total:.2f} of its memory in total (max 0.95)",
+                    )
+                )
+
+
 def _check_layout(
     spec: FleetSpec, problems: list[Problem], by_host: dict[str, list[tuple[int, ModelInstance]]]
 ) -> list[HostPlan]:
+    """Per host: ports, GPUs (gpu profile) or tensor_parallel_size 1 (cpu profile); its HostPlan."""
     hosts: list[HostPlan] = []
     for host in spec.hosts:
+        ports = _service_ports(spec, host, problems)
         gpu_map: dict[int, list[str]] = {}
         gpu_owner: dict[int, int] = {}
-        ports: dict[int, str] = {}
-        for port, owner in _host_service_ports(spec, host.name).items():
-            if port in ports:
-                problems.append(
-                    Problem(owner, f"port {port} on {host.name} is already used by {ports[port]}")
-                )
-            ports[port] = owner
         for i, m in by_host[host.name]:
-            path = f"models[{i}]"
-            if m.port in ports:
-                problems.append(
-                    Problem(
-                        f"{path}.port", f"port {m.port} on {host.name} is already used by {ports[m.port]}"
-                    )
-                )
-            else:
-                ports[m.port] = f"{path} ({m.name})"
+            _claim_port(host, i, m, ports, problems)
             if spec.stack.profile == "gpu":
-                if m.tensor_parallel_size != len(m.gpus):
-                    problems.append(
-                        Problem(
-                            f"{path}.tensor_parallel_size",
-                            f"tensor_parallel_size {m.tensor_parallel_size} != {len(m.gpus)} GPU(s) in gpus {m.gpus}",
-                        )
-                    )
-                if not host.gpus.detect and host.gpus.count:
-                    bad = [g for g in m.gpus if g >= host.gpus.count]
-                    if bad:
-                        problems.append(
-                            Problem(
-                                f"{path}.gpus",
-                                f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)",
-                            )
-                        )
-                for g in m.gpus:
-                    if g in gpu_owner:
-                        j = gpu_owner[g]
-                        other = spec.models[j]
-                        if not (m.share_gpus and other.share_gpus):
-                            problems.append(
-                                Problem(
-                                    f"{path}.gpus",
-                                    f"GPU {g} on {host.name} is already used by models[{j}] ({other.name})",
-                                )
-                            )
-                    else:
-                        gpu_owner[g] = i
-                    gpu_map.setdefault(g, []).append(m.name)
-                fp8 = m.quantization == "fp8" or m.kv_cache_dtype.startswith("fp8")
-                cc = host.gpus.cc_tuple()
-                if fp8 and cc is not None and cc < FP8_MIN_CC:
-                    field_name = "quantization" if m.quantization == "fp8" else "kv_cache_dtype"
-                    problems.append(
-                        Problem(
-                            f"{path}.{field_name}",
-                            f"FP8 needs compute capability >= 8.9; {host.name} has {host.gpus.model or 'GPUs'} "
-                            f"with compute capability {host.gpus.compute_capability}",
-                        )
-                    )
+                _check_gpus(spec, host, i, m, gpu_owner, gpu_map, problems)
             elif m.tensor_parallel_size != 1:
                 problems.append(
-                    Problem(f"{path}.tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1")
-                )
-        # shared GPUs: memory utilisation must add up
-        for g, names in gpu_map.items():
-            if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
-                total = sum(spec.model(n).gpu_memory_utilization for n in names)
-                if total > 0.95:
-                    problems.append(
-                        Problem(
-                            f"models[{spec.models.index(spec.model(names[-1]))}].gpu_memory_utilization",
-                            f"instances sharing GPU {g} on {host.name} ({', '.join(names)}) ask for "
-                            f"{total:.2f} of its memory in total (max 0.95)",
-                        )
+                    Problem(
+                        f"models[{i}].tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1"
                     )
+                )
+        _check_shared_gpus(spec, host, gpu_map, problems)
         hosts.append(
             HostPlan(
                 name=host.name,
@@ -264,7 +295,12 @@ def _plan_memory(
         )
     if spec.stack.profile == "gpu":
         if host.gpus.detect or not host.gpus.memory_gib:
-            ip.notes.append(f"GPU memory of {host.name} is detected at deploy: fit checked in preflight")
+            # preflight checks the driver and that the GPUs exist, not their memory; vLLM refuses to start
+            # when weights and KV cache do not fit
+            ip.notes.append(
+                f"GPU memory of {host.name} is not in the spec (gpus.detect or no gpus.memory_gib): memory fit "
+                "not checked before deploy (vLLM refuses to start when it does not fit)"
+            )
             return
         n_gpu = max(1, len(m.gpus))
         budget = int(n_gpu * host.gpus.memory_gib * GIB * m.gpu_memory_utilization)

@@ -17,6 +17,11 @@ configuration load (``js_preload_object``). Per served model:
   router walks the upstream's remaining servers through these (primaries first, then backups; the next
   one on an error before the first byte or a full engine's 503), so a drain needs neither a config change
   nor a reload, and the config stays linear in the number of instances (docs/gateway.md).
+
+``route_index`` is what a request needs before it knows whether anything is drained: per served model, its
+position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``). routes.json
+carries both, so the router finds a request's model by name and reads the model's server lists only while
+some of them are drained: the work per request does not grow with the fleet.
 """
 
 from __future__ import annotations
@@ -96,3 +101,15 @@ def gateway_routes(
             }
         )
     return routes
+
+
+SUMMARY_KEYS = ("model", "default", "pools", "fallback", "max_model_len")
+
+
+def route_index(routes: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"index": {model: position in routes}, "models": [summary per route]}``: the summary is the route
+    without its upstreams and one-server upstreams (``SUMMARY_KEYS``)."""
+    return {
+        "index": {rt["model"]: i for i, rt in enumerate(routes)},
+        "models": [{k: rt[k] for k in SUMMARY_KEYS} for rt in routes],
+    }

@@ -45,7 +45,8 @@ class _Model(BaseModel):
 
 
 class GpuInventory(_Model):
-    """What a host has. ``detect: true`` means: read it with nvidia-smi at deploy time (preflight)."""
+    """What a host has. ``detect: true`` means: read it with nvidia-smi at deploy time (preflight checks the
+    driver and that the GPUs the models use exist; memory fit is then not checked before vLLM starts)."""
 
     count: int = Field(0, ge=0, le=64)
     model: str = ""
@@ -291,7 +292,6 @@ class Paths(_Model):
     models_dir: str = "/var/lib/vllm-fleet/models"
     cache_dir: str = "/var/lib/vllm-fleet/cache"
     state_dir: str = "/run/vllm-fleet"
-    log_dir: str = "/var/log/vllm-fleet"
     user: str = "vllm"
     group: str = "vllm"
 

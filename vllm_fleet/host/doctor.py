@@ -21,7 +21,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.host import cpu_features
 from vllm_fleet.host.engine_death import cause_in
 
@@ -159,6 +158,106 @@ def _ver_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".") if x.isdigit())
 
 
+class _Verdicts:
+    """The layers checked so far; the first one that fails blocks every layer above it."""
+
+    def __init__(self) -> None:
+        self.layers: list[Layer] = []
+        self.blocked = ""
+
+    def add(self, layer: Layer) -> Layer:
+        self.layers.append(layer)
+        if layer.status == "fail" and not self.blocked:
+            self.blocked = layer.name
+        return layer
+
+    def gate(self, name: str) -> bool:
+        """False (and ``name`` reported as blocked) once a layer below has failed."""
+        if self.blocked:
+            self.layers.append(Layer(name, "blocked", f"not checked: layer '{self.blocked}' failed"))
+            return False
+        return True
+
+
+def driver_layer(gpu: bool, min_driver: int = 0) -> Layer:
+    """The NVIDIA driver answers, lists GPUs, and is at least ``min_driver``."""
+    if not gpu:
+        return Layer("driver", "skip", "cpu profile: no NVIDIA driver needed")
+    gpus, err = nvidia_gpus()
+    if err or not gpus:
+        return Layer(
+            "driver", "fail", err or "nvidia-smi lists no GPU", "install the NVIDIA driver and reboot"
+        )
+    drv = gpus[0]["driver_version"]
+    facts = {"driver": drv, "cuda_driver": driver_cuda_version(), "gpus": gpus}
+    if min_driver and _ver_tuple(drv)[:1] < (min_driver,):
+        return Layer("driver", "fail", f"driver {drv} < {min_driver} required by the pinned torch CUDA build",
+                     f"install NVIDIA driver >= {min_driver}", facts)  # fmt: skip
+    return Layer("driver", "ok", f"driver {drv}, {len(gpus)} GPU(s): {gpus[0]['name']}", facts=facts)
+
+
+def cuda_runtime_layer(gpu: bool, torch_facts: dict[str, Any] | None, err: str, drv_cuda: str) -> Layer:
+    """torch imports, is a CUDA build (gpu profile), and the driver supports its CUDA version."""
+    if torch_facts is None:
+        return Layer(
+            "cuda-runtime", "fail", f"import torch failed: {err}", "reinstall the venv from the lock"
+        )
+    if not gpu:
+        return Layer("cuda-runtime", "skip", f"cpu profile (torch {torch_facts['torch']}, no CUDA build needed)",
+                     facts=torch_facts)  # fmt: skip
+    if not torch_facts["cuda"]:
+        return Layer("cuda-runtime", "fail", f"torch {torch_facts['torch']} is a CPU build",
+                     "install the gpu profile's lock (official vllm + its CUDA torch)", torch_facts)  # fmt: skip
+    if drv_cuda and _ver_tuple(drv_cuda) < _ver_tuple(torch_facts["cuda"])[:2]:
+        return Layer("cuda-runtime", "fail",
+                     f"torch built for CUDA {torch_facts['cuda']} but the driver supports CUDA {drv_cuda}",
+                     "upgrade the NVIDIA driver", torch_facts)  # fmt: skip
+    return Layer("cuda-runtime", "ok", f"torch {torch_facts['torch']} (CUDA {torch_facts['cuda']}), "
+                 f"driver supports CUDA {drv_cuda or '?'}", facts=torch_facts)  # fmt: skip
+
+
+def torch_gpus_layer(gpu: bool, torch_facts: dict[str, Any] | None, expect_gpus: int = 0) -> Layer:
+    """torch sees the GPUs, at least ``expect_gpus`` of them."""
+    if not gpu:
+        return Layer("torch-gpus", "skip", "cpu profile: engines run on CPU cores")
+    if torch_facts is None or not torch_facts.get("available"):
+        return Layer("torch-gpus", "fail", "torch.cuda.is_available() is False",
+                     "check CUDA_VISIBLE_DEVICES, /dev/nvidia*, and the driver/runtime pair")  # fmt: skip
+    n = torch_facts["count"]
+    names = sorted({d["name"] for d in torch_facts["devices"]})
+    if expect_gpus and n < expect_gpus:
+        return Layer("torch-gpus", "fail", f"torch sees {n} GPU(s), the spec expects {expect_gpus}",
+                     "check CUDA_VISIBLE_DEVICES and nvidia-smi", torch_facts)  # fmt: skip
+    return Layer("torch-gpus", "ok", f"{n} GPU(s): {', '.join(names)}", facts=torch_facts)
+
+
+def vllm_layer(vllm_version: str = "") -> Layer:
+    """vLLM imports, and is the pinned release when one is given."""
+    vf, err = _py_json(PY_VLLM, timeout=180)
+    if vf is None:
+        return Layer("vllm-import", "fail", f"import vllm failed: {err}", "reinstall the venv from the lock")
+    if vllm_version and vf["version"].split("+")[0] != vllm_version:
+        return Layer("vllm-import", "fail", f"{vf['dist']} {vf['version']} installed, spec pins {vllm_version}",
+                     "rerun the playbook (install tag)", vf)  # fmt: skip
+    return Layer("vllm-import", "ok", f"{vf['dist']} {vf['version']} imports", facts=vf)
+
+
+def tiny_load_layer(load_model: str, profile: str, dtype: str) -> Layer:
+    """A few tokens generated from ``load_model`` in-process, in ``dtype`` (vllm_fleet.host.decode_check)."""
+    res, err = _py_json(
+        "vllm_fleet.host.decode_check", [load_model, profile, dtype], timeout=600, module=True
+    )
+    if res is None:
+        fix = (
+            "this CPU cannot run the engine's kernels for this dtype: see the cpu-isa layer; try --dtype float32"
+            if "SIGILL" in err
+            else "read the error; try the model alone"
+        )
+        return Layer("tiny-load", "fail", f"loading {load_model} (dtype {dtype}) failed: {err}", fix)
+    return Layer("tiny-load", "ok", f"generated {res['tokens']} tokens in {res['seconds']} s "
+                 f"(dtype {res.get('dtype', dtype)})", facts=res)  # fmt: skip
+
+
 def check(
     profile: str,
     vllm_version: str = "",
@@ -167,118 +266,28 @@ def check(
     load_model: str = "",
     dtype: str = "auto",
 ) -> list[Layer]:
-    layers: list[Layer] = []
-    blocked = ""
+    """Every layer, bottom up: CPU instruction sets, driver, CUDA runtime, torch sees the GPUs, vLLM imports,
+    the optional tiny load; a failed layer blocks the ones above it."""
     gpu = profile == "gpu"
-
-    def add(layer: Layer) -> None:
-        nonlocal blocked
-        layers.append(layer)
-        if layer.status == "fail" and not blocked:
-            blocked = layer.name
-
-    def gate(name: str) -> bool:
-        if blocked:
-            layers.append(Layer(name, "blocked", f"not checked: layer '{blocked}' failed"))
-            return False
-        return True
-
-    # 0 CPU instruction sets (the cpu profile's kernels)
-    add(cpu_isa_layer(profile))
-    # 1 driver
-    if not gpu:
-        add(Layer("driver", "skip", "cpu profile: no NVIDIA driver needed"))
-    else:
-        gpus, err = nvidia_gpus()
-        if err or not gpus:
-            add(
-                Layer(
-                    "driver", "fail", err or "nvidia-smi lists no GPU", "install the NVIDIA driver and reboot"
-                )
-            )
-        else:
-            drv = gpus[0]["driver_version"]
-            facts = {"driver": drv, "cuda_driver": driver_cuda_version(), "gpus": gpus}
-            if min_driver and _ver_tuple(drv)[:1] < (min_driver,):
-                add(Layer("driver", "fail", f"driver {drv} < {min_driver} required by the pinned torch CUDA build",
-                          f"install NVIDIA driver >= {min_driver}", facts))  # fmt: skip
-            else:
-                add(
-                    Layer("driver", "ok", f"driver {drv}, {len(gpus)} GPU(s): {gpus[0]['name']}", facts=facts)
-                )
-    # 2 CUDA runtime + 3 torch sees GPUs (one torch import)
+    v = _Verdicts()
+    v.add(cpu_isa_layer(profile))
+    driver = v.add(driver_layer(gpu, min_driver))
     torch_facts: dict[str, Any] | None = None
-    if gate("cuda-runtime"):
+    if v.gate("cuda-runtime"):  # one torch import answers the CUDA runtime and the torch-gpus layers
         torch_facts, err = _py_json(PY_TORCH, timeout=120)
-        if torch_facts is None:
-            add(
-                Layer(
-                    "cuda-runtime", "fail", f"import torch failed: {err}", "reinstall the venv from the lock"
-                )
-            )
-        elif not gpu:
-            add(Layer("cuda-runtime", "skip", f"cpu profile (torch {torch_facts['torch']}, no CUDA build needed)",
-                      facts=torch_facts))  # fmt: skip
-        elif not torch_facts["cuda"]:
-            add(Layer("cuda-runtime", "fail", f"torch {torch_facts['torch']} is a CPU build",
-                      "install the gpu profile's lock (official vllm + its CUDA torch)", torch_facts))  # fmt: skip
-        else:
-            drv_cuda = next(x for x in layers if x.name == "driver").facts.get("cuda_driver", "")
-            if drv_cuda and _ver_tuple(drv_cuda) < _ver_tuple(torch_facts["cuda"])[:2]:
-                add(Layer("cuda-runtime", "fail",
-                          f"torch built for CUDA {torch_facts['cuda']} but the driver supports CUDA {drv_cuda}",
-                          "upgrade the NVIDIA driver", torch_facts))  # fmt: skip
-            else:
-                add(Layer("cuda-runtime", "ok", f"torch {torch_facts['torch']} (CUDA {torch_facts['cuda']}), "
-                          f"driver supports CUDA {drv_cuda or '?'}", facts=torch_facts))  # fmt: skip
-    if gate("torch-gpus"):
-        if not gpu:
-            add(Layer("torch-gpus", "skip", "cpu profile: engines run on CPU cores"))
-        elif torch_facts is None or not torch_facts.get("available"):
-            add(Layer("torch-gpus", "fail", "torch.cuda.is_available() is False",
-                      "check CUDA_VISIBLE_DEVICES, /dev/nvidia*, and the driver/runtime pair"))  # fmt: skip
-        else:
-            n = torch_facts["count"]
-            names = sorted({d["name"] for d in torch_facts["devices"]})
-            if expect_gpus and n < expect_gpus:
-                add(Layer("torch-gpus", "fail", f"torch sees {n} GPU(s), the spec expects {expect_gpus}",
-                          "check CUDA_VISIBLE_DEVICES and nvidia-smi", torch_facts))  # fmt: skip
-            else:
-                add(Layer("torch-gpus", "ok", f"{n} GPU(s): {', '.join(names)}", facts=torch_facts))
-    # 4 vLLM imports
-    if gate("vllm-import"):
-        vf, err = _py_json(PY_VLLM, timeout=180)
-        if vf is None:
-            add(
-                Layer("vllm-import", "fail", f"import vllm failed: {err}", "reinstall the venv from the lock")
-            )
-        elif vllm_version and vf["version"].split("+")[0] != vllm_version:
-            add(Layer("vllm-import", "fail", f"{vf['dist']} {vf['version']} installed, spec pins {vllm_version}",
-                      "rerun the playbook (install tag)", vf))  # fmt: skip
-        else:
-            add(Layer("vllm-import", "ok", f"{vf['dist']} {vf['version']} imports", facts=vf))
-    # 5 tiny load
+        v.add(cuda_runtime_layer(gpu, torch_facts, err, driver.facts.get("cuda_driver", "")))
+    if v.gate("torch-gpus"):
+        v.add(torch_gpus_layer(gpu, torch_facts, expect_gpus))
+    if v.gate("vllm-import"):
+        v.add(vllm_layer(vllm_version))
     if not load_model:
-        layers.append(Layer("tiny-load", "skip", "not requested (--load MODEL_PATH)"))
-    elif gate("tiny-load"):
-        res, err = _py_json(
-            "vllm_fleet.host.decode_check", [load_model, profile, dtype], timeout=600, module=True
-        )
-        if res is None:
-            fix = (
-                "this CPU cannot run the engine's kernels for this dtype: see the cpu-isa layer; try --dtype float32"
-                if "SIGILL" in err
-                else "read the error; try the model alone"
-            )
-            add(Layer("tiny-load", "fail", f"loading {load_model} (dtype {dtype}) failed: {err}", fix))
-        else:
-            add(Layer("tiny-load", "ok", f"generated {res['tokens']} tokens in {res['seconds']} s "
-                      f"(dtype {res.get('dtype', dtype)})", facts=res))  # fmt: skip
-    return layers
+        v.add(Layer("tiny-load", "skip", "not requested (--load MODEL_PATH)"))
+    elif v.gate("tiny-load"):
+        v.add(tiny_load_layer(load_model, profile, dtype))
+    return v.layers
 
 
-@command("doctor", "check the engine stack layer by layer (driver, CUDA, torch, vLLM, tiny load)")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", help="fleet spec (profile, pinned version, GPU count of --host)")
     p.add_argument("--host", help="host in the spec (for the expected GPU count)")
     p.add_argument("--profile", choices=["cpu", "gpu"], help="without a spec")

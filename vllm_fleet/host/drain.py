@@ -25,8 +25,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_fleet.cli import command
-
 ROUTES_FILE = "/etc/nginx/vllm-fleet/routes.json"
 STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"
 
@@ -158,7 +156,7 @@ def wait_idle(address: str, timeout: float, interval: float = 0.5) -> bool:
         time.sleep(interval)
 
 
-def _args(p: argparse.ArgumentParser) -> None:
+def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="instance name (models[].name in the spec)")
     p.add_argument("--routes", help=f"rendered routing table (default {ROUTES_FILE})")
     p.add_argument(
@@ -198,9 +196,8 @@ def _handler(drain: bool) -> object:
     return run
 
 
-@command("drain", "take an engine instance out of the gateway's rotation (no nginx reload, no config change)")
-def _drain_cmd(p: argparse.ArgumentParser) -> None:
-    _args(p)
+def add_drain_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
     p.add_argument("--force", action="store_true", help="drain even if the model keeps no server in rotation")
     p.add_argument(
         "--wait", type=float, default=0, metavar="S", help="then wait up to S s for in-flight requests"
@@ -208,7 +205,6 @@ def _drain_cmd(p: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_handler(True))
 
 
-@command("undrain", "put a drained engine instance back into the gateway's rotation")
-def _undrain_cmd(p: argparse.ArgumentParser) -> None:
-    _args(p)
+def add_undrain_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
     p.set_defaults(handler=_handler(False))

@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm_fleet.cli import command
 from vllm_fleet.contracts import ContractError, StateFile, read_state
+from vllm_fleet.files import read_json_object
 from vllm_fleet.host.drain import STATE_FILE as DRAIN_STATE_FILE
 from vllm_fleet.host.manifest import DEFAULT_PATH as MANIFEST_FILE
 
@@ -54,21 +54,13 @@ class Instance:
     state: StateFile | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
     """Instances known from the instance configs and/or launcher state files. Returns (instances, errors)."""
     found: dict[str, Instance] = {}
     errors = 0
     if config_dir is not None and config_dir.is_dir():
         for p in sorted(config_dir.glob("*.json")):
-            cfg = _read_json(p)
+            cfg = read_json_object(p)
             if cfg is None:
                 errors += 1
                 continue
@@ -442,7 +434,7 @@ class FleetCollector(Collector):
     def _deployment_metrics(self) -> Iterator[Metric]:
         """What was deployed here (the manifest ``vllm-fleet manifest`` writes) and, on the gateway host, which
         instances are out of rotation (the drain state file ``vllm-fleet drain`` writes)."""
-        if self.manifest is not None and (m := _read_json(self.manifest)) is not None:
+        if self.manifest is not None and (m := read_json_object(self.manifest)) is not None:
             stack: dict[str, Any] = m["stack"] if isinstance(m.get("stack"), dict) else {}
             info = GaugeMetricFamily(
                 PREFIX + "deployed_info",
@@ -460,7 +452,7 @@ class FleetCollector(Collector):
             )
             yield info
         if self.drain_state is not None and self.drain_state.exists():
-            doc = _read_json(self.drain_state)
+            doc = read_json_object(self.drain_state)
             drained = doc.get("drained") if doc is not None else None
             fam = GaugeMetricFamily(
                 PREFIX + "gateway_drained",
@@ -557,10 +549,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-@command(
-    "exporter", "host exporter: launcher states, probes, restarts, NVML GPU metrics, gateway log (Prometheus)"
-)
-def _add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:9400", help="ADDRESS:PORT to serve /metrics on")
     p.add_argument("--state-dir", default="/run/vllm-fleet", help="launcher state files (*.json)")
     p.add_argument("--config-dir", default="/etc/vllm-fleet/instances", help="instance configs (*.json)")

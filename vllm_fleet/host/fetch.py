@@ -12,7 +12,6 @@ so a rerun is cheap and reports ``changed: false``. Engines then run offline (``
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.file_lock import file_lock
+from vllm_fleet.files import read_json_object, sha256_file
 from vllm_fleet.fleet.engine import model_path
 from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
 
@@ -50,14 +49,6 @@ class FetchResult:
     commit: str = ""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def model_files(root: Path) -> list[Path]:
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -74,11 +65,7 @@ def source_identity(m: ModelInstance) -> dict[str, str]:
 
 
 def read_manifest(root: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(root / MANIFEST)
 
 
 def hash_tree(root: Path, previous: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -282,8 +269,7 @@ def fetch_all(
     return out
 
 
-@command("fetch", "download models (HF / ModelScope / local path), verify sha256 checksums")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="fleet spec YAML")
     p.add_argument("--host", help="only the models of this host")
     p.add_argument("--instance", help="only this instance")

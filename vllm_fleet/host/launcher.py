@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.cli import command
 from vllm_fleet.contracts import InstanceConfig, StateFile
 from vllm_fleet.host.cpu_wait import CpuReading, read_group, starvation
 from vllm_fleet.host.engine_death import Death, DeathWatch
@@ -692,8 +691,7 @@ def _handler(a: argparse.Namespace) -> int:
     return launch(a.name, a.config_dir)
 
 
-@command("launch", "run one engine instance under systemd (the main process of vllm@NAME.service)")
-def _args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="instance name (reads CONFIG_DIR/instances/NAME.json)")
     p.add_argument("--config-dir", default=DEFAULT_CONFIG_DIR, help=f"default {DEFAULT_CONFIG_DIR}")
     p.set_defaults(handler=_handler)
@@ -703,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="vllm-fleet-launch", description=__doc__.split("\n\n")[0] if __doc__ else ""
     )
-    _args(p)
+    add_args(p)
     a = p.parse_args(argv)
     return int(a.handler(a))
 

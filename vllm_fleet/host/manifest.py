@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.cli import command
 from vllm_fleet.fleet.engine import engine_args, model_path
 from vllm_fleet.fleet.spec import FleetSpec, load_spec, spec_hash
 from vllm_fleet.host import cpu_features
@@ -115,8 +114,7 @@ def write_manifest(data: dict[str, Any], path: Path) -> bool:
     return True
 
 
-@command("manifest", "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)")
-def _register(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="fleet spec YAML")
     p.add_argument("--host", required=True)
     p.add_argument("--out", default=DEFAULT_PATH, help=f"default {DEFAULT_PATH}; '-' prints it")
