@@ -221,6 +221,39 @@ def run(
     return res
 
 
+PROBE = """import errno, json, os, subprocess
+r = {}
+for p in ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+          "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"]:
+    try:
+        os.close(os.open(p, os.O_RDONLY if "cap" in p else os.O_RDWR)); r[p] = "opened"
+    except OSError as e:
+        r[p] = errno.errorcode[e.errno]
+import torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+r["cuda_matmul"] = float((a @ a).float().abs().mean())
+r["cuda_device"] = torch.cuda.get_device_name(0)
+n = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.used", "--format=csv,noheader"],
+                   capture_output=True, text=True)
+r["nvidia_smi"] = (n.returncode, n.stdout.strip(), n.stderr.strip()[-300:])
+r["cgroup"] = open("/proc/self/cgroup").read().strip()
+print("PROBE " + json.dumps(r))
+"""
+
+
+def probe(rules: Path, out: Path) -> dict[str, Any]:
+    """Open each node and run CUDA + NVML under the unit's sandbox (its device program among the rest)."""
+    (PREFIX / "probe.py").write_text(PROBE)
+    r = json.loads(rules.read_text())
+    cmd = [sys.executable, str(HERE / "unit_sandbox.py"), "--rules", str(rules), "--user", r["user"]]
+    cmd += ["--denied-log", str(out / "denied-probe.jsonl"), "--", str(PREFIX / "venv/bin/python")]
+    cmd.append(str(PREFIX / "probe.py"))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    (out / "probe.log").write_text(p.stdout + p.stderr)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE ")]
+    return json.loads(lines[-1][6:]) if lines else {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-1500:]}
+
+
 def main() -> int:
     rendered, rules, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     allow = [a for i, a in enumerate(sys.argv) if i > 0 and sys.argv[i - 1] == "--allow"]
@@ -235,6 +268,11 @@ def main() -> int:
         "minor": sh("sh", "-c", "grep -H 'Device Minor' /proc/driver/nvidia/gpus/*/information"),
     }
     layout(rendered)
+    if not Path("/dev/nvidia1").exists():  # another instance's GPU: a node with no GPU behind it (minor 1)
+        os.mknod("/dev/nvidia1", 0o666 | 0o020000, os.makedev(195, 1))
+        os.chmod("/dev/nvidia1", 0o666)
+    facts["probe"] = probe(rules, out)
+    print("probe", json.dumps(facts["probe"])[:1500], flush=True)
     results = [run(rendered, rules, out, allow, "--no-notify" in sys.argv, "full")]
     if not results[0]["ready_after_s"] and results[0]["refused"]:
         # find out whether a refused syscall is the cause: allow exactly those, once

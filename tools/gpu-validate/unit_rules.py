@@ -116,7 +116,7 @@ def rules(unit: str, dropin: str) -> dict[str, Any]:
         + [f"/var/lib/{d}" for v in u.get("StateDirectory", []) for d in v.split()],
         "user": (u.get("User") or ["root"])[-1],
         "device_policy": (u.get("DevicePolicy") or ["auto"])[-1],
-        "device_allow": [v.split()[0] for v in u.get("DeviceAllow", [])],
+        "device_allow": u.get("DeviceAllow", []),
         "umask": (u.get("UMask") or ["0022"])[-1],
         "limit_nofile": (u.get("LimitNOFILE") or [""])[-1],
         "limit_memlock": (u.get("LimitMEMLOCK") or [""])[-1],

@@ -10,10 +10,12 @@ in the order systemd's exec step does it (src/core/execute.c), each the way syst
   ``--rw`` paths, which stand for ReadWritePaths=/StateDirectory=/RuntimeDirectory=), ProtectHome=yes (/home,
   /root, /run/user inaccessible), PrivateTmp=yes (fresh /tmp and /var/tmp), ProtectProc=invisible (a new proc
   instance with hidepid=invisible), ProtectKernelTunables/ProtectControlGroups (/proc/sys, /sys read-only);
-- DevicePolicy=closed + DeviceAllow= as a private /dev holding only the allowed nodes (the closed policy's
-  /dev/null, zero, full, random, urandom, tty, ptmx, pts plus the DeviceAllow= paths and char-GROUP majors)
-  and /dev/shm, /dev/mqueue, /dev/hugepages. Without a cgroup device controller a denied node is absent
-  (ENOENT) rather than refused (EPERM): the sandbox tests (tests/integration) show the EPERM side;
+- DevicePolicy=closed + DeviceAllow= the way systemd does it on cgroup v2 (bpf-devices.c): a
+  BPF_PROG_TYPE_CGROUP_DEVICE program attached to a cgroup of the command's own, allowing the closed
+  policy's nodes (/dev/null, zero, full, random, urandom, tty, ptmx, char-pts) and each DeviceAllow= entry (a
+  path: its major:minor; char-GROUP: the majors /proc/devices lists for it) with its access bits; any other
+  device open or mknod gets EPERM. With no cgroup2 mount (or --private-dev): a private /dev holding only
+  the allowed nodes instead (a denied node is then absent, ENOENT, rather than refused);
 - UMask=, LimitNOFILE=, LimitMEMLOCK=, User= (no supplementary groups), CapabilityBoundingSet= (empty: all
   dropped, ambient cleared), NoNewPrivileges=yes;
 - seccomp through libseccomp (what systemd links): the deny filters of ProtectKernelModules/ProtectClock/
@@ -294,7 +296,8 @@ def private_dev(allow: list[str]) -> list[str]:
     want = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx"]
     groups = proc_devices()
     majors: set[int] = set()
-    for a in allow:
+    for entry in allow:
+        a = entry.split()[0]
         if a.startswith("/dev/"):
             want.append(a)
         elif a.startswith("char-"):
@@ -343,12 +346,134 @@ def private_dev(allow: list[str]) -> list[str]:
     return made
 
 
+# ---------------------------------------------------------------- DevicePolicy= on cgroup v2, as systemd does it
+# systemd (bpf-devices.c) attaches a BPF_PROG_TYPE_CGROUP_DEVICE program to the unit's cgroup: the closed
+# policy's nodes plus each DeviceAllow= entry (a path: its type/major/minor; char-GROUP: every major of that
+# /proc/devices group), with the access bits given; anything else -> EPERM from open()/mknod().
+BPF_PROG_LOAD, BPF_PROG_ATTACH = 5, 8
+BPF_PROG_TYPE_CGROUP_DEVICE, BPF_CGROUP_DEVICE = 15, 6
+CLOSED_POLICY = [  # systemd's DevicePolicy=closed set: null zero full random urandom tty ptmx, char-pts
+    ("c", 1, 3, "rwm"), ("c", 1, 5, "rwm"), ("c", 1, 7, "rwm"), ("c", 1, 8, "rwm"), ("c", 1, 9, "rwm"),
+    ("c", 5, 0, "rwm"), ("c", 5, 2, "rwm"), ("c", 136, -1, "rw"),
+]  # fmt: skip
+
+
+def device_rules(allow: list[str]) -> list[tuple[str, int, int, str]]:
+    import fnmatch
+
+    rules = list(CLOSED_POLICY)
+    groups = proc_devices()
+    for entry in allow:
+        spec, _, acc = entry.partition(" ")
+        acc = acc or "rwm"
+        if spec.startswith("/dev/"):
+            try:
+                st = os.stat(spec)
+            except FileNotFoundError:
+                print(
+                    f"unit_sandbox: DeviceAllow {spec}: no such node (skipped, as systemd does)",
+                    file=sys.stderr,
+                )
+                continue
+            kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
+            rules.append((kind, os.major(st.st_rdev), os.minor(st.st_rdev), acc))
+        elif spec.startswith("char-"):
+            for name, majors in groups.items():
+                if fnmatch.fnmatch(name, spec[5:]):
+                    rules += [("c", m, -1, acc) for m in sorted(majors)]
+    return rules
+
+
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    import struct
+
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+def device_program(rules: list[tuple[str, int, int, str]]) -> bytes:
+    ldxw, and_k, rsh_k, jne_k, mov_k, mov_x, exit_ = 0x61, 0x57, 0x77, 0x55, 0xB7, 0xBF, 0x95
+    prog = [
+        _insn(ldxw, 2, 1, 0),  # r2 = ctx->access_type
+        _insn(mov_x, 3, 2),  # r3 = r2
+        _insn(and_k, 2, imm=0xFFFF),  # r2 = type (1 block, 2 char)
+        _insn(rsh_k, 3, imm=16),  # r3 = access (1 mknod, 2 read, 4 write)
+        _insn(ldxw, 4, 1, 4),  # r4 = major
+        _insn(ldxw, 5, 1, 8),  # r5 = minor
+    ]
+    for kind, major, minor, acc in rules:
+        bits = (1 if "m" in acc else 0) | (2 if "r" in acc else 0) | (4 if "w" in acc else 0)
+        body = [
+            _insn(jne_k, 2, off=0, imm=2 if kind == "c" else 1),
+            _insn(jne_k, 4, off=0, imm=major),
+        ]
+        if minor >= 0:
+            body.append(_insn(jne_k, 5, off=0, imm=minor))
+        body += [
+            _insn(mov_x, 6, 3),  # r6 = access
+            _insn(and_k, 6, imm=~bits & 0x7),  # bits not granted
+            _insn(jne_k, 6, off=0, imm=0),
+            _insn(mov_k, 0, imm=1),
+            _insn(exit_),
+        ]
+        # every jne jumps to the next rule (past the rest of this block)
+        n = len(body)
+        fixed = []
+        for i, ins in enumerate(body):
+            if ins[0] == jne_k:
+                ins = ins[:2] + (n - i - 1).to_bytes(2, "little", signed=True) + ins[4:]
+            fixed.append(ins)
+        prog += fixed
+    prog += [_insn(mov_k, 0, imm=0), _insn(exit_)]
+    return b"".join(prog)
+
+
+def attach_device_program(cgroup: str, rules: list[tuple[str, int, int, str]]) -> None:
+    import struct
+
+    code = device_program(rules)
+    insns = ctypes.create_string_buffer(code, len(code))
+    lic = ctypes.create_string_buffer(b"GPL")
+    logbuf = ctypes.create_string_buffer(65536)
+    attr = struct.pack(
+        "<IIQQIIQI",
+        BPF_PROG_TYPE_CGROUP_DEVICE,
+        len(code) // 8,
+        ctypes.addressof(insns),
+        ctypes.addressof(lic),
+        1,
+        len(logbuf),
+        ctypes.addressof(logbuf),
+        0,
+    ).ljust(128, b"\0")
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(321, BPF_PROG_LOAD, buf, len(attr))  # __NR_bpf on x86_64
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"BPF_PROG_LOAD: {os.strerror(e)}: {logbuf.value.decode(errors='replace')[-500:]}")
+    cfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    att = struct.pack("<IIII", cfd, fd, BPF_CGROUP_DEVICE, 0).ljust(64, b"\0")
+    abuf = ctypes.create_string_buffer(att, len(att))
+    if libc.syscall(321, BPF_PROG_ATTACH, abuf, len(att)) < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"BPF_PROG_ATTACH {cgroup}: {os.strerror(e)}")
+    os.close(cfd)
+
+
+def unified_root() -> str | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        if f[f.index("-") + 1] == "cgroup2":
+            return f[4]
+    return None
+
+
 def mounts(r: dict[str, Any], rw: list[str]) -> dict[str, Any]:
     done: dict[str, Any] = {}
     if libc.unshare(CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if r["device_policy"] == "closed":
+    if r["device_policy"] == "closed" and not r.get("_device_cgroup"):
         done["dev_nodes"] = private_dev(r["device_allow"])
     if r["protect_proc"] in ("invisible", "noaccess", "ptraceable"):
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"hidepid={r['protect_proc']}")
@@ -389,6 +514,8 @@ def mounts(r: dict[str, Any], rw: list[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the child: sandbox, then exec
 def child(args: argparse.Namespace, r: dict[str, Any], sock: socket.socket) -> None:
     try:
+        if r.get("_device_cgroup"):  # join the unit's cgroup (its device program) while still root
+            Path(r["_device_cgroup"], "cgroup.procs").write_text(str(os.getpid()))
         info = mounts(r, args.rw)
         os.chdir("/")  # WorkingDirectory=/
         os.umask(int(r["umask"], 8))
@@ -490,9 +617,20 @@ def main() -> int:
     ap.add_argument("--denied-log", default="/run/unit_sandbox-denied.jsonl")
     ap.add_argument("--counts", default="", help="write the refused-syscall counts here (JSON) at exit")
     ap.add_argument("--no-notify", action="store_true", help="plain SCMP_ACT_ERRNO, no listener")
+    ap.add_argument(
+        "--private-dev", action="store_true", help="DevicePolicy as a private /dev, not cgroup v2 BPF"
+    )
     ap.add_argument("command", nargs="+")
     args = ap.parse_args()
     r = json.loads(Path(args.rules).read_text())
+    root = unified_root()
+    if r["device_policy"] == "closed" and root and not args.private_dev:
+        cg = os.path.join(root, f"unit-sandbox-{os.getpid()}")
+        os.makedirs(cg, exist_ok=True)
+        rules = device_rules(r["device_allow"])
+        attach_device_program(cg, rules)
+        r["_device_cgroup"] = cg
+        print(f"unit_sandbox: cgroup {cg}: device program of {len(rules)} rules: {rules}", file=sys.stderr)
     parent_sock, child_sock = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -524,6 +662,9 @@ def main() -> int:
         except InterruptedError:
             continue
     rc = os.waitstatus_to_exitcode(status)
+    if r.get("_device_cgroup"):
+        with __import__("contextlib").suppress(OSError):
+            os.rmdir(r["_device_cgroup"])  # empty once every process of the command is gone
     if args.counts:
         Path(args.counts).write_text(json.dumps({"rc": rc, "refused": counts}))
     print(f"unit_sandbox: exit {rc}; refused by the allow-list: {counts}", file=sys.stderr, flush=True)
