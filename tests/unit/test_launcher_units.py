@@ -201,6 +201,7 @@ def test_template_unit_directives(tmp_path: Path) -> None:
         assert line in u.splitlines(), line
     assert "DeviceAllow" not in u  # cpu profile: no devices at all
     drop = _unit(out, "h1", "vllm@tiny.service.d/10-fleet.conf")
+    assert "DeviceAllow" not in drop
     assert "TimeoutStopSec=70" in drop  # 2 x shutdown_timeout 20 + 30
     assert "WatchdogSec=60" in drop and "After=" not in drop
     target = _unit(out, "h1", "vllm-fleet.target")
@@ -215,10 +216,23 @@ def test_gpu_profile_allows_only_nvidia_devices(tmp_path: Path) -> None:
     u = _unit(out, host, "vllm@.service")
     assert "DevicePolicy=closed" in u and "PrivateDevices=no" in u
     allows = [x for x in u.splitlines() if x.startswith("DeviceAllow=")]
-    assert allows and all("nvidia" in a for a in allows)
+    # by path, whatever /proc/devices calls the driver (open modules list "nvidia", no "nvidia-frontend");
+    # the template names no GPU node: those are per instance
+    assert allows == [
+        "DeviceAllow=/dev/nvidiactl rw",
+        "DeviceAllow=/dev/nvidia-uvm rw",
+        "DeviceAllow=/dev/nvidia-uvm-tools rw",
+        "DeviceAllow=char-nvidia-caps rw",
+        "DeviceAllow=char-nvidia-caps-imex-channels rw",
+    ]
     cfgs = sorted((out / host / "etc" / "vllm-fleet" / "instances").glob("*.json"))
     devices = {json.loads(c.read_text())["environment"]["CUDA_VISIBLE_DEVICES"] for c in cfgs}
     assert len(devices) == len(cfgs)  # each instance its own GPUs
+    for c in cfgs:
+        cfg = json.loads(c.read_text())
+        drop = _unit(out, host, f"vllm@{cfg['name']}.service.d/10-fleet.conf")
+        own = [x for x in drop.splitlines() if x.startswith("DeviceAllow=")]
+        assert own == [f"DeviceAllow=/dev/nvidia{g} rw" for g in cfg["gpus"]], (cfg["name"], own)
 
 
 def test_shared_gpu_instances_start_one_after_another(tmp_path: Path) -> None:

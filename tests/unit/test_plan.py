@@ -112,18 +112,18 @@ def test_model_that_does_not_fit_refused() -> None:
 def test_unknown_engine_flag_refused_with_hint() -> None:
     d = copy.deepcopy(SEED4)
     d["stack"] = {"profile": "gpu", "vllm_version": "0.32.0"}
-    d["models"][0]["extra_args"] = ["--max-num-seq", "8"]
+    d["models"][0]["extra_args"] = ["--max-num-seqz", "8"]
     # gpu 0.32.0 has no captured list: switch the profile's list to the cpu capture of the same release
     from vllm_fleet.fleet import engine_flags
 
     known = engine_flags.load("cpu", "0.32.0")
     assert known is not None
     probs = engine_flags.check_args(
-        ["--max-num-seq", "8", "--disable-log-requests", "--swap-space=4", "--port"], known
+        ["--max-num-seqz", "8", "--disable-log-requests", "--swap-space=4", "--port"], known
     )
     assert probs[0] == (
         0,
-        "--max-num-seq is not an option of this vLLM release (did you mean --max-num-seqs?)",
+        "--max-num-seqz is not an option of this vLLM release (did you mean --max-num-seqs?)",
     )
     assert probs[1][0] == 2 and "removed" in probs[1][1]
     assert probs[2][0] == 3 and "removed" in probs[2][1]

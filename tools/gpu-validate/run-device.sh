@@ -7,7 +7,7 @@
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
-SITE=/tmp/site
+SITE=${SITE:-/tmp/site}  # sandbox_run.py: /opt/vllm-fleet/site (PrivateTmp= hides /tmp)
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 case "$1" in

@@ -26,16 +26,64 @@ KNOWN_WRONG = {
     "--engine-use-ray": "removed",
 }
 
-# flags the launcher sets itself from typed spec fields; extra_args must not repeat them
+# flags vllm-fleet sets itself (vllm_fleet/fleet/engine.py: engine_args) -> the typed spec field to use
+# instead; extra_args must not repeat them (vLLM takes the last occurrence, so a repeat silently wins)
 MANAGED = {
-    "--model",
-    "--port",
-    "--host",
-    "--served-model-name",
-    "--tensor-parallel-size",
-    "--shutdown-timeout",
-    "--max-num-queued-reqs",
+    "--model": "source",
+    "--host": "hosts[].private_address (the listen address is derived)",
+    "--port": "port",
+    "--served-model-name": "served_model_name",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--dtype": "dtype",
+    "--quantization": "quantization",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+    "--max-model-len": "max_model_len",
+    "--max-num-seqs": "max_num_seqs",
+    "--max-num-queued-reqs": "max_num_queued_reqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--block-size": "block_size",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--enable-chunked-prefill": "enable_chunked_prefill",
+    "--no-enable-chunked-prefill": "enable_chunked_prefill",
+    "--enforce-eager": "enforce_eager",
+    "--no-enforce-eager": "enforce_eager",
+    "--reasoning-parser": "reasoning_parser",
+    "--enable-auto-tool-choice": "enable_auto_tool_choice",
+    "--no-enable-auto-tool-choice": "enable_auto_tool_choice",
+    "--tool-call-parser": "tool_call_parser",
+    "--shutdown-timeout": "shutdown_timeout",
 }
+
+# vLLM's short aliases (vllm/engine/arg_utils.py, entrypoints/openai/cli_args.py of 0.21; `vllm serve --help=all`
+# prints them beside the long names) and the long option each stands for
+SHORT = {
+    "-q": "--quantization",
+    "-tp": "--tensor-parallel-size",
+    "-pp": "--pipeline-parallel-size",
+    "-dcp": "--decode-context-parallel-size",
+    "-pcp": "--prefill-context-parallel-size",
+    "-dp": "--data-parallel-size",
+    "-dpn": "--data-parallel-rank",
+    "-dpr": "--data-parallel-start-rank",
+    "-dpl": "--data-parallel-size-local",
+    "-dpa": "--data-parallel-address",
+    "-dpp": "--data-parallel-rpc-port",
+    "-dpb": "--data-parallel-backend",
+    "-dph": "--data-parallel-hybrid-lb",
+    "-dpe": "--data-parallel-external-lb",
+    "-ep": "--enable-expert-parallel",
+    "-n": "--nnodes",
+    "-r": "--node-rank",
+    "-sc": "--speculative-config",
+    "-cc": "--compilation-config",
+    "-ac": "--attention-config",
+    "-asc": "--api-server-count",
+    "-O": "--optimization-level",
+}
+NUMBER_RE = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$")
 
 FLAG_RE = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 
@@ -67,21 +115,54 @@ def load(profile: str, version: str) -> frozenset[str] | None:
     return frozenset(ln.strip() for ln in text.splitlines() if ln.strip().startswith("--"))
 
 
+def option_name(arg: str) -> str | None:
+    """The long option an argument names, the way vLLM's parser reads it; None for a value.
+
+    ``--a_b=1`` and ``--a-b.key 1`` name ``--a-b`` (vLLM turns underscores into dashes up to the first
+    ``.``); ``-tp 2`` names ``--tensor-parallel-size``; ``-O3`` names ``--optimization-level``; ``-1`` is
+    a value; an unknown short option is returned as written."""
+    if not arg.startswith("-") or arg == "-" or NUMBER_RE.match(arg):
+        return None
+    if arg.startswith("--"):
+        return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    short = arg.split("=", 1)[0]
+    if short.startswith("-O"):
+        return SHORT["-O"]
+    return SHORT.get(short, short)
+
+
 def check_args(args: list[str], known: AbstractSet[str]) -> list[tuple[int, str]]:
-    """(index, reason) for every unknown or managed flag in ``args``."""
+    """(index, reason) for every unknown or managed flag in ``args``; ``known``: the release's long options."""
     problems: list[tuple[int, str]] = []
     for i, a in enumerate(args):
-        if not a.startswith("--"):
+        name = option_name(a)
+        if name is None:
             continue
-        name = a.split("=", 1)[0]
+        shown = name if name == a.split("=", 1)[0] else f"{a.split('=', 1)[0]} ({name})"
+        if not name.startswith("--"):
+            problems.append((i, f"{name} is not a short option vllm-fleet knows; write the long option"))
+            continue
+        if name not in MANAGED and name not in known:
+            # Python's argparse takes a unique prefix as the option it abbreviates
+            full = [k for k in sorted(set(known) | set(MANAGED)) if k.startswith(name)]
+            if len(full) == 1 and full[0] in MANAGED:
+                name, shown = full[0], f"{shown} (abbreviates {full[0]})"
+            elif len(full) == 1:
+                problems.append((i, f"{shown} abbreviates {full[0]}: write the option out"))
+                continue
         if name in MANAGED:
-            problems.append((i, f"{name} is set by vllm-fleet from the spec; use the typed field instead"))
+            problems.append(
+                (
+                    i,
+                    f"{shown} is set by vllm-fleet from the spec; use the typed field {MANAGED[name]} instead",
+                )
+            )
         elif name in KNOWN_WRONG and name not in known:
-            problems.append((i, f"{name}: {KNOWN_WRONG[name]}"))
+            problems.append((i, f"{shown}: {KNOWN_WRONG[name]}"))
         elif name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append((i, f"{name} is not an option of this vLLM release{hint}"))
+            problems.append((i, f"{shown} is not an option of this vLLM release{hint}"))
     return problems
 
 
