@@ -158,7 +158,7 @@ def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
         pytest.skip("not the monitoring host")
     assert host.run("promtool check config /etc/prometheus/prometheus.yml").rc == 0
     assert host.run("amtool check-config /etc/prometheus/alertmanager.yml").rc == 0
-    base = f"http://127.0.0.1:{vf['monitoring']['prometheus_port']}"
+    base = f"http://{vf['monitoring_address']}:{vf['monitoring']['prometheus_port']}"
     deadline = time.monotonic() + 60
     down: list[str] = ["?"]
     while time.monotonic() < deadline:
