@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import grp
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from vllm_fleet.fleet.render import render_host
@@ -85,3 +92,67 @@ def test_prometheus_has_no_lifecycle_endpoint() -> None:
     for spec in (load_spec(REPO / "examples/tiny-cpu.yml"), two_hosts()):
         text = files(spec, spec.monitoring_host)["/etc/default/prometheus"]
         assert "--web.enable-lifecycle" not in args(text)
+
+
+def test_web_auth_on_prometheus_alertmanager_node_exporter() -> None:
+    spec = two_hosts()
+    h1, h2 = files(spec, "h1"), files(spec, "h2")
+    web = "--web.config.file=/etc/prometheus/vllm-fleet-web.yml"
+    for fs, dest in ((h1, "prometheus"), (h1, "prometheus-alertmanager"), (h1, "prometheus-node-exporter"),
+                     (h2, "prometheus-node-exporter")):  # fmt: skip
+        assert web in args(fs[f"/etc/default/{dest}"]), dest
+    # the nginx exporter 0.11 has no web config: address and firewall only
+    assert "web.config" not in args(h1["/etc/default/prometheus-nginx-exporter"])
+    prom = yaml.safe_load(h1["/etc/prometheus/prometheus.yml"])
+    auth = {"username": "vllm-fleet", "password_file": "/etc/prometheus/vllm-fleet-web.password"}
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    for name in ("prometheus", "alertmanager", "node"):
+        assert jobs[name]["basic_auth"] == auth, name
+    for name in ("vllm", "vllm-fleet-exporter", "nginx"):
+        assert "basic_auth" not in jobs[name], name
+    assert prom["alerting"]["alertmanagers"][0]["basic_auth"] == auth
+    ds = yaml.safe_load(h1["/etc/grafana/provisioning/datasources/vllm-fleet.yml"])["datasources"][0]
+    assert ds["basicAuth"] is True and ds["basicAuthUser"] == "vllm-fleet"
+    assert ds["secureJsonData"]["basicAuthPassword"] == "$__file{/etc/prometheus/vllm-fleet-web.password}"
+
+
+def test_web_auth_off_renders_no_auth() -> None:
+    d: dict[str, Any] = yaml.safe_load((REPO / "examples/tiny-cpu.yml").read_text())
+    d["monitoring"]["web_auth"] = False
+    fs = files(parse_spec(d), "h1")
+    assert "basic_auth" not in fs["/etc/prometheus/prometheus.yml"]
+    assert "web.config" not in args(fs["/etc/default/prometheus"])
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_rendered_prometheus_config_and_role_web_config_pass_promtool(tmp_path: Path) -> None:
+    """The rendered prometheus.yml (basic auth from a password file) and the web config the monitoring role
+    writes (ansible/roles/monitoring/files/web_config.py: bcrypt, rewritten only when the password changes)."""
+    d: dict[str, Any] = yaml.safe_load((REPO / "examples/tiny-cpu-2hosts.yml").read_text())
+    d["monitoring"].update(web_config_file=str(tmp_path / "web.yml"), web_password_file=str(tmp_path / "pw"))
+    spec = parse_spec(d)
+    (tmp_path / "pw").write_text("s3cret-password")
+    (tmp_path / "prometheus.yml").write_text(files(spec, "h1")["/etc/prometheus/prometheus.yml"])
+    (tmp_path / "rules").mkdir()
+    res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    script = REPO / "ansible/roles/monitoring/files/web_config.py"
+    group = grp.getgrgid(os.getgid()).gr_name
+    arg = json.dumps({"path": str(tmp_path / "web.yml"), "user": "vllm-fleet", "group": group})
+
+    def run(password: str, check: bool = False) -> bool:
+        a = json.dumps(dict(json.loads(arg), check=check))
+        out = subprocess.run([sys.executable, str(script), a], input=password, capture_output=True, text=True,
+                             check=True)  # fmt: skip
+        return bool(json.loads(out.stdout)["changed"])
+
+    assert run("s3cret-password") is True
+    first = (tmp_path / "web.yml").read_text()
+    assert "s3cret" not in first and "$2b$" in first
+    assert run("s3cret-password") is False  # same password: the hash stays (idempotent)
+    assert run("another", check=True) is True and (tmp_path / "web.yml").read_text() == first
+    res = subprocess.run(["promtool", "check", "web-config", str(tmp_path / "web.yml")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert oct((tmp_path / "web.yml").stat().st_mode & 0o777) == "0o640"

@@ -362,6 +362,15 @@ class Monitoring(_Model):
     nginx_exporter_port: Port = 9113
     exporter_port: Port = 9400
     gpu_exporter_port: Port | None = Field(None, description="DCGM exporter, optional")
+    # basic auth (bcrypt) on Prometheus, Alertmanager and node-exporter through their --web.config.file
+    # (docs/security.md). The password is never in the spec: the monitoring role generates it once on the
+    # controller (or takes the vaulted vllm_fleet_monitoring_web_password), writes the hash to web_config_file on
+    # every host and the password to web_password_file on the monitoring host (what Prometheus, amtool and
+    # Grafana read)
+    web_auth: bool = True
+    web_user: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "vllm-fleet"
+    web_config_file: str = "/etc/prometheus/vllm-fleet-web.yml"
+    web_password_file: str = "/etc/prometheus/vllm-fleet-web.password"
     scrape_interval: str = "15s"
     evaluation_interval: str = "15s"
     retention: str = "15d"
