@@ -255,6 +255,183 @@ def test_host_verification_suite_passes(fleet: Fleet) -> None:
     assert " passed" in res.stdout and "failed" not in res.stdout
 
 
+# connects to every (address, port) of argv[1] (JSON) at once; prints {"addr:port": verdict}: "refused",
+# "dropped" (no answer: the firewall), "http NNN" (the status of a plain GET /) or "open" (no HTTP answer)
+PORT_PROBE = r"""
+import json, socket, sys, threading
+out = {}
+def probe(addr, port):
+    s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    s.settimeout(2)
+    try:
+        s.connect((addr, port))
+    except ConnectionRefusedError:
+        out[f"{addr}:{port}"] = "refused"; return
+    except OSError:
+        out[f"{addr}:{port}"] = "dropped"; return
+    try:
+        s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        head = s.recv(64).decode(errors="replace")
+        out[f"{addr}:{port}"] = "http " + head.split()[1] if head.startswith("HTTP/") else "open"
+    except OSError:
+        out[f"{addr}:{port}"] = "open"
+    finally:
+        s.close()
+ts = [threading.Thread(target=probe, args=tuple(t)) for t in json.loads(sys.argv[1])]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps(out))
+"""
+
+
+def listening_tcp_ports(h: Any) -> set[int]:
+    """Every TCP port something listens on inside host ``h`` (any address, loopback included)."""
+    out = h.run("ss -ltnH", check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+def probe_ports(targets: list[tuple[str, int]], via: Any = None) -> dict[str, str]:
+    """PORT_PROBE from the test machine (``via`` None) or from the sandbox host ``via``."""
+    arg = json.dumps(targets)
+    if via is None:
+        res = subprocess.run(
+            [sys.executable, "-c", PORT_PROBE, arg], capture_output=True, text=True, timeout=60
+        )
+    else:
+        res = via.run(["python3", "-c", PORT_PROBE, arg], timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+def test_only_the_gateway_and_ssh_answer_unauthenticated(fleet: Fleet) -> None:
+    """A port scan of every deployed host — every TCP port `ss -ltn` lists there, tried on the host's fleet
+    address — from the test machine (neither gateway nor monitoring host) and, for the gateway/monitoring
+    host, from the other sandbox host (an engine host, not the gateway or monitoring host): only SSH and the
+    gateway answer; every other port refuses, drops, or answers 401/403."""
+    gw_host = fleet.spec["gateway"]["host"]
+    mon_host = fleet.spec["monitoring"]["host"]
+    allowed = {22}
+    findings: dict[str, dict[str, str]] = {}
+    for name, h in fleet.hosts.items():
+        ports = listening_tcp_ports(h)
+        assert 22 in ports, (name, ports)
+        open_here = allowed | ({fleet.spec["gateway"]["port"]} if name == gw_host else set())
+        targets = [(h.address, p) for p in sorted(ports - open_here)]
+        sources: list[tuple[str, Any]] = [("test machine", None)]
+        sources += [
+            (other, oh)
+            for other, oh in fleet.hosts.items()
+            if other != name and other not in (gw_host, mon_host)
+        ]
+        for label, via in sources:
+            got = probe_ports(targets, via)
+            findings[f"{name} from {label}"] = got
+            bad = {k: v for k, v in got.items() if v not in ("refused", "dropped", "http 401", "http 403")}
+            assert not bad, (name, label, got)
+        # the gateway answers (its auth is another test's business) and SSH is reachable
+        assert probe_ports([(h.address, 22)])[f"{h.address}:22"] == "open"
+    print(json.dumps(findings, indent=1))
+    gw = fleet.hosts[gw_host]
+    assert probe_ports([(gw.address, fleet.spec["gateway"]["port"])]) != {
+        f"{gw.address}:{fleet.spec['gateway']['port']}": "dropped"
+    }
+    # Debian's default site is gone: nothing listens on :80
+    assert 80 not in listening_tcp_ports(gw)
+
+
+# POST a silence to Alertmanager, then DELETE it; argv: URL, user, password file ("" = no credentials)
+SILENCE = r"""
+import base64, json, sys, urllib.request as u, datetime as d
+url, user, pwfile = sys.argv[1:4]
+hdr = {"Content-Type": "application/json"}
+if pwfile:
+    pw = open(pwfile).read().strip()
+    hdr["Authorization"] = "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+now = d.datetime.now(d.timezone.utc)
+body = {"matchers": [{"name": "severity", "value": "critical", "isRegex": False}], "createdBy": "test",
+        "comment": "silence every page", "startsAt": now.isoformat(), "endsAt": (now + d.timedelta(days=30)).isoformat()}
+def call(method, path, data=None):
+    q = u.Request(url + path, method=method, headers=hdr, data=json.dumps(data).encode() if data else None)
+    try:
+        r = u.urlopen(q, timeout=10); return r.status, r.read().decode()
+    except u.HTTPError as e:
+        return e.code, e.read().decode()
+st, text = call("POST", "/api/v2/silences", body)
+res = {"post": st}
+if st == 200:
+    res["delete"] = call("DELETE", "/api/v2/silence/" + json.loads(text)["silenceID"])[0]
+print(json.dumps(res))
+"""
+
+
+def test_alertmanager_silence_needs_credentials(fleet: Fleet) -> None:
+    """On the monitoring host itself (the firewall lets nothing else reach Alertmanager): a silence without
+    credentials is refused (401), with the generated ones it is accepted and can be deleted."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    url = f"http://{mon.address}:9093"
+    pwfile = "/etc/prometheus/vllm-fleet-web.password"
+    without = json.loads(mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", ""], check=True).stdout)
+    assert without["post"] == 401, without
+    mon.run("echo wrong-password > /tmp/vf-wrong", check=True)
+    wrong = json.loads(
+        mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", "/tmp/vf-wrong"], check=True).stdout
+    )
+    assert wrong["post"] == 401, wrong
+    with_creds = json.loads(mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", pwfile], check=True).stdout)
+    assert with_creds["post"] == 200 and with_creds["delete"] == 200, with_creds
+    # the password was generated on the controller, next to the inventory, readable by its owner only; the
+    # hosts hold the bcrypt hash in the web config, never the password (except the monitoring host's file)
+    secret = fleet.inventory.parent / "vllm-fleet-secrets" / "monitoring-web-password"
+    assert secret.stat().st_mode & 0o077 == 0, oct(secret.stat().st_mode)
+    password = secret.read_text().split()[0]
+    assert mon.run(f"cat {pwfile}").stdout.strip() == password
+    for h in fleet.hosts.values():
+        web = h.run("cat /etc/prometheus/vllm-fleet-web.yml", check=True).stdout
+        assert "$2b$" in web and password not in web, h.name
+    assert password not in fleet.spec_path.read_text()
+
+
+def test_prometheus_needs_credentials_and_scrapes_every_target(fleet: Fleet) -> None:
+    """Prometheus answers 401 without credentials, has no lifecycle endpoint, and with basic auth towards
+    node-exporter and Alertmanager still scrapes every target (all up == 1)."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    base = f"http://{mon.address}:9090"
+    get = (
+        "import base64,json,sys,urllib.request as u\n"
+        "pw=open('/etc/prometheus/vllm-fleet-web.password').read().strip()\n"
+        "q=u.Request(sys.argv[1],method=sys.argv[2])\n"
+        "b=base64.b64encode(('vllm-fleet:'+pw).encode()).decode()\n"
+        "if sys.argv[3]=='auth': q.add_header('Authorization','Basic '+b)\n"
+        "try:\n    r=u.urlopen(q,timeout=10); print(json.dumps([r.status, r.read().decode()]))\n"
+        "except u.HTTPError as e:\n    print(json.dumps([e.code, e.read().decode()]))\n"
+    )
+
+    def call(path: str, method: str = "GET", auth: bool = True) -> tuple[int, str]:
+        out = mon.run(["python3", "-c", get, base + path, method, "auth" if auth else "none"], check=True)
+        status, body = json.loads(out.stdout)
+        return int(status), str(body)
+
+    assert call("/api/v1/targets", auth=False)[0] == 401
+    assert call("/-/quit", "POST")[0] == 403  # lifecycle API not enabled
+    assert call("/-/reload", "POST")[0] == 403
+    deadline = time.monotonic() + 90
+    while True:
+        status, body = call("/api/v1/targets?state=active")
+        assert status == 200, body
+        targets = json.loads(body)["data"]["activeTargets"]
+        down = [(t["labels"]["job"], t["scrapeUrl"], t["lastError"]) for t in targets if t["health"] != "up"]
+        if not down or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert not down, down
+    jobs = {t["labels"]["job"] for t in targets}
+    assert {"vllm", "node", "vllm-fleet-exporter", "nginx", "alertmanager", "prometheus"} <= jobs, jobs
+    status, body = call("/api/v1/query?query=count(up%20%3D%3D%201)")
+    assert int(json.loads(body)["data"]["result"][0]["value"][1]) == len(targets)
+    # Prometheus reaches Alertmanager with the credentials: it knows one active Alertmanager
+    status, body = call("/api/v1/alertmanagers")
+    assert len(json.loads(body)["data"]["activeAlertmanagers"]) == 1, body
+
+
 def test_check_mode_reports_no_change(fleet: Fleet) -> None:
     rc, out, seconds = fleet.playbook("--check", "--diff")
     assert rc == 0, out[-4000:]

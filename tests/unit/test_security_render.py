@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from vllm_fleet.fleet.render import render_host
-from vllm_fleet.fleet.spec import FleetSpec, load_spec, parse_spec
+from vllm_fleet.fleet.spec import FleetSpec, SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,3 +156,67 @@ def test_rendered_prometheus_config_and_role_web_config_pass_promtool(tmp_path: 
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert oct((tmp_path / "web.yml").stat().st_mode & 0o777) == "0o640"
+
+
+def nft(fs: dict[str, str]) -> list[str]:
+    return [
+        x.strip() for x in fs["/etc/nftables.conf"].splitlines() if x.strip().endswith('"') and "accept" in x
+    ]
+
+
+def test_firewall_rules_from_the_spec() -> None:
+    spec = private_net()  # gateway h1, monitoring h2; private addresses
+    h1, h2 = nft(files(spec, "h1")), nft(files(spec, "h2"))
+    assert h1 == [
+        'udp sport 67 udp dport 68 accept comment "DHCP answers"',
+        'tcp dport { 22 } accept comment "ssh"',
+        'tcp dport { 8000 } accept comment "the gateway (clients)"',
+        "ip saddr { 192.168.7.1, 192.168.7.2 } tcp dport { 8101, 8102 } accept comment "
+        '"engines: the gateway and monitoring hosts"',
+        'ip saddr { 192.168.7.2 } tcp dport { 9100, 9113, 9400 } accept comment "exporters: the monitoring host"',
+    ]
+    # h2: no gateway port; its engine for the gateway (h1) and Prometheus (itself); no admin sources: Prometheus
+    # and Alertmanager only from the host itself
+    assert 'tcp dport { 8000 } accept comment "the gateway (clients)"' not in h2
+    assert any("{ 192.168.7.1, 192.168.7.2 } tcp dport { 8101 }" in r for r in h2)
+    assert not any("9090" in r or "9093" in r for r in h1 + h2)
+    text = files(spec, "h2")["/etc/nftables.conf"]
+    assert "policy drop;" in text and 'iif "lo" accept' in text
+
+
+def test_firewall_options() -> None:
+    d: dict[str, Any] = yaml.safe_load((REPO / "examples/tiny-cpu-2hosts.yml").read_text())
+    d["firewall"] = {"admin_sources": ["10.1.0.0/16", "fd00::/8"], "open_tcp_ports": {"h1": [3000]},
+                     "ssh_port": 2222, "allow_dhcp": False}  # fmt: skip
+    d["gateway"]["tls"] = {"certificate": "/c.pem", "certificate_key": "/k.pem", "port": 8443}
+    rules = nft(files(parse_spec(d), "h1"))
+    assert 'tcp dport { 2222 } accept comment "ssh"' in rules
+    assert 'tcp dport { 8000, 8443 } accept comment "the gateway (clients)"' in rules
+    assert 'tcp dport { 3000 } accept comment "firewall.open_tcp_ports"' in rules
+    assert 'ip saddr { 10.1.0.0/16 } tcp dport { 9090, 9093 } accept comment ' \
+        '"Prometheus and Alertmanager: firewall.admin_sources"' in rules  # fmt: skip
+    assert any(r.startswith("ip6 saddr { fd00::/8 } tcp dport { 9090, 9093 }") for r in rules)
+    assert not any("DHCP" in r for r in rules)
+    d["firewall"] = {"enabled": False}
+    assert "/etc/nftables.conf" not in files(parse_spec(d), "h1")
+
+
+def test_firewall_unknown_host_refused() -> None:
+    d: dict[str, Any] = yaml.safe_load((REPO / "examples/tiny-cpu.yml").read_text())
+    d["firewall"] = {"open_tcp_ports": {"nope": [3000]}}
+    with pytest.raises(SpecError, match=r"firewall.open_tcp_ports.nope"):
+        parse_spec(d)
+
+
+@pytest.mark.skipif(shutil.which("nft") is None or shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs nft, unshare and root")  # fmt: skip
+def test_rendered_firewall_loads_in_nftables(tmp_path: Path) -> None:
+    """nft accepts every host's rules (in a private network namespace), twice in a row (reload)."""
+    for spec in (load_spec(REPO / "examples/tiny-cpu.yml"), two_hosts(), private_net()):
+        for h in spec.hosts:
+            path = tmp_path / f"{spec.name}-{h.name}.nft"
+            path.write_text(files(spec, h.name)["/etc/nftables.conf"])
+            res = subprocess.run(["unshare", "-n", "sh", "-c", f"nft -f {path} && nft -f {path} && nft list ruleset"],
+                                 capture_output=True, text=True)  # fmt: skip
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.count("table inet vllm_fleet") == 1

@@ -15,7 +15,7 @@ from typing import Any
 from vllm_fleet import __version__
 from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
-from vllm_fleet.fleet.network import exporter_address, monitoring_address
+from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes
 from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
@@ -134,6 +134,8 @@ class HostVars:
             "is_monitoring": spec.monitoring.enabled and spec.monitoring_host == host,
             # where this host's exporters listen (loopback on the monitoring host, else the internal address)
             "exporter_address": exporter_address(spec, host),
+            # what this host's firewall lets in (firewall/nftables.conf.j2)
+            "firewall_rules": firewall_rules(spec, host),
         }
 
 

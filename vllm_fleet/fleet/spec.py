@@ -426,6 +426,30 @@ class Slack(_Model):
     send_resolved: bool = True
 
 
+class Firewall(_Model):
+    """The host firewall (nftables, rendered per host from the spec: firewall/nftables.conf.j2): SSH and the
+    gateway port open, engine ports only for the gateway and monitoring hosts, exporter ports only for the
+    monitoring host, Prometheus/Alertmanager only for ``admin_sources``; every other packet in is dropped."""
+
+    enabled: bool = True
+    ssh_port: Port = 22
+    # addresses or networks (CIDR) allowed to reach Prometheus and Alertmanager besides the monitoring host
+    # itself (an operator's network; they also require basic auth)
+    admin_sources: list[str] = []
+    # more TCP ports open to everyone (e.g. Grafana's 3000 on the monitoring host), per host name
+    open_tcp_ports: dict[str, list[Port]] = {}
+    # answers of a DHCP server (udp 67 → 68): hosts that take their address by DHCP
+    allow_dhcp: bool = True
+
+    @field_validator("admin_sources")
+    @classmethod
+    def _sources(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not re.fullmatch(r"[0-9A-Fa-f.:/]+", a):
+                raise ValueError(f"{a!r} is not an IP address or network")
+        return v
+
+
 # --------------------------------------------------------------------------- fleet
 
 
@@ -439,6 +463,7 @@ class FleetSpec(_Model):
     monitoring: Monitoring = Monitoring()
     alerts: AlertThresholds = AlertThresholds()
     slack: Slack = Slack()
+    firewall: Firewall = Firewall()
 
     @field_validator("slack", mode="before")
     @classmethod
@@ -515,6 +540,9 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
         if val and val not in host_names:
             problems.append((field, f"unknown host {val!r} (hosts: {', '.join(host_names)})"))
+    for name in spec.firewall.open_tcp_ports:
+        if name not in host_names:
+            problems.append((f"firewall.open_tcp_ports.{name}", f"unknown host {name!r}"))
     for i, name in enumerate(spec.gateway.drained):
         if name not in seen_models:
             problems.append((f"gateway.drained[{i}]", f"unknown instance {name!r}"))
