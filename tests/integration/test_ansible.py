@@ -114,9 +114,19 @@ class Fleet:
             ).stdout.strip()
         return out
 
-    def chat(self) -> tuple[int, Any]:
+    @property
+    def api_key(self) -> str:
+        """The gateway key the role generated on the controller (no vaulted list given)."""
+        return (self.inventory.parent / "vllm-fleet-secrets" / "gateway-api-key").read_text().split()[0]
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def chat(self, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
-        return http_json("POST", f"{self.gateway_url}/v1/chat/completions", body, timeout=60)
+        return http_json("POST", f"{self.gateway_url}/v1/chat/completions", body, timeout=60,
+                         headers=self.auth if headers is None else headers)  # fmt: skip
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -223,6 +233,26 @@ def test_deploy_and_chat_through_gateway(fleet: Fleet) -> None:
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] is not None
     assert body["model"] == "tiny-qwen3"
+
+
+def test_gateway_needs_a_key_by_default(fleet: Fleet) -> None:
+    """The example spec says nothing about auth: the gateway requires a key (the role generated one on the
+    controller and deployed the key file); no key → 401 JSON in both API shapes; keys never in the access log."""
+    status, body = fleet.chat(headers={})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    msg = {"model": "tiny-qwen3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    status, body = http_json("POST", f"{fleet.gateway_url}/v1/messages", msg, timeout=60,
+                             headers={"x-api-key": "sk-not-a-key-0123456789abcdefghijkl"})  # fmt: skip
+    assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error", body
+    status, body = http_json("POST", f"{fleet.gateway_url}/v1/messages", msg, timeout=60,
+                             headers={"x-api-key": fleet.api_key, "anthropic-version": "2023-06-01"})  # fmt: skip
+    assert status == 200, body
+    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
+    keyfile = gw.run("stat -c '%a %U %G' /etc/vllm-fleet/secrets/api_keys", check=True).stdout.split()
+    assert keyfile == ["640", "root", "www-data"], keyfile
+    log = gw.run("cat /var/log/nginx/vllm-fleet.access.log", check=True).stdout
+    assert '"status":401' in log and fleet.api_key not in log
+    assert fleet.api_key not in fleet.spec_path.read_text()
 
 
 def test_rerun_changes_nothing(fleet: Fleet) -> None:
@@ -449,7 +479,7 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     path.write_text(yaml.safe_dump(changed_spec))
     # clients keep sending through the gateway the whole time (keep-alive connections, half streamed); 2 s
     # pauses: with 0.5 s the three engines' share of the 2 CI cores made every task of the run 3-4x slower
-    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
         rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
@@ -480,7 +510,7 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
     port = fleet.spec["models"][0]["port"]
     before = fleet.unit_pids()[name]
-    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5, headers=fleet.auth) as traffic:
         time.sleep(5)
         t_kill = time.monotonic()
         assert h1.run(f"systemctl kill --signal=SIGKILL vllm@{name}.service").returncode == 0

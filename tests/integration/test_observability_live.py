@@ -274,6 +274,7 @@ def live_spec(
                 "error_log": str(work / "gateway-error.log"),
                 "connect_timeout_seconds": 1,
                 "next_upstream_timeout_seconds": 2,
+                "auth": "none",
             },
             "monitoring": {
                 "host": "h1",

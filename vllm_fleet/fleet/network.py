@@ -63,7 +63,8 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
         return sorted(out.items())
 
     if gw.enabled and spec.gateway_host == host:
-        ports = [gw.port] + ([gw.tls.port] if gw.tls else [])
+        plain = not gw.tls or gw.tls.plain_http != "off"
+        ports = ([gw.port] if plain else []) + ([gw.tls.port] if gw.tls else [])
         rules.append({"comment": "the gateway (clients)", "ports": ports, "sources": []})
     if fw.open_tcp_ports.get(host):
         rules.append({"comment": "firewall.open_tcp_ports", "ports": fw.open_tcp_ports[host], "sources": []})

@@ -307,6 +307,19 @@ class Tls(_Model):
     certificate: str
     certificate_key: str
     port: Port = 8443
+    # the plain-HTTP port while TLS is on: "redirect" (308 to https; /health still answered), "off", or "serve"
+    # (the API on both: only behind something that already encrypts, e.g. a private network)
+    plain_http: Literal["redirect", "off", "serve"] = "redirect"
+
+
+class GatewayClient(_Model):
+    """What one client (a name of the API key file's second column) may use; a client not listed may use
+    every model and pool."""
+
+    # served model names it may call; empty = every model
+    models: list[str] = []
+    # X-Priority pools it may select (a request without X-Priority is always allowed); empty = every pool
+    pools: list[str] = []
 
 
 class Gateway(_Model):
@@ -314,8 +327,14 @@ class Gateway(_Model):
     host: str = ""
     listen_address: str = "0.0.0.0"
     port: Port = 8000
-    # path of the API key file on the gateway host; empty = no authentication
-    api_keys_file: str = ""
+    # "api_keys" (the default): every API request needs a key of api_keys_file; "none": an open gateway, only
+    # when written explicitly (plan warns)
+    auth: Literal["api_keys", "none"] = "api_keys"
+    # the API key file on the gateway host (an nginx map fragment `"KEY" CLIENT;`), deployed by the gateway role
+    # from the vaulted variable vllm_fleet_gateway_api_keys
+    api_keys_file: str = "/etc/vllm-fleet/secrets/api_keys"
+    # per client (the key file's second column): allowed models and priority pools (403 otherwise)
+    clients: dict[Annotated[str, Field(pattern=NAME_RE)], GatewayClient] = {}
     rate_limit: RateLimit = RateLimit()
     max_body_size: str = "8m"
     connect_timeout_seconds: int = Field(3, ge=1, le=60)
@@ -341,6 +360,15 @@ class Gateway(_Model):
     state_file: str = ""
     access_log: str = "/var/log/nginx/vllm-fleet.access.log"
     error_log: str = "/var/log/nginx/vllm-fleet.error.log"
+
+    @model_validator(mode="after")
+    def _auth(self) -> Gateway:
+        if self.auth == "api_keys" and not self.api_keys_file:
+            raise ValueError(
+                "api_keys_file is empty: give the key file's path, or write `auth: none` for a gateway without "
+                "authentication"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- monitoring / alerts
@@ -543,6 +571,11 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     for name in spec.firewall.open_tcp_ports:
         if name not in host_names:
             problems.append((f"firewall.open_tcp_ports.{name}", f"unknown host {name!r}"))
+    served = {m.served_model_name for m in spec.models}
+    for client, c in spec.gateway.clients.items():
+        for j, model in enumerate(c.models):
+            if model not in served:
+                problems.append((f"gateway.clients.{client}.models[{j}]", f"unknown served model {model!r}"))
     for i, name in enumerate(spec.gateway.drained):
         if name not in seen_models:
             problems.append((f"gateway.drained[{i}]", f"unknown instance {name!r}"))
