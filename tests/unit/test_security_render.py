@@ -216,7 +216,10 @@ def test_rendered_firewall_loads_in_nftables(tmp_path: Path) -> None:
         for h in spec.hosts:
             path = tmp_path / f"{spec.name}-{h.name}.nft"
             path.write_text(files(spec, h.name)["/etc/nftables.conf"])
-            res = subprocess.run(["unshare", "-n", "sh", "-c", f"nft -f {path} && nft -f {path} && nft list ruleset"],
+            # a minimal host (debootstrap minbase) has no /etc/protocols or /etc/services: hide them
+            script = (f"mount --bind /dev/null /etc/protocols && mount --bind /dev/null /etc/services && "
+                      f"nft -f {path} && nft -f {path} && nft list ruleset")  # fmt: skip
+            res = subprocess.run(["unshare", "-n", "-m", "sh", "-c", script],
                                  capture_output=True, text=True)  # fmt: skip
             assert res.returncode == 0, res.stderr
             assert res.stdout.count("table inet vllm_fleet") == 1
