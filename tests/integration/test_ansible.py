@@ -248,7 +248,7 @@ def test_gateway_needs_a_key_by_default(fleet: Fleet) -> None:
                              headers={"x-api-key": fleet.api_key, "anthropic-version": "2023-06-01"})  # fmt: skip
     assert status == 200, body
     gw = fleet.hosts[fleet.spec["gateway"]["host"]]
-    keyfile = gw.run("stat -c '%a %U %G' /etc/vllm-fleet/secrets/api_keys", check=True).stdout.split()
+    keyfile = gw.run("stat -c '%a %U %G' /etc/nginx/vllm-fleet-api-keys", check=True).stdout.split()
     assert keyfile == ["640", "root", "www-data"], keyfile
     log = gw.run("cat /var/log/nginx/vllm-fleet.access.log", check=True).stdout
     assert '"status":401' in log and fleet.api_key not in log

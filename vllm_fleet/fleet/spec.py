@@ -332,7 +332,7 @@ class Gateway(_Model):
     auth: Literal["api_keys", "none"] = "api_keys"
     # the API key file on the gateway host (an nginx map fragment `"KEY" CLIENT;`), deployed by the gateway role
     # from the vaulted variable vllm_fleet_gateway_api_keys
-    api_keys_file: str = "/etc/vllm-fleet/secrets/api_keys"
+    api_keys_file: str = "/etc/nginx/vllm-fleet-api-keys"
     # per client (the key file's second column): allowed models and priority pools (403 otherwise)
     clients: dict[Annotated[str, Field(pattern=NAME_RE)], GatewayClient] = {}
     rate_limit: RateLimit = RateLimit()
