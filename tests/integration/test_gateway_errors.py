@@ -133,7 +133,9 @@ def test_403_key_not_allowed_the_model_or_the_pool(gw: Gateway) -> None:
     assert st == 403
     # a client without restrictions may use the pool client-three may not (Qwen/Qwen3-8B only: a 502 on
     # tiny-qwen3 would mark its servers failed for fail_timeout, which the 502 test below counts on)
-    st, _ = http_json("POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY1, **{"X-Priority": "batch"}))
+    st, _ = http_json(
+        "POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY1, **{"X-Priority": "batch"})
+    )
     assert st == 502
 
 
