@@ -271,7 +271,8 @@ def test_nginx_t_accepts_client_permissions_and_the_tls_redirect(tmp_path: Path)
     import subprocess
 
     keys = tmp_path / "keys"
-    keys.write_text('"sk-unit" team-a;\n')
+    # as long as the role's generated keys and beyond (nginx's default map bucket refuses these)
+    keys.write_text('"sk-unit" team-a;\n"' + "k" * 48 + '" team-a;\n"' + "x" * 160 + '" team-b;\n')
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=x",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
