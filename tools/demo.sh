@@ -85,11 +85,14 @@ fi
 T2=$(date +%s)
 
 step "4/5 a real chat completion through the gateway (http://$GW_ADDR:8000)"
-python - "$GW_ADDR" <<'PY'
+# the gateway requires an API key: the playbook generated one next to the inventory (docs/security.md)
+KEY_FILE="$WORK/inventory/vllm-fleet-secrets/gateway-api-key"
+python - "$GW_ADDR" "$KEY_FILE" <<'PY'
 import json, sys, urllib.request
 body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Say hello to the fleet."}], "max_tokens": 16}
+key = open(sys.argv[2]).read().split()[0]
 req = urllib.request.Request(f"http://{sys.argv[1]}:8000/v1/chat/completions", json.dumps(body).encode(),
-                             {"Content-Type": "application/json"})
+                             {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
 with urllib.request.urlopen(req, timeout=60) as r:
     out = json.load(r)
 print(f"HTTP {r.status}  model={out['model']}  finish={out['choices'][0]['finish_reason']}  "
@@ -104,6 +107,7 @@ print('host', m['host'], '| fleet', m['fleet'], '| spec', m['spec_hash'], '|', s
 [print('  ', i['unit'], 'port', i['port'], 'model', i['model']['path'], '(%d files, sha256-verified)' % len(i['model']['checksums'])) for i in m['instances']]\""
   vllm-fleet sandbox ssh "$h" "systemctl --no-legend list-units 'vllm@*' nginx.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service | sed 's/^/   /'"
 done
-echo "   gateway:    http://$GW_ADDR:8000/v1  (OpenAI + Anthropic APIs)"
-echo "   prometheus: http://$GW_ADDR:9090 (on the monitoring host)   manifest: /var/lib/vllm-fleet/manifest.json"
+echo "   gateway:    http://$GW_ADDR:8000/v1  (OpenAI + Anthropic APIs; API key in $KEY_FILE)"
+echo "   prometheus: http://127.0.0.1:9090 on the monitoring host (basic auth: user vllm-fleet, password in"
+echo "               $WORK/inventory/vllm-fleet-secrets/monitoring-web-password)   manifest: /var/lib/vllm-fleet/manifest.json"
 echo "playbook: $((T2 - T1)) s; demo total: $(( $(date +%s) - T0 )) s"

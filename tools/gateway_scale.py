@@ -82,6 +82,7 @@ def spec_data(hosts: int, work: Path, port_a: int, port_b: int) -> dict[str, Any
         "access_log": str(work / "access.log"),
         "error_log": str(work / "gateway-error.log"),
         "state_file": str(work / "drained.json"),
+        "auth": "none",  # a scale test of routing, not of keys
         "rate_limit": {
             "per_key_rps": 1e6,
             "per_key_burst": 1000000,

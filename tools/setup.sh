@@ -18,7 +18,7 @@ DEB_PACKAGES=(
   nginx libnginx-mod-http-js
   prometheus prometheus-alertmanager prometheus-node-exporter prometheus-nginx-exporter
   systemd-container debootstrap apt-cacher-ng iproute2 openssh-client rsync
-  libnuma1 wrk curl jq make
+  libnuma1 wrk curl jq make nftables
 )
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do

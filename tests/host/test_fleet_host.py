@@ -9,18 +9,30 @@ from typing import Any
 import pytest
 
 PY_GET = (
-    "import json,sys,urllib.request as u\n"
+    "import base64,json,sys,urllib.request as u\n"
+    "q=u.Request(sys.argv[1])\n"
+    "if len(sys.argv)>3:\n"
+    "    pw=open(sys.argv[3]).read().strip()\n"
+    "    q.add_header('Authorization','Basic '+base64.b64encode((sys.argv[2]+':'+pw).encode()).decode())\n"
     "try:\n"
-    "    r=u.urlopen(sys.argv[1],timeout=10); print(json.dumps({'status':r.status,'body':r.read().decode()}))\n"
+    "    r=u.urlopen(q,timeout=10); print(json.dumps({'status':r.status,'body':r.read().decode()}))\n"
     "except Exception as e:\n"
     "    print(json.dumps({'status':getattr(e,'code',0),'body':str(e)}))\n"
 )
 
 
-def http_get(host: Any, url: str) -> tuple[int, str]:
-    """GET from the host itself (python3 is on every Ansible-managed host)."""
-    out = json.loads(host.check_output("python3 -c %s %s", PY_GET, url))
+def http_get(host: Any, url: str, auth: tuple[str, str] | None = None) -> tuple[int, str]:
+    """GET from the host itself (python3 is on every Ansible-managed host); ``auth``: (user, password file on
+    the host) for basic auth."""
+    extra = " %s %s" if auth else ""
+    out = json.loads(host.check_output("python3 -c %s %s" + extra, PY_GET, url, *(auth or ())))
     return int(out["status"]), str(out["body"])
+
+
+def monitoring_auth(vf: dict[str, Any]) -> tuple[str, str] | None:
+    """The basic-auth credentials Prometheus and Alertmanager require (monitoring.web_auth)."""
+    mon = vf["monitoring"]
+    return (mon["web_user"], mon["web_password_file"]) if mon["web_auth"] else None
 
 
 def engine_hosts_only(vf: dict[str, Any]) -> None:
@@ -158,11 +170,13 @@ def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
         pytest.skip("not the monitoring host")
     assert host.run("promtool check config /etc/prometheus/prometheus.yml").rc == 0
     assert host.run("amtool check-config /etc/prometheus/alertmanager.yml").rc == 0
-    base = f"http://127.0.0.1:{vf['monitoring']['prometheus_port']}"
+    base = f"http://{vf['monitoring_address']}:{vf['monitoring']['prometheus_port']}"
+    if vf["monitoring"]["web_auth"]:
+        assert http_get(host, f"{base}/api/v1/targets")[0] == 401, "Prometheus answers without credentials"
     deadline = time.monotonic() + 60
     down: list[str] = ["?"]
     while time.monotonic() < deadline:
-        status, body = http_get(host, f"{base}/api/v1/targets?state=active")
+        status, body = http_get(host, f"{base}/api/v1/targets?state=active", monitoring_auth(vf))
         assert status == 200, body
         targets = json.loads(body)["data"]["activeTargets"]
         down = [
@@ -176,7 +190,7 @@ def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
     assert not down, f"targets not up: {down}"
     jobs = {t["labels"]["job"] for t in targets}
     assert {"vllm", "node"} <= jobs, jobs
-    status, body = http_get(host, f"{base}/api/v1/rules")
+    status, body = http_get(host, f"{base}/api/v1/rules", monitoring_auth(vf))
     groups = json.loads(body)["data"]["groups"]
     names = {r["name"] for g in groups for r in g["rules"]}
     assert any(n.startswith("Vllm") for n in names), (

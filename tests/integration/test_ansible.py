@@ -114,9 +114,19 @@ class Fleet:
             ).stdout.strip()
         return out
 
-    def chat(self) -> tuple[int, Any]:
+    @property
+    def api_key(self) -> str:
+        """The gateway key the role generated on the controller (no vaulted list given)."""
+        return (self.inventory.parent / "vllm-fleet-secrets" / "gateway-api-key").read_text().split()[0]
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def chat(self, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
-        return http_json("POST", f"{self.gateway_url}/v1/chat/completions", body, timeout=60)
+        return http_json("POST", f"{self.gateway_url}/v1/chat/completions", body, timeout=60,
+                         headers=self.auth if headers is None else headers)  # fmt: skip
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -225,6 +235,26 @@ def test_deploy_and_chat_through_gateway(fleet: Fleet) -> None:
     assert body["model"] == "tiny-qwen3"
 
 
+def test_gateway_needs_a_key_by_default(fleet: Fleet) -> None:
+    """The example spec says nothing about auth: the gateway requires a key (the role generated one on the
+    controller and deployed the key file); no key → 401 JSON in both API shapes; keys never in the access log."""
+    status, body = fleet.chat(headers={})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    msg = {"model": "tiny-qwen3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    status, body = http_json("POST", f"{fleet.gateway_url}/v1/messages", msg, timeout=60,
+                             headers={"x-api-key": "sk-not-a-key-0123456789abcdefghijkl"})  # fmt: skip
+    assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error", body
+    status, body = http_json("POST", f"{fleet.gateway_url}/v1/messages", msg, timeout=60,
+                             headers={"x-api-key": fleet.api_key, "anthropic-version": "2023-06-01"})  # fmt: skip
+    assert status == 200, body
+    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
+    keyfile = gw.run("stat -c '%a %U %G' /etc/nginx/vllm-fleet-api-keys", check=True).stdout.split()
+    assert keyfile == ["640", "root", "www-data"], keyfile
+    log = gw.run("cat /var/log/nginx/vllm-fleet.access.log", check=True).stdout
+    assert '"status":401' in log and fleet.api_key not in log
+    assert fleet.api_key not in fleet.spec_path.read_text()
+
+
 def test_rerun_changes_nothing(fleet: Fleet) -> None:
     rc, out, seconds = fleet.playbook()
     assert rc == 0, out[-4000:]
@@ -255,6 +285,184 @@ def test_host_verification_suite_passes(fleet: Fleet) -> None:
     assert " passed" in res.stdout and "failed" not in res.stdout
 
 
+# connects to every (address, port) of argv[1] (JSON) at once; prints {"addr:port": verdict}: "refused",
+# "dropped" (no answer: the firewall), "http NNN" (the status of a plain GET /) or "open" (no HTTP answer)
+PORT_PROBE = r"""
+import json, socket, sys, threading
+out = {}
+def probe(addr, port):
+    s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    s.settimeout(2)
+    try:
+        s.connect((addr, port))
+    except ConnectionRefusedError:
+        out[f"{addr}:{port}"] = "refused"; return
+    except OSError:
+        out[f"{addr}:{port}"] = "dropped"; return
+    try:
+        s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        head = s.recv(64).decode(errors="replace")
+        out[f"{addr}:{port}"] = "http " + head.split()[1] if head.startswith("HTTP/") else "open"
+    except OSError:
+        out[f"{addr}:{port}"] = "open"
+    finally:
+        s.close()
+ts = [threading.Thread(target=probe, args=tuple(t)) for t in json.loads(sys.argv[1])]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps(out))
+"""
+
+
+def listening_tcp_ports(h: Any) -> set[int]:
+    """Every TCP port something listens on inside host ``h`` (any address, loopback included)."""
+    out = h.run("ss -ltnH", check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+def probe_ports(targets: list[tuple[str, int]], via: Any = None) -> dict[str, str]:
+    """PORT_PROBE from the test machine (``via`` None) or from the sandbox host ``via``."""
+    arg = json.dumps(targets)
+    if via is None:
+        res = subprocess.run(
+            [sys.executable, "-c", PORT_PROBE, arg], capture_output=True, text=True, timeout=60
+        )
+    else:
+        res = via.run(["python3", "-c", PORT_PROBE, arg], timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+def test_only_the_gateway_and_ssh_answer_unauthenticated(fleet: Fleet) -> None:
+    """A port scan of every deployed host — every TCP port `ss -ltn` lists there, tried on the host's fleet
+    address — from the test machine (neither gateway nor monitoring host) and, for the gateway/monitoring
+    host, from the other sandbox host (an engine host, not the gateway or monitoring host): only SSH and the
+    gateway answer; every other port refuses, drops, or answers 401/403."""
+    gw_host = fleet.spec["gateway"]["host"]
+    mon_host = fleet.spec["monitoring"]["host"]
+    allowed = {22}
+    findings: dict[str, dict[str, str]] = {}
+    for name, h in fleet.hosts.items():
+        ports = listening_tcp_ports(h)
+        assert 22 in ports, (name, ports)
+        open_here = allowed | ({fleet.spec["gateway"]["port"]} if name == gw_host else set())
+        targets = [(h.address, p) for p in sorted(ports - open_here)]
+        sources: list[tuple[str, Any]] = [("test machine", None)]
+        sources += [
+            (other, oh)
+            for other, oh in fleet.hosts.items()
+            if other != name and other not in (gw_host, mon_host)
+        ]
+        for label, via in sources:
+            got = probe_ports(targets, via)
+            findings[f"{name} from {label}"] = got
+            bad = {k: v for k, v in got.items() if v not in ("refused", "dropped", "http 401", "http 403")}
+            assert not bad, (name, label, got)
+        # the gateway answers (its auth is another test's business) and SSH is reachable
+        assert probe_ports([(h.address, 22)])[f"{h.address}:22"] == "open"
+    print(json.dumps(findings, indent=1))
+    gw = fleet.hosts[gw_host]
+    assert probe_ports([(gw.address, fleet.spec["gateway"]["port"])]) != {
+        f"{gw.address}:{fleet.spec['gateway']['port']}": "dropped"
+    }
+    # Debian's default site is gone: nothing listens on :80
+    assert 80 not in listening_tcp_ports(gw)
+
+
+# POST a silence to Alertmanager, then DELETE it; argv: URL, user, password file ("" = no credentials)
+SILENCE = r"""
+import base64, json, sys, urllib.request as u, datetime as d
+url, user, pwfile = sys.argv[1:4]
+hdr = {"Content-Type": "application/json"}
+if pwfile:
+    pw = open(pwfile).read().strip()
+    hdr["Authorization"] = "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+now = d.datetime.now(d.timezone.utc)
+body = {"matchers": [{"name": "severity", "value": "critical", "isRegex": False}], "createdBy": "test",
+        "comment": "silence every page", "startsAt": now.isoformat(), "endsAt": (now + d.timedelta(days=30)).isoformat()}
+def call(method, path, data=None):
+    q = u.Request(url + path, method=method, headers=hdr, data=json.dumps(data).encode() if data else None)
+    try:
+        r = u.urlopen(q, timeout=10); return r.status, r.read().decode()
+    except u.HTTPError as e:
+        return e.code, e.read().decode()
+st, text = call("POST", "/api/v2/silences", body)
+res = {"post": st}
+if st == 200:
+    res["delete"] = call("DELETE", "/api/v2/silence/" + json.loads(text)["silenceID"])[0]
+print(json.dumps(res))
+"""
+
+
+def test_alertmanager_silence_needs_credentials(fleet: Fleet) -> None:
+    """On the monitoring host itself (the firewall lets nothing else reach Alertmanager): a silence without
+    credentials is refused (401), with the generated ones it is accepted and can be deleted."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    url = f"http://{mon.address}:9093"
+    pwfile = "/etc/prometheus/vllm-fleet-web.password"
+    without = json.loads(mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", ""], check=True).stdout)
+    assert without["post"] == 401, without
+    mon.run("echo wrong-password > /tmp/vf-wrong", check=True)
+    wrong = json.loads(
+        mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", "/tmp/vf-wrong"], check=True).stdout
+    )
+    assert wrong["post"] == 401, wrong
+    with_creds = json.loads(mon.run(["python3", "-c", SILENCE, url, "vllm-fleet", pwfile], check=True).stdout)
+    assert with_creds["post"] == 200 and with_creds["delete"] == 200, with_creds
+    # the password was generated on the controller, next to the inventory, readable by its owner only; the
+    # hosts hold the bcrypt hash in the web config, never the password (except the monitoring host's file)
+    secret = fleet.inventory.parent / "vllm-fleet-secrets" / "monitoring-web-password"
+    assert secret.stat().st_mode & 0o077 == 0, oct(secret.stat().st_mode)
+    password = secret.read_text().split()[0]
+    assert mon.run(f"cat {pwfile}").stdout.strip() == password
+    for h in fleet.hosts.values():
+        web = h.run("cat /etc/prometheus/vllm-fleet-web.yml", check=True).stdout
+        assert "$2b$" in web and password not in web, h.name
+    assert password not in fleet.spec_path.read_text()
+
+
+def test_prometheus_needs_credentials_and_scrapes_every_target(fleet: Fleet) -> None:
+    """Prometheus answers 401 without credentials, has no lifecycle endpoint, and with basic auth towards
+    node-exporter and Alertmanager still scrapes every target (all up == 1)."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    base = f"http://{mon.address}:9090"
+    get = (
+        "import base64,json,sys,urllib.request as u\n"
+        "pw=open('/etc/prometheus/vllm-fleet-web.password').read().strip()\n"
+        "q=u.Request(sys.argv[1],method=sys.argv[2])\n"
+        "b=base64.b64encode(('vllm-fleet:'+pw).encode()).decode()\n"
+        "if sys.argv[3]=='auth': q.add_header('Authorization','Basic '+b)\n"
+        "try:\n    r=u.urlopen(q,timeout=10); print(json.dumps([r.status, r.read().decode()]))\n"
+        "except u.HTTPError as e:\n    print(json.dumps([e.code, e.read().decode()]))\n"
+    )
+
+    def call(path: str, method: str = "GET", auth: bool = True) -> tuple[int, str]:
+        out = mon.run(["python3", "-c", get, base + path, method, "auth" if auth else "none"], check=True)
+        status, body = json.loads(out.stdout)
+        return int(status), str(body)
+
+    assert call("/api/v1/targets", auth=False)[0] == 401
+    assert call("/-/quit", "POST")[0] == 403  # lifecycle API not enabled
+    assert call("/-/reload", "POST")[0] == 403
+    deadline = time.monotonic() + 90
+    while True:
+        status, body = call("/api/v1/targets?state=active")
+        assert status == 200, body
+        targets = json.loads(body)["data"]["activeTargets"]
+        down = [(t["labels"]["job"], t["scrapeUrl"], t["lastError"]) for t in targets if t["health"] != "up"]
+        if not down or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert not down, down
+    jobs = {t["labels"]["job"] for t in targets}
+    assert {"vllm", "node", "vllm-fleet-exporter", "nginx", "alertmanager", "prometheus"} <= jobs, jobs
+    # no series of up is 0 (series of targets from before the deploy's restart may linger up to 5 min, at 1)
+    status, body = call("/api/v1/query?query=up%20%3D%3D%200")
+    assert status == 200 and json.loads(body)["data"]["result"] == [], body
+    # Prometheus reaches Alertmanager with the credentials: it knows one active Alertmanager
+    status, body = call("/api/v1/alertmanagers")
+    assert len(json.loads(body)["data"]["activeAlertmanagers"]) == 1, body
+
+
 def test_check_mode_reports_no_change(fleet: Fleet) -> None:
     rc, out, seconds = fleet.playbook("--check", "--diff")
     assert rc == 0, out[-4000:]
@@ -272,7 +480,7 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     path.write_text(yaml.safe_dump(changed_spec))
     # clients keep sending through the gateway the whole time (keep-alive connections, half streamed); 2 s
     # pauses: with 0.5 s the three engines' share of the 2 CI cores made every task of the run 3-4x slower
-    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
         rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
@@ -303,7 +511,7 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
     port = fleet.spec["models"][0]["port"]
     before = fleet.unit_pids()[name]
-    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5) as traffic:
+    with SteadyLoad(fleet.gateway_url, workers=2, think=0.5, headers=fleet.auth) as traffic:
         time.sleep(5)
         t_kill = time.monotonic()
         assert h1.run(f"systemctl kill --signal=SIGKILL vllm@{name}.service").returncode == 0

@@ -36,7 +36,7 @@ PLAYBOOK = """
       vars:
         vllm_fleet_artifacts_component: "{{ component }}"
         vllm_fleet_dest_root: "{{ stage }}/{{ inventory_hostname }}"
-      loop: [engine, gateway, monitoring]
+      loop: [engine, gateway, monitoring, firewall]
       loop_control:
         loop_var: component
 """

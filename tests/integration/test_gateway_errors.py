@@ -3,6 +3,7 @@ stub_status and the access log. Instances point at ports where nothing listens (
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import ssl
@@ -24,11 +25,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 KEY1, KEY2 = "sk-vf-test-one-0123456789abcdef", "sk-vf-test-two-0123456789abcdef"
+# client-three may use only Qwen/Qwen3-8B and the pool "high" (gateway.clients)
+KEY3 = "sk-vf-test-three-0123456789abcdef"
+CLIENTS = {"client-three": {"models": ["Qwen/Qwen3-8B"], "pools": ["high"]}}
 
 
 def _gateway(tmp: Path, **gw: Any) -> Gateway:
     keys = tmp / "api_keys"
-    keys.write_text(f'"{KEY1}" client-one;\n"{KEY2}" client-two;\n')
+    keys.write_text(f'"{KEY1}" client-one;\n"{KEY2}" client-two;\n"{KEY3}" client-three;\n')
     spec = gateway_spec(
         [
             {"name": "a", "port": free_port()},
@@ -55,7 +59,14 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         tmp,
         max_body_size="64k",
         rate_limit={"per_key_rps": 1000, "per_key_burst": 1000, "per_ip_rps": 1000, "per_ip_burst": 1000},
-        tls={"certificate": str(cert), "certificate_key": str(key), "port": free_port()},
+        # the API on the plain port too (these tests use it); the default, a redirect: test_tls_redirects_plain_http
+        tls={
+            "certificate": str(cert),
+            "certificate_key": str(key),
+            "port": free_port(),
+            "plain_http": "serve",
+        },
+        clients=CLIENTS,
     )
     try:
         yield g
@@ -94,6 +105,64 @@ def test_401_without_or_with_a_wrong_key(gw: Gateway) -> None:
     anthropic_error(p, "authentication_error")
     st, p = http_json("GET", gw.url + "/v1/models", headers=H("Bearer-less"))
     assert st == 401
+
+
+def test_403_key_not_allowed_the_model_or_the_pool(gw: Gateway) -> None:
+    """gateway.clients: client-three may call Qwen/Qwen3-8B in the pool "high" only; 403 JSON otherwise, in both
+    shapes. (Allowed requests get the 502 of a fleet whose engines are down here: they passed the check.)"""
+    st, p = http_json("POST", gw.url + "/v1/chat/completions", chat_body(), headers=H(KEY3))
+    assert st == 403, p
+    assert openai_error(p, "model_not_allowed")["type"] == "permission_error"
+    st, p = http_json("POST", gw.url + "/v1/messages", {"model": "tiny-qwen3", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "hi"}]}, headers={"x-api-key": KEY3})  # fmt: skip
+    assert st == 403, p
+    anthropic_error(p, "permission_error")
+    qwen = dict(chat_body(), model="Qwen/Qwen3-8B")
+    assert http_json("POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY3))[0] == 502
+    assert (
+        http_json("POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY3, **{"X-Priority": "HIGH"}))[0]
+        == 502
+    )
+    st, p = http_json(
+        "POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY3, **{"X-Priority": "batch"})
+    )
+    assert st == 403, p
+    openai_error(p, "model_not_allowed")
+    # path routing is checked the same way
+    st, _ = http_json("POST", gw.url + "/models/tiny-qwen3/v1/chat/completions", chat_body(), headers=H(KEY3))
+    assert st == 403
+    # a client without restrictions may use the pool client-three may not (Qwen/Qwen3-8B only: a 502 on
+    # tiny-qwen3 would mark its servers failed for fail_timeout, which the 502 test below counts on)
+    st, _ = http_json(
+        "POST", gw.url + "/v1/chat/completions", qwen, headers=H(KEY1, **{"X-Priority": "batch"})
+    )
+    assert st == 502
+
+
+def test_tls_redirects_plain_http(tmp_path: Path) -> None:
+    """With tls: set, the plain port redirects to the TLS port (and still answers /health)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    tls_port = free_port()
+    g = _gateway(tmp_path, tls={"certificate": str(cert), "certificate_key": str(key), "port": tls_port})
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", g.spec.gateway.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(chat_body()), headers=H(KEY1))
+        r = conn.getresponse()
+        assert r.status == 308
+        assert r.getheader("Location") == f"https://127.0.0.1:{tls_port}/v1/chat/completions"
+        assert http_json("GET", g.url + "/health")[0] == 200
+        ctx = ssl.create_default_context(cafile=str(cert))
+        ctx.check_hostname = False  # the certificate is for localhost
+        req = urllib.request.Request(f"https://127.0.0.1:{tls_port}/v1/models", headers=H(KEY1))
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            assert resp.status == 200
+    finally:
+        g.stop()
 
 
 def test_400_malformed_json_and_missing_model(gw: Gateway) -> None:
@@ -150,7 +219,7 @@ def test_502_json_when_every_instance_is_down(gw: Gateway) -> None:
     st, p = http_json("POST", gw.url + "/v1/chat/completions", chat_body(), headers=H(KEY2))
     assert st == 502
     assert "tiny-qwen3" in openai_error(p, "upstream_unavailable")["message"]
-    (last,) = gw.find(lambda e: e["status"] == 502)
+    (last,) = gw.find(lambda e: e["status"] == 502 and e["model"] == "tiny-qwen3")
     assert last["model"] == "tiny-qwen3" and last["client"] == "client-two" and last["route"] == "body"
     assert len(last["upstream_addr"].split(",")) == 2  # the primary, then the backup
 
@@ -242,4 +311,4 @@ def test_access_log_is_json_with_routing_fields(gw: Gateway) -> None:
         "client",
     ):
         assert all(key in e for e in entries), key
-    assert not any(KEY1 in json.dumps(e) or KEY2 in json.dumps(e) for e in entries)  # keys never logged
+    assert not any(k in json.dumps(e) for e in entries for k in (KEY1, KEY2, KEY3))  # keys never logged

@@ -275,6 +275,7 @@ def live_spec(
                 "error_log": str(work / "gateway-error.log"),
                 "connect_timeout_seconds": 1,
                 "next_upstream_timeout_seconds": 2,
+                "auth": "none",
             },
             "monitoring": {
                 "host": "h1",
@@ -285,6 +286,9 @@ def live_spec(
                 "exporter_port": exp,
                 "scrape_interval": "1s",
                 "evaluation_interval": "1s",
+                # the processes here run on the test machine's loopback without web configs; basic auth is
+                # proven on the sandbox hosts (tests/integration/test_ansible.py)
+                "web_auth": False,
             },
             "alerts": {
                 "queue_wait_p99_seconds": QUEUE_WAIT_THRESHOLD,

@@ -56,6 +56,14 @@ DATASOURCES = _provisioning_file(
             "isDefault": {"type": "boolean"},
             "editable": {"type": "boolean"},
             "jsonData": {"type": "object"},
+            # Grafana's documented basic-auth fields (secureJsonData.basicAuthPassword, $__file{} expanded)
+            "basicAuth": {"type": "boolean"},
+            "basicAuthUser": {"type": "string"},
+            "secureJsonData": {
+                "type": "object",
+                "properties": {"basicAuthPassword": {"type": "string", "pattern": "^\\$__file\\{/.+\\}$"}},
+                "additionalProperties": False,
+            },
         },
     ),
     min_items=1,

@@ -274,6 +274,7 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
         tmp_path,
         api_keys_file=str(keys),
         tls={"certificate": "/c.pem", "certificate_key": "/k.pem"},
+        clients={"team-a": {"models": ["tiny-qwen3"], "pools": ["high"]}, "team-b": {"pools": ["default"]}},
     )
     ctx = build_context(spec, "h1")
     ours, ansible_like = make_env(REPO), make_env(REPO)
@@ -293,3 +294,53 @@ def test_the_router_finds_a_missing_state_file_without_a_throw() -> None:
     js = _render(REPO / "examples" / "tiny-cpu.yml", "h1")["/etc/nginx/vllm-fleet/router.js"]
     body = js.split("function drainedList() {", 1)[1].split("\n}\n", 1)[0]
     assert body.index("fs.readdirSync(STATE_DIR)") < body.index("fs.readFileSync(STATE_FILE")
+
+
+@needs_nginx
+def test_nginx_t_accepts_client_permissions_and_the_tls_redirect(tmp_path: Path) -> None:
+    """gateway.clients (per-client models and pools) and tls with the plain port redirecting: nginx -t passes;
+    the permission maps list each allowed pair, the redirect server answers only /health and a 308."""
+    import subprocess
+
+    keys = tmp_path / "keys"
+    # as long as the role's generated keys and beyond (nginx's default map bucket refuses these)
+    keys.write_text('"sk-unit" team-a;\n"' + "k" * 48 + '" team-a;\n"' + "x" * 160 + '" team-b;\n')
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=x",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
+    spec = gateway_spec(
+        [{"name": "a", "port": 9001}, {"name": "b", "port": 9002, "pool": "high"}],
+        tmp_path,
+        api_keys_file=str(keys),
+        tls={"certificate": str(cert), "certificate_key": str(key), "port": 9443},
+        clients={"team-a": {"models": ["tiny-qwen3"], "pools": ["high"]}},
+    )
+    render_fleet(spec, tmp_path / "out")
+    g = NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
+    r = g.check()
+    assert r.returncode == 0, r.stderr
+    conf = (g.etc_nginx / "conf.d" / "vllm-fleet.conf").read_text()
+    assert '"team-a:tiny-qwen3" 0;' in conf and '"team-a:high" 0;' in conf
+    assert "return 308 https://$host:9443$request_uri;" in conf
+    assert conf.count(f"listen 127.0.0.1:{spec.gateway.port};") == 1  # the redirect server only
+
+
+def test_open_gateway_only_when_asked_and_plan_warns(tmp_path: Path) -> None:
+    """Authentication is the default; `gateway.auth: none` is needed for an open gateway, and plan warns."""
+    from vllm_fleet.fleet.plan import make_plan
+    from vllm_fleet.fleet.spec import SpecError, parse_spec
+
+    spec = load_spec(REPO / "examples/tiny-cpu.yml")
+    assert spec.gateway.auth == "api_keys" and spec.gateway.api_keys_file
+    conf = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert f"include {spec.gateway.api_keys_file};" in conf and "return 401;" in conf
+    assert not any("gateway.auth" in w for w in make_plan(spec).warnings)
+    data = spec.model_dump(mode="json")
+    data["gateway"]["api_keys_file"] = ""
+    with pytest.raises(SpecError, match="auth: none"):
+        parse_spec(data)
+    data["gateway"]["auth"] = "none"
+    open_spec = parse_spec(data)
+    assert any("gateway.auth: none" in w for w in make_plan(open_spec).warnings)
+    conf = {r.dest: r.content for r in render_host(open_spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert "return 401;" not in conf

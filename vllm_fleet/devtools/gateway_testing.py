@@ -25,7 +25,8 @@ def gateway_spec(
     **gateway: Any,
 ) -> FleetSpec:
     """A one-host cpu spec whose instances are ``servers`` (dicts with name, port and optional
-    served_model_name, role, pool); the gateway listens on a free loopback port, logs in ``workdir``."""
+    served_model_name, role, pool); the gateway listens on a free loopback port, logs in ``workdir``; without
+    ``api_keys_file`` it is an open gateway (``auth: none``)."""
     gw: dict[str, Any] = {
         "host": "h1",
         "listen_address": "127.0.0.1",
@@ -36,6 +37,8 @@ def gateway_spec(
         "state_file": str(workdir / "drained.json"),
     }
     gw.update(gateway)
+    # routing tests run without keys unless they give a key file: the open gateway has to be asked for
+    gw.setdefault("auth", "api_keys" if gw.get("api_keys_file") else "none")
     models = [
         {
             "served_model_name": "tiny-qwen3",
@@ -160,7 +163,15 @@ class SteadyLoad:
         assert traffic.failures == []
     """
 
-    def __init__(self, base_url: str, workers: int = 4, max_tokens: int = 16, think: float = 0.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        workers: int = 4,
+        max_tokens: int = 16,
+        think: float = 0.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.headers = {"Content-Type": "application/json", **(headers or {})}  # e.g. the API key
         host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
         self.host, self.port = host, int(port or 80)
         self.workers, self.max_tokens = workers, max_tokens
@@ -193,7 +204,7 @@ class SteadyLoad:
     def _one(self, conn: http.client.HTTPConnection, stream: bool) -> str | None:
         """None when the request succeeded, else why it failed."""
         body = json.dumps(chat_body(max_tokens=self.max_tokens, stream=stream))
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body, self.headers)
         r = conn.getresponse()
         data = r.read()
         if r.status != 200:

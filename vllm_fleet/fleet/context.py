@@ -15,6 +15,7 @@ from typing import Any
 from vllm_fleet import __version__
 from vllm_fleet.contracts import SERVICE_DEFAULTS
 from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
+from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
@@ -95,6 +96,8 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     vf["monitoring_host"] = spec.monitoring_host
+    # where Prometheus and Alertmanager listen (and are reached): vllm_fleet/fleet/network.py
+    vf["monitoring_address"] = monitoring_address(spec)
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__
     vf["plan"] = plan.to_dict()
@@ -126,6 +129,10 @@ class HostVars:
             "instances": list(self.instances.get(host, [])),
             "is_gateway": spec.gateway.enabled and spec.gateway_host == host,
             "is_monitoring": spec.monitoring.enabled and spec.monitoring_host == host,
+            # where this host's exporters listen (loopback on the monitoring host, else the internal address)
+            "exporter_address": exporter_address(spec, host),
+            # what this host's firewall lets in (firewall/nftables.conf.j2)
+            "firewall_rules": firewall_rules(spec, host),
         }
 
 

@@ -437,6 +437,11 @@ def make_plan(spec: FleetSpec, search_dirs: list[Path] | None = None) -> Plan:
         if "primary" not in roles:
             idx = next(i for i, m in enumerate(spec.models) if m.served_model_name == name)
             problems.append(Problem(f"models[{idx}].role", f"model {name!r} has no primary instance"))
+    if spec.gateway.enabled and spec.gateway.auth == "none":
+        warnings.append(
+            f"gateway.auth: none: the gateway on {spec.gateway_host}:{spec.gateway.port} serves anyone who reaches "
+            "it, without an API key (docs/security.md)"
+        )
     return Plan(
         fleet=spec.name,
         profile=spec.stack.profile,

@@ -310,6 +310,19 @@ class Tls(_Model):
     certificate: str
     certificate_key: str
     port: Port = 8443
+    # the plain-HTTP port while TLS is on: "redirect" (308 to https; /health still answered), "off", or "serve"
+    # (the API on both: only behind something that already encrypts, e.g. a private network)
+    plain_http: Literal["redirect", "off", "serve"] = "redirect"
+
+
+class GatewayClient(_Model):
+    """What one client (a name of the API key file's second column) may use; a client not listed may use
+    every model and pool."""
+
+    # served model names it may call; empty = every model
+    models: list[str] = []
+    # X-Priority pools it may select (a request without X-Priority is always allowed); empty = every pool
+    pools: list[str] = []
 
 
 class Gateway(_Model):
@@ -317,8 +330,14 @@ class Gateway(_Model):
     host: str = ""
     listen_address: str = "0.0.0.0"
     port: Port = 8000
-    # path of the API key file on the gateway host; empty = no authentication
-    api_keys_file: str = ""
+    # "api_keys" (the default): every API request needs a key of api_keys_file; "none": an open gateway, only
+    # when written explicitly (plan warns)
+    auth: Literal["api_keys", "none"] = "api_keys"
+    # the API key file on the gateway host (an nginx map fragment `"KEY" CLIENT;`), deployed by the gateway role
+    # from the vaulted variable vllm_fleet_gateway_api_keys
+    api_keys_file: str = "/etc/nginx/vllm-fleet-api-keys"
+    # per client (the key file's second column): allowed models and priority pools (403 otherwise)
+    clients: dict[Annotated[str, Field(pattern=NAME_RE)], GatewayClient] = {}
     rate_limit: RateLimit = RateLimit()
     max_body_size: str = "8m"
     connect_timeout_seconds: int = Field(3, ge=1, le=60)
@@ -345,6 +364,15 @@ class Gateway(_Model):
     access_log: str = "/var/log/nginx/vllm-fleet.access.log"
     error_log: str = "/var/log/nginx/vllm-fleet.error.log"
 
+    @model_validator(mode="after")
+    def _auth(self) -> Gateway:
+        if self.auth == "api_keys" and not self.api_keys_file:
+            raise ValueError(
+                "api_keys_file is empty: give the key file's path, or write `auth: none` for a gateway without "
+                "authentication"
+            )
+        return self
+
 
 # --------------------------------------------------------------------------- monitoring / alerts
 
@@ -365,6 +393,15 @@ class Monitoring(_Model):
     nginx_exporter_port: Port = 9113
     exporter_port: Port = 9400
     gpu_exporter_port: Port | None = Field(None, description="DCGM exporter, optional")
+    # basic auth (bcrypt) on Prometheus, Alertmanager and node-exporter through their --web.config.file
+    # (docs/security.md). The password is never in the spec: the monitoring role generates it once on the
+    # controller (or takes the vaulted vllm_fleet_monitoring_web_password), writes the hash to web_config_file on
+    # every host and the password to web_password_file on the monitoring host (what Prometheus, amtool and
+    # Grafana read)
+    web_auth: bool = True
+    web_user: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "vllm-fleet"
+    web_config_file: str = "/etc/prometheus/vllm-fleet-web.yml"
+    web_password_file: str = "/etc/prometheus/vllm-fleet-web.password"
     scrape_interval: str = "15s"
     evaluation_interval: str = "15s"
     retention: str = "15d"
@@ -420,6 +457,30 @@ class Slack(_Model):
     send_resolved: bool = True
 
 
+class Firewall(_Model):
+    """The host firewall (nftables, rendered per host from the spec: firewall/nftables.conf.j2): SSH and the
+    gateway port open, engine ports only for the gateway and monitoring hosts, exporter ports only for the
+    monitoring host, Prometheus/Alertmanager only for ``admin_sources``; every other packet in is dropped."""
+
+    enabled: bool = True
+    ssh_port: Port = 22
+    # addresses or networks (CIDR) allowed to reach Prometheus and Alertmanager besides the monitoring host
+    # itself (an operator's network; they also require basic auth)
+    admin_sources: list[str] = []
+    # more TCP ports open to everyone (e.g. Grafana's 3000 on the monitoring host), per host name
+    open_tcp_ports: dict[str, list[Port]] = {}
+    # answers of a DHCP server (udp 67 → 68): hosts that take their address by DHCP
+    allow_dhcp: bool = True
+
+    @field_validator("admin_sources")
+    @classmethod
+    def _sources(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not re.fullmatch(r"[0-9A-Fa-f.:/]+", a):
+                raise ValueError(f"{a!r} is not an IP address or network")
+        return v
+
+
 # --------------------------------------------------------------------------- fleet
 
 
@@ -433,6 +494,7 @@ class FleetSpec(_Model):
     monitoring: Monitoring = Monitoring()
     alerts: AlertThresholds = AlertThresholds()
     slack: Slack = Slack()
+    firewall: Firewall = Firewall()
 
     @field_validator("slack", mode="before")
     @classmethod
@@ -509,6 +571,14 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
         if val and val not in host_names:
             problems.append((field, f"unknown host {val!r} (hosts: {', '.join(host_names)})"))
+    for name in spec.firewall.open_tcp_ports:
+        if name not in host_names:
+            problems.append((f"firewall.open_tcp_ports.{name}", f"unknown host {name!r}"))
+    served = {m.served_model_name for m in spec.models}
+    for client, c in spec.gateway.clients.items():
+        for j, model in enumerate(c.models):
+            if model not in served:
+                problems.append((f"gateway.clients.{client}.models[{j}]", f"unknown served model {model!r}"))
     for i, name in enumerate(spec.gateway.drained):
         if name not in seen_models:
             problems.append((f"gateway.drained[{i}]", f"unknown instance {name!r}"))

@@ -1,0 +1,98 @@
+"""Who listens where, and who may reach it: the fleet's binding rules (docs/security.md).
+
+Nothing but the gateway (and SSH) faces the network. Every other service binds to loopback when the hosts
+that must reach it are the host itself, and otherwise to the host's fleet-internal address
+(``hosts[].private_address``, else ``hosts[].address``) — never to every interface. The host firewall
+(``firewall/nftables.conf.j2``) then lets only the hosts that need a port reach it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from vllm_fleet.fleet.spec import FleetSpec, Host
+
+LOOPBACK = "127.0.0.1"
+
+
+def internal_address(host: Host) -> str:
+    """The address other fleet hosts use to reach ``host``."""
+    return host.private_address or host.address
+
+
+def exporter_address(spec: FleetSpec, host: str) -> str:
+    """Where the exporters of ``host`` listen (node-exporter, the vllm-fleet exporter, the nginx exporter):
+    loopback on the monitoring host (Prometheus scrapes it there), the internal address elsewhere."""
+    if host == spec.monitoring_host:
+        return LOOPBACK
+    return internal_address(spec.host(host))
+
+
+def monitoring_address(spec: FleetSpec) -> str:
+    """Where Prometheus and Alertmanager listen: loopback when the fleet is one host, else the monitoring
+    host's internal address (behind basic auth and the firewall)."""
+    if {h.name for h in spec.hosts} <= {spec.monitoring_host}:
+        return LOOPBACK
+    return internal_address(spec.host(spec.monitoring_host))
+
+
+def nft_family(address: str) -> str:
+    """``ip`` or ``ip6``: the nftables match for a source address (a name resolves as IPv4 when loaded)."""
+    try:
+        return "ip6" if ipaddress.ip_address(address.split("/")[0]).version == 6 else "ip"
+    except ValueError:
+        try:
+            return "ip6" if ipaddress.ip_network(address, strict=False).version == 6 else "ip"
+        except ValueError:
+            return "ip"
+
+
+def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
+    """The accept rules of ``host``'s firewall (everything else is dropped): ``{comment, proto, ports,
+    sources}``, ``sources`` empty = from anywhere, else ``[(family, [addresses])]``."""
+    fw, mon, gw = spec.firewall, spec.monitoring, spec.gateway
+    mon_host = internal_address(spec.host(spec.monitoring_host))
+    rules: list[dict[str, object]] = [{"comment": "ssh", "ports": [fw.ssh_port], "sources": []}]
+
+    def by_family(addresses: list[str]) -> list[tuple[str, list[str]]]:
+        out: dict[str, list[str]] = {}
+        for a in addresses:
+            fam = out.setdefault(nft_family(a), [])
+            if a not in fam:
+                fam.append(a)
+        return sorted(out.items())
+
+    if gw.enabled and spec.gateway_host == host:
+        plain = not gw.tls or gw.tls.plain_http != "off"
+        ports = ([gw.port] if plain else []) + ([gw.tls.port] if gw.tls else [])
+        rules.append({"comment": "the gateway (clients)", "ports": ports, "sources": []})
+    if fw.open_tcp_ports.get(host):
+        rules.append({"comment": "firewall.open_tcp_ports", "ports": fw.open_tcp_ports[host], "sources": []})
+    engines = [m.port for m in spec.models_on(host)]
+    if engines:
+        reach = []
+        if gw.enabled:
+            reach.append(internal_address(spec.host(spec.gateway_host)))
+        if mon.enabled:
+            reach.append(mon_host)
+        if reach:
+            rules.append({"comment": "engines: the gateway and monitoring hosts", "ports": sorted(set(engines)),
+                          "sources": by_family(reach)})  # fmt: skip
+    if mon.enabled:
+        exporters = [mon.node_exporter_port]
+        if engines:
+            exporters.append(mon.exporter_port)
+        if gw.enabled and spec.gateway_host == host:
+            exporters.append(mon.nginx_exporter_port)
+        host_gpus = spec.host(host).gpus
+        if mon.gpu_exporter_port and (host_gpus.count or host_gpus.detect):
+            exporters.append(mon.gpu_exporter_port)
+        rules.append({"comment": "exporters: the monitoring host", "ports": sorted(set(exporters)),
+                      "sources": by_family([mon_host])})  # fmt: skip
+        if spec.monitoring_host == host and fw.admin_sources:
+            rules.append({"comment": "Prometheus and Alertmanager: firewall.admin_sources",
+                          "ports": [mon.prometheus_port, mon.alertmanager_port],
+                          "sources": by_family(fw.admin_sources)})  # fmt: skip
+    for r in rules:
+        r["proto"] = "tcp"
+    return rules
