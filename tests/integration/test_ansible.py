@@ -536,14 +536,11 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
 
 
 def _status(fleet: Fleet) -> tuple[int, dict[str, Any]]:
-    """``vllm-fleet status --json`` as an operator on the monitoring host runs it (Prometheus on its loopback)."""
+    """``vllm-fleet status --json`` as an operator on the monitoring host runs it: Prometheus at the spec's
+    monitoring address, the password from the spec's web_password_file (basic auth, docs/security.md)."""
     mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
-    port = fleet.spec["monitoring"].get("prometheus_port", 9090)
     mon.copy_to(fleet.spec_path, "/tmp/fleet.yml", mode=0o644)
-    cp = mon.run(
-        f"/opt/vllm-fleet/venv/bin/vllm-fleet status /tmp/fleet.yml --prometheus http://127.0.0.1:{port} --json",
-        timeout=120,
-    )
+    cp = mon.run("/opt/vllm-fleet/venv/bin/vllm-fleet status /tmp/fleet.yml --json", timeout=120)
     return cp.returncode, json.loads(cp.stdout)
 
 

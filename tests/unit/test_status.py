@@ -157,10 +157,18 @@ def test_spec_drift_is_shown(spec: FleetSpec) -> None:
 class _FakePrometheus(BaseHTTPRequestHandler):
     samples: list[Sample] = []
     queries: list[str] = []
+    password = ""  # basic auth of the spec's web_user with this password, when set
 
     def do_GET(self) -> None:
+        import base64
         from urllib.parse import parse_qs, urlparse
 
+        want = "Basic " + base64.b64encode(f"vllm-fleet:{self.password}".encode()).decode()
+        if self.password and self.headers.get("Authorization") != want:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         q = parse_qs(urlparse(self.path).query)["query"][0]
         type(self).queries.append(q)
         result = [{"metric": lv, "value": [NOW, str(v)]} for lv, v in self.samples]
@@ -179,6 +187,7 @@ class _FakePrometheus(BaseHTTPRequestHandler):
 def fake_prometheus(spec: FleetSpec) -> Iterator[str]:
     _FakePrometheus.samples = healthy(spec)
     _FakePrometheus.queries = []
+    _FakePrometheus.password = ""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakePrometheus)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -210,3 +219,25 @@ def test_an_unreachable_prometheus_exits_3_naming_it(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 3 and "Prometheus at http://127.0.0.1:9" in out.stderr, out
+
+
+def test_basic_auth_with_the_monitoring_password(tmp_path: Path, fake_prometheus: str) -> None:
+    """Prometheus behind basic auth (docs/security.md): without the password exit 3 naming what to give; with
+    --prometheus-password-file the spec's web_user and that password are sent."""
+    _FakePrometheus.password = "s3cret"
+    path = tmp_path / "spec.yml"
+    path.write_text(yaml.safe_dump(spec_doc()))
+    cmd = [sys.executable, "-m", "vllm_fleet.cli", "status", str(path), "--prometheus", fake_prometheus]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "HTTP 401" in out.stderr and "--prometheus-password-file" in out.stderr, (
+        out
+    )
+    (tmp_path / "pw").write_text("s3cret\n")
+    out = subprocess.run(
+        [*cmd, "--prometheus-password-file", str(tmp_path / "pw")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out
+    out = subprocess.run(
+        [*cmd, "--prometheus-password-file", str(tmp_path / "none")], capture_output=True, text=True
+    )
+    assert out.returncode == 3 and "cannot read the password file" in out.stderr, out

@@ -123,7 +123,13 @@ def query(url: str, expr: str, auth: tuple[str, str] | None = None, timeout: flo
         with urllib.request.urlopen(req, timeout=timeout) as r:
             doc = json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        raise StatusError(f"Prometheus at {url}: HTTP {exc.code} {exc.reason}") from None
+        hint = ""
+        if exc.code == 401:
+            hint = (
+                " (it needs the monitoring password: --prometheus-password-file, e.g. the controller's "
+                "vllm-fleet-secrets/monitoring-web-password next to the inventory; docs/security.md)"
+            )
+        raise StatusError(f"Prometheus at {url}: HTTP {exc.code} {exc.reason}{hint}") from None
     except (OSError, ValueError) as exc:
         raise StatusError(f"Prometheus at {url}: {type(exc).__name__}: {exc}") from None
     if doc.get("status") != "success":
@@ -313,14 +319,23 @@ def table(st: FleetStatus, colour: bool = False) -> str:
 # ------------------------------------------------------------------------------------------------ command
 
 
-def _auth(a: argparse.Namespace) -> tuple[str, str] | None:
-    if not a.prometheus_user:
+def _auth(a: argparse.Namespace, spec: FleetSpec) -> tuple[str, str] | None:
+    """Basic auth for Prometheus: ``--prometheus-user`` or the spec's ``monitoring.web_user`` (when
+    ``web_auth``); the password from ``$VLLM_FLEET_PROMETHEUS_PASSWORD``, ``--prometheus-password-file``, or
+    the spec's ``monitoring.web_password_file`` where it is readable (on the monitoring host)."""
+    mon = spec.monitoring
+    user = a.prometheus_user or (mon.web_user if mon.web_auth else "")
+    if not user:
         return None
     password = os.environ.get("VLLM_FLEET_PROMETHEUS_PASSWORD", "")
-    if a.prometheus_password_file:
-        with open(a.prometheus_password_file) as f:
-            password = f.read().strip()
-    return a.prometheus_user, password
+    for path in (a.prometheus_password_file, "" if password else mon.web_password_file):
+        if path and os.access(path, os.R_OK):
+            with open(path) as f:
+                password = f.read().strip()
+            break
+        if path and path == a.prometheus_password_file:
+            raise StatusError(f"cannot read the password file {path}")
+    return (user, password) if password else None
 
 
 def run(a: argparse.Namespace, spec: FleetSpec) -> int:
@@ -328,7 +343,7 @@ def run(a: argparse.Namespace, spec: FleetSpec) -> int:
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not a.json
     while True:
         try:
-            st = judge(spec, query(url, QUERY, _auth(a)), url)
+            st = judge(spec, query(url, QUERY, _auth(a, spec)), url)
         except StatusError as exc:
             if a.json:
                 print(json.dumps({"fleet": spec.name, "error": str(exc), "exit_code": EXIT_UNREACHABLE}))
