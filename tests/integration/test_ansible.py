@@ -555,18 +555,21 @@ def _wait_status(fleet: Fleet, ok: Any, what: str, timeout: float = 120) -> dict
 
 
 def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet) -> None:
-    """`vllm-fleet status` on the deployed fleet: every instance serving (exit 0); tiny-b drained at the
-    gateway → degraded, exit 1; h2 powered off → its instance down as unreachable and the host named, exit 1
-    (tiny-qwen3 still serves on h1). Last in the file: h2 stays off."""
+    """`vllm-fleet status` on the deployed fleet: every instance serving (exit 0), the spec drift of the
+    flag-change test named per host; tiny-b drained at the gateway → degraded, exit 1; h2 powered off → its
+    instance down as unreachable and the host named, exit 1 (tiny-qwen3 still serves on h1). Last in the file:
+    h2 stays off."""
     doc = _wait_status(fleet, lambda c, d: c == 0, "every instance serving")
     rows = {r["instance"]: r for r in doc["rows"]}
     assert set(rows) == {m["name"] for m in fleet.spec["models"]}
     for r in rows.values():
         assert (r["verdict"], r["state"], r["rotation"], r["probe_ok"]) == ("serving", "ready", "in", True), r
         assert r["ready_since"] and r["running"] is not None and r["kv_cache"] is not None, r
-    assert all(
-        h["reachable"] and not h["drift"] and h["deployed_spec"] == doc["spec_hash"] for h in doc["hosts"]
-    )
+    # the fleet runs the spec of the flag-change test above (tiny-b's max_num_seqs 8): given the original spec,
+    # status shows the drift on every host, each naming the same deployed spec
+    deployed = {h["deployed_spec"] for h in doc["hosts"]}
+    assert all(h["reachable"] and h["drift"] for h in doc["hosts"]), doc["hosts"]
+    assert len(deployed) == 1 and doc["spec_hash"] not in deployed and "" not in deployed, doc["hosts"]
 
     gw = fleet.hosts[fleet.spec["gateway"]["host"]]
     venv = "/opt/vllm-fleet/venv/bin/vllm-fleet"

@@ -348,10 +348,11 @@ def test_burst_past_the_queue_bound_is_rejected_fast_and_nothing_restarts(host: 
 
 def test_burst_deeper_than_the_watchdog_keeps_a_busy_engine_alive(host: Remote) -> None:
     """The issue's failure: a decode probe queued behind the burst timed out and the watchdog killed a
-    healthy engine. tiny-b has no queue bound: 120 requests × 300 tokens keep it busy for longer than two
+    healthy engine. tiny-b has no queue bound: 120 requests × 900 tokens keep it busy for longer than two
     watchdog periods; the launcher reads progress from the engine's counters and keeps pinging."""
     before = host.show("vllm@tiny-b", "NRestarts", "MainPID")
-    res, kinds = burst(host, 8102, "tiny-b", 120, 300)
+    # 900 tokens each: > 2 watchdog periods busy even on a fast idle machine (300 tokens took 20.9 s on one)
+    res, kinds = burst(host, 8102, "tiny-b", 120, 900)
     after = host.show("vllm@tiny-b", "NRestarts", "MainPID")
     print(f"burst 120 at tiny-b (unbounded): {res}; liveness verdicts {sorted(set(kinds))}")
     assert res["wall"] > 2 * SERVICE["watchdog_seconds"], res  # the scenario: busy for > 2 watchdog periods
