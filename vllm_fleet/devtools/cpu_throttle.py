@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vllm_fleet.devtools.testing import group_processes
+
 CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -94,12 +96,4 @@ def host_pids_of_group(pid1: int, pgid: int) -> list[int]:
             break
     if leader is None:
         raise ThrottleError(f"no process {pgid} in the container of pid {pid1}")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(rest[2]) == leader:  # the process group, as this machine numbers it
-                found.append(int(entry.name))
-    return sorted(found)
+    return sorted(group_processes(leader))  # the process group, as this machine numbers it

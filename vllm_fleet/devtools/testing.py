@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.host.cpu_wait import proc_stat
+
 DEFAULT_KV_BYTES = 64 * 1024 * 1024
 
 
@@ -96,15 +98,9 @@ def group_processes(pgid: int) -> dict[int, str]:
     (vLLM names its children ``VLLM::EngineCore`` and ``VLLM::Worker``)."""
     found = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+        st = proc_stat(d) if d.name.isdigit() else None
+        if st is not None and st.pgrp == pgid and st.state != "Z":
+            found[int(d.name)] = st.comm
     return found
 
 

@@ -14,8 +14,10 @@ engine in its own session, and vLLM's processes inherit the group); ``starvation
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # a probe window counts as starved when the engine's threads waited this long for a CPU per second of window
 # (summed over threads: 0.25 = on average a quarter of a thread runnable and not running, all the time)
@@ -40,23 +42,27 @@ class Starvation:
     why: str  # one line for the journal, either way
 
 
-def _stat(proc: Path, pid: str) -> tuple[str, int] | None:
-    """(state, process group) of ``pid``, or None when it is gone."""
+class ProcStat(NamedTuple):
+    state: str  # R, S, D, T, t, Z ...
+    pgrp: int  # the process group, as the reader's pid namespace numbers it
+    comm: str  # the command name (vLLM names its children VLLM::EngineCore, VLLM::Worker)
+
+
+def proc_stat(pid_dir: Path) -> ProcStat | None:
+    """``/proc/PID/stat`` of ``pid_dir``, or None when the process is gone."""
     try:
-        raw = (proc / pid / "stat").read_text()
+        raw = (pid_dir / "stat").read_text()
     except OSError:
         return None
     rest = raw.rsplit(")", 1)[-1].split()  # the command name may hold spaces and parentheses
     try:
-        return rest[0], int(rest[2])
+        return ProcStat(rest[0], int(rest[2]), raw[raw.index("(") + 1 : raw.rindex(")")])
     except (IndexError, ValueError):
         return None
 
 
 def read_group(pgid: int, proc: Path = Path("/proc"), now: float | None = None) -> CpuReading:
     """Scheduler figures of every thread of every process in process group ``pgid``."""
-    import time
-
     at = time.monotonic() if now is None else now
     pids: list[int] = []
     stopped: list[int] = []
@@ -68,12 +74,12 @@ def read_group(pgid: int, proc: Path = Path("/proc"), now: float | None = None) 
     for name in entries:
         if not name.isdigit():
             continue
-        st = _stat(proc, name)
-        if st is None or st[1] != pgid:
+        st = proc_stat(proc / name)
+        if st is None or st.pgrp != pgid:
             continue
         pid = int(name)
         pids.append(pid)
-        if st[0] in ("T", "t"):
+        if st.state in ("T", "t"):
             stopped.append(pid)
         try:
             tids = os.listdir(proc / name / "task")
