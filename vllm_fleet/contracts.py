@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+# the deployment manifest of a host (``vllm-fleet manifest`` writes it, the host exporter reads its spec hash)
+MANIFEST_PATH = "/var/lib/vllm-fleet/manifest.json"
+
 
 class ContractError(ValueError):
     """A file does not match its contract: the message names the file and the field."""

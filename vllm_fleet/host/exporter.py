@@ -30,10 +30,10 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vllm_fleet.contracts import MANIFEST_PATH as MANIFEST_FILE
 from vllm_fleet.contracts import ContractError, StateFile, read_state
 from vllm_fleet.files import read_json_object
 from vllm_fleet.host.drain import STATE_FILE as DRAIN_STATE_FILE
-from vllm_fleet.host.manifest import DEFAULT_PATH as MANIFEST_FILE
 
 log = logging.getLogger("vllm_fleet.host.exporter")
 

@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.contracts import MANIFEST_PATH
 from vllm_fleet.fleet.engine import engine_args, model_path
 from vllm_fleet.fleet.spec import FleetSpec, load_spec, spec_hash
 from vllm_fleet.host import cpu_features
 from vllm_fleet.host.doctor import _py_json, driver_cuda_version, nvidia_gpus
 from vllm_fleet.host.fetch import read_manifest
 
-DEFAULT_PATH = "/var/lib/vllm-fleet/manifest.json"
+DEFAULT_PATH = MANIFEST_PATH
 PY_TORCH = "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))"
 
 
