@@ -11,6 +11,7 @@ ORDER = [
     "gpu",
     "gateway",
     "gateway-scale",
+    "routing",
     "engine-service",
     "ansible",
     "render-scale",

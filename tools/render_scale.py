@@ -17,7 +17,8 @@ the square of the replicas of one model; ``--replicas 0`` gives every host the s
 
 Rounds are interleaved (N = 10, 100, 1000, then again), each figure is min / median / max over the rounds.
 
-    python tools/render_scale.py [--sizes 10,100,1000] [--rounds 3] [--replicas 10] [--per-host] [--keep DIR]
+    python tools/render_scale.py [--sizes 10,100,1000] [--rounds 3] [--replicas 10] [--per-host] [--multinode]
+        [--keep DIR]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-004-4xa100.yml"
 
 
-def make_spec(n: int, replicas: int = 10) -> dict:
+def make_spec(n: int, replicas: int = 10, multinode: bool = False) -> dict:
     """The seed-004 fleet with ``n`` copies of its host (``gpu-0000`` ...), two instances each. Hosts come in
     groups of ``replicas`` that serve the same two models (``qwen3-8b-g0000`` ...); ``replicas`` 0: every host
     serves the seed's two models (one pool of ``n`` replicas each)."""
@@ -56,6 +57,20 @@ def make_spec(n: int, replicas: int = 10) -> dict:
             models.append(
                 dict(copy.deepcopy(m), name=f"{m['name']}-{i:04d}", host=name, served_model_name=served)
             )
+    if (
+        multinode
+    ):  # each pair of hosts: its second model one TP=4 group over GPUs 2-3 of both (docs/multi-node.md)
+        second = base["models"][1]["name"]
+        kept = []
+        for m in models:
+            i = int(m["name"].rsplit("-", 1)[1])
+            if not m["name"].startswith(second + "-"):
+                kept.append(m)
+            elif i % 2 == 0 and i + 1 < n:
+                peer = f"gpu-{i + 1:04d}"
+                placement = [{"host": m["host"], "gpus": [2, 3]}, {"host": peer, "gpus": [2, 3]}]
+                kept.append(dict(m, tensor_parallel_size=4, placement=placement))
+        models = kept
     spec = dict(base, name=f"scale-{n}", hosts=hosts, models=models)
     spec["gateway"] = dict(base["gateway"], host=hosts[0]["name"])
     return spec
@@ -86,6 +101,10 @@ def main() -> None:
         help="hosts per served model (0: every host serves the same two models; the gateway's upstream "
         "variants then grow with the square of the replica count)",
     )
+    ap.add_argument(
+        "--multinode", action="store_true",
+        help="each pair of hosts serves its second model as one TP=4 group over both (placement)",
+    )  # fmt: skip
     ap.add_argument("--keep", help="write the generated specs here (kept)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -96,7 +115,7 @@ def main() -> None:
     specs = {}
     for n in sizes:
         specs[n] = work / f"fleet-{n}.yml"
-        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas), sort_keys=False))
+        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas, a.multinode), sort_keys=False))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for r in range(a.rounds):

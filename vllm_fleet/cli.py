@@ -8,9 +8,12 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_fleet.fleet.spec import FleetSpec, SpecError, load_spec
+
+if TYPE_CHECKING:
+    from vllm_fleet.fleet.plan import Plan
 
 Handler = Callable[[argparse.Namespace], int]
 AddArgs = Callable[[argparse.ArgumentParser], None]
@@ -37,11 +40,29 @@ def _spec(path: str) -> FleetSpec:
     return load_spec(path)
 
 
+def _make_plan(a: argparse.Namespace, spec: FleetSpec) -> Plan:
+    from vllm_fleet.fleet.plan import make_plan
+
+    text = sys.stdin.read() if a.detected == "-" else Path(a.detected).read_text() if a.detected else ""
+    detected = json.loads(text) if text else None
+    lock_dir = Path(a.lock_dir) if a.lock_dir else None
+    if a.lock_dir is None and Path("locks").is_dir():
+        lock_dir = Path("locks")
+    return make_plan(
+        spec,
+        [Path(d) for d in a.models_dir],
+        allow_unchecked_flags=a.allow_unchecked_flags,
+        detected=detected,
+        fit_after_fetch=a.fit_after_fetch,
+        lock_dir=lock_dir,
+    )
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from vllm_fleet.fleet.plan import format_plan, make_plan
+    from vllm_fleet.fleet.plan import format_plan
 
     spec = _spec(a.spec)
-    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    plan = _make_plan(a, spec)
     if a.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -50,11 +71,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_render(a: argparse.Namespace) -> int:
-    from vllm_fleet.fleet.plan import format_plan, make_plan
+    from vllm_fleet.fleet.plan import format_plan
     from vllm_fleet.fleet.render import render_fleet
 
     spec = _spec(a.spec)
-    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    plan = _make_plan(a, spec)
     if not plan.ok and not a.force:
         print(format_plan(plan), file=sys.stderr)
         print("render: the plan is refused; nothing written", file=sys.stderr)
@@ -66,11 +87,10 @@ def _cmd_render(a: argparse.Namespace) -> int:
 
 
 def _cmd_context(a: argparse.Namespace) -> int:
-    from vllm_fleet.fleet.plan import make_plan
     from vllm_fleet.fleet.render import Renderer
 
     spec = _spec(a.spec)
-    plan = make_plan(spec, [Path(d) for d in a.models_dir])
+    plan = _make_plan(a, spec)
     if not plan.ok:
         for p in plan.problems:
             print(f"{a.spec}: {p}", file=sys.stderr)
@@ -127,6 +147,33 @@ def build_parser(
             default=[],
             metavar="DIR",
             help="where local copies of models are looked up for config.json (repeatable)",
+        )
+        sp.add_argument(
+            "--detected",
+            default="",
+            metavar="FILE",
+            help="JSON ('-': stdin) of what the play read on the hosts: {HOST: {gpus: [{name, memory_mib, "
+            "compute_capability}], memory_mib, models: {INSTANCE: {config, weight_bytes}}}}: detected GPUs "
+            "replace gpus.detect and fill unset GPU fields; the fetched models' config.json gives their size",
+        )
+        sp.add_argument(
+            "--fit-after-fetch",
+            action="store_true",
+            help="a model of unknown size or GPUs still to be detected are notes, not refusals (the play's "
+            "first plan; it plans again after the fetch)",
+        )
+        sp.add_argument(
+            "--allow-unchecked-flags",
+            action="store_true",
+            help="plan extra_args even when no argument list of the pinned vLLM release is captured "
+            "(managed flags are still refused)",
+        )
+        sp.add_argument(
+            "--lock-dir",
+            default=None,
+            metavar="DIR",
+            help="the lock folder: each stack an instance runs needs DIR/PROFILE-VERSION.txt (default: ./locks "
+            "when it exists, as where the playbook runs; '' = not checked)",
         )
         sp.set_defaults(handler=fn)
         return sp
@@ -224,6 +271,10 @@ PLUGINS: dict[str, Plugin] = {
     ),
     "tiny-model": Plugin(
         "vllm_fleet.devtools.tinymodel:add_args", "build the tiny random Qwen3 model + tokenizer offline"
+    ),
+    "tls": Plugin(
+        "vllm_fleet.fleet.tls:add_args",
+        "make the gateway's self-signed certificate (gateway.tls.self_signed; used by the gateway role)",
     ),
     "undrain": Plugin(
         "vllm_fleet.host.drain:add_undrain_args",

@@ -6,6 +6,9 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   (``vllm_fleet.host.launcher.load_config``) and the exporter.
 - ``StateFile``: ``{state_dir}/NAME.json``, written by the launcher (``Launcher.state_dict``), read by the
   host exporter (``vllm_fleet.host.exporter.read_instances``).
+- ``WorkerStateFile``: ``{state_dir}/workers/NAME.json``, written by a multi-node instance's headless rank
+  (``vllm_fleet.host.worker.state_dict``), read by the host exporter (``vllm_fleet.host.exporter.read_workers``);
+  in a folder of its own, so that the exporter's ``{state_dir}/*.json`` never takes a worker for an instance.
 - ``SERVICE_DEFAULTS``: the defaults of an instance's ``service`` settings: the spec's ``ServiceSettings``,
   the base unit ``vllm@.service`` and the launcher take them from here.
 
@@ -112,6 +115,8 @@ class InstanceConfig:
     shutdown_timeout: float = 30
     state_dir: str = "/run/vllm-fleet"
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    # the hosts (ranks) the engine group spans: 1, or len(placement) of a multi-node instance (docs/multi-node.md)
+    nnodes: int = 1
     # informational (the launcher does not act on them)
     profile: str = ""
     vllm_version: str = ""
@@ -152,6 +157,7 @@ class InstanceConfig:
             shutdown_timeout=_number(d.get("shutdown_timeout", 30), source, "shutdown_timeout"),
             state_dir=_string(d.get("state_dir") or "/run/vllm-fleet", source, "state_dir"),
             service=ServiceConfig.from_dict(_mapping(d.get("service") or {}, source, "service"), source),
+            nnodes=_integer(d.get("nnodes", 1), source, "nnodes"),
             profile=_string(d.get("profile", ""), source, "profile"),
             vllm_version=_string(d.get("vllm_version", ""), source, "vllm_version"),
             host=_string(d.get("host", ""), source, "host"),
@@ -200,6 +206,7 @@ class StateFile(TypedDict, total=False):
     failure_process: str | None
     failure_signal: str | None
     updated_at: float
+    stack: str  # the engine stack (venv folder name) the engine runs from: ``stack_of(command)``
 
 
 # key → (accepted JSON types, nullable)
@@ -225,15 +232,27 @@ _STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "failure_process": ((str,), True),
     "failure_signal": ((str,), True),
     "updated_at": ((int, float), False),
+    "stack": ((str,), False),
 }
 STATE_KEYS = tuple(_STATE_TYPES)
 
 
-def parse_state(data: Any, source: str = "") -> StateFile:
-    """Check a state file's content: every known key that is present has its type (unknown keys, from a
-    newer launcher, are kept). ``ContractError`` names the first wrong one."""
+def stack_of(command: list[str]) -> str:
+    """The engine stack an engine command runs from: the name of the venv folder holding its program
+    (``/opt/vllm-fleet/stacks/cpu-0.32.0-1a2b3c4d5e6f/bin/python`` → ``cpu-0.32.0-1a2b3c4d5e6f``); ""
+    when the program is not in a venv's ``bin``."""
+    if not command:
+        return ""
+    parts = command[0].rstrip("/").split("/")
+    return parts[-3] if len(parts) >= 3 and parts[-2] == "bin" and parts[-3] else ""
+
+
+def _check_types(
+    data: Any, types_of: dict[str, tuple[tuple[type, ...], bool]], source: str
+) -> dict[str, Any]:
+    """Every key of ``types_of`` that is present in ``data`` has its type (unknown keys are kept)."""
     d = _mapping(data, source, "(root)")
-    for key, (types, nullable) in _STATE_TYPES.items():
+    for key, (types, nullable) in types_of.items():
         if key not in d:
             continue
         v = d[key]
@@ -244,7 +263,13 @@ def parse_state(data: Any, source: str = "") -> StateFile:
         if not ok:
             want = "/".join(t.__name__ for t in types) + (" or null" if nullable else "")
             raise ContractError(f"{_where(source, key)}: expected {want}, got {v!r}")
-    return d  # type: ignore[return-value]
+    return d
+
+
+def parse_state(data: Any, source: str = "") -> StateFile:
+    """Check a state file's content: every known key that is present has its type (unknown keys, from a
+    newer launcher, are kept). ``ContractError`` names the first wrong one."""
+    return _check_types(data, _STATE_TYPES, source)  # type: ignore[return-value]
 
 
 def read_state(path: str | Path) -> StateFile:
@@ -255,3 +280,66 @@ def read_state(path: str | Path) -> StateFile:
     except ValueError as exc:
         raise ContractError(f"{p}: not JSON ({exc})") from None
     return parse_state(data, str(p))
+
+
+# ------------------------------------------------------------------------- a multi-node instance's workers
+
+WORKER_STATE_SUBDIR = "workers"  # {state_dir}/workers/NAME.json: not matched by the instances' *.json
+# waiting: for a connection to rank 0 (the unit just started); joined: connected to rank 0's TCPStore
+# (READY=1); rank0_gone: the connection went away for grace_seconds, the worker ends its engine and exits 1
+# (Restart=always starts a fresh one); exited: the engine exited, or the unit was stopped
+WORKER_STATES = ("waiting", "joined", "rank0_gone", "exited")
+
+
+class WorkerStateFile(TypedDict, total=False):
+    """``{state_dir}/workers/NAME.json``: a headless rank's view of its group, rewritten (tmp file + rename)
+    on every change of state. Readers must accept a missing key: ``total=False``."""
+
+    instance: str
+    served_model_name: str
+    rank: int
+    nnodes: int
+    state: str  # WORKER_STATES
+    since: float  # when ``state`` began (epoch seconds)
+    master: str  # rank 0's master_addr:master_port
+    worker_pid: int
+    engine_pid: int | None
+    exit_code: int | None  # the worker's exit status once ``rank0_gone`` / ``exited``
+    reason: str | None  # why it left ``joined`` (rank 0's connection closed, the port does not answer ...)
+    updated_at: float
+
+
+_WORKER_STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    "instance": ((str,), False),
+    "served_model_name": ((str,), False),
+    "rank": ((int,), False),
+    "nnodes": ((int,), False),
+    "state": ((str,), False),
+    "since": ((int, float), False),
+    "master": ((str,), False),
+    "worker_pid": ((int,), False),
+    "engine_pid": ((int,), True),
+    "exit_code": ((int,), True),
+    "reason": ((str,), True),
+    "updated_at": ((int, float), False),
+}
+WORKER_STATE_KEYS = tuple(_WORKER_STATE_TYPES)
+
+
+def worker_state_path(state_dir: str | Path, name: str) -> Path:
+    return Path(state_dir) / WORKER_STATE_SUBDIR / f"{name}.json"
+
+
+def parse_worker_state(data: Any, source: str = "") -> WorkerStateFile:
+    """Check a worker state file's content like ``parse_state`` (unknown keys are kept)."""
+    return _check_types(data, _WORKER_STATE_TYPES, source)  # type: ignore[return-value]
+
+
+def read_worker_state(path: str | Path) -> WorkerStateFile:
+    """Read and check a worker state file (``OSError`` / ``ContractError`` as ``read_state``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise ContractError(f"{p}: not JSON ({exc})") from None
+    return parse_worker_state(data, str(p))

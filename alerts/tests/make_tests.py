@@ -205,6 +205,42 @@ def build() -> str:
             ],
         ),
     )
+    nodes = 'job="vllm-fleet-exporter", host="h1", instance="{i}", model="{i}-m"'
+    ws = 'job="vllm-fleet-exporter", host="{h}", instance="{i}", model="{i}-m", rank="{r}", state="{s}"'
+    partial = (
+        "1 rank(s) > 0 of the multi-node instance {i} ({i}-m, rank 0 on h1) have not joined rank 0 for 5m "
+        "(waiting for rank 0, rank 0 gone, exited, or their host not scraped): the engine group cannot serve "
+        "until every rank is in it."
+    )
+    doc += case(
+        "multi-node group: big (3 hosts) has rank 2 waiting (fires); pair (2 hosts): its worker's host reports nothing (fires)",
+        series("vllm_fleet_instance_nodes", nodes.format(i="big"), "3x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h2", i="big", r="1", s="joined"), "1x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h3", i="big", r="2", s="joined"), "0x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h3", i="big", r="2", s="waiting"), "1x10")
+        + series("vllm_fleet_instance_nodes", nodes.format(i="pair"), "2x10"),
+        fires_after(
+            "VllmMultiNodeGroupPartial",
+            "4m",
+            "6m",
+            [
+                ({"host": "h1", "instance": "big", "model": "big-m"}, partial.format(i="big")),
+                ({"host": "h1", "instance": "pair", "model": "pair-m"}, partial.format(i="pair")),
+            ],
+        ),
+    )
+    doc += case(
+        "multi-node group: every rank joined (silent); pair's worker waits 3m at a start, then joins (silent)",
+        series("vllm_fleet_instance_nodes", nodes.format(i="big"), "3x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h2", i="big", r="1", s="joined"), "1x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h3", i="big", r="2", s="joined"), "1x10")
+        + series("vllm_fleet_instance_nodes", nodes.format(i="pair"), "2x10")
+        + series("vllm_fleet_worker_state", ws.format(h="h2", i="pair", r="1", s="waiting"), "1 1 1 0x7")
+        + series("vllm_fleet_worker_state", ws.format(h="h2", i="pair", r="1", s="joined"), "0 0 0 1x7"),
+        alert("VllmMultiNodeGroupPartial", "2m", [])
+        + alert("VllmMultiNodeGroupPartial", "4m", [])
+        + alert("VllmMultiNodeGroupPartial", "10m", []),
+    )
     doc += case(
         "CPU starvation: a starved check a minute on tiny (fires); 2 in all on tiny-b (silent)",
         series("vllm_fleet_probes_starved_total", rl, "0+1x10")

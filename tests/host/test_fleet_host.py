@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,10 +50,23 @@ def test_service_user(host: Any, vf: dict[str, Any]) -> None:
 
 
 def test_pinned_versions_installed(host: Any, vf: dict[str, Any]) -> None:
-    """Every package of the lock is installed at its locked version; vLLM is the spec's release."""
+    """Every package of the lock is installed at its locked version in the engine stack each instance's
+    config names (its own venv, with the lock it was installed from); vLLM is the spec's release."""
     engine_hosts_only(vf)
-    venv, prefix = vf["paths"]["venv"], vf["paths"]["prefix"]
-    lock = host.file(f"{prefix}/lock.txt").content_string.replace("\\\n", " ")
+    venvs = set()
+    for inst in vf["instances"]:
+        cfg = json.loads(
+            host.file(f"{vf['paths']['config_dir']}/instances/{inst['name']}.json").content_string
+        )
+        venvs.add(str(Path(cfg["command"][0]).parent.parent))
+    for venv in sorted(venvs):
+        check_stack(host, vf, venv)
+
+
+def check_stack(host: Any, vf: dict[str, Any], venv: str) -> None:
+    prefix = vf["paths"]["prefix"]
+    record = host.file(f"{venv}/lock.txt")
+    lock = (record if record.exists else host.file(f"{prefix}/lock.txt")).content_string.replace("\\\n", " ")
     pins = {}
     for line in lock.splitlines():
         line = line.strip()
@@ -137,7 +151,18 @@ def test_instance_configs_present(host: Any, vf: dict[str, Any]) -> None:
         f = host.file(f"{vf['paths']['config_dir']}/instances/{inst['name']}.json")
         assert f.exists
         cfg = json.loads(f.content_string)
-        assert cfg["port"] == inst["port"] and cfg["command"] == inst["command"]
+        assert cfg["port"] == inst["port"]
+        # the engine runs from the stack venv the role installed (PREFIX/stacks/ID, docs/ansible.md), not the
+        # fleet's own venv the spec names; the rest of the command is the rendered one
+        python = Path(cfg["command"][0])
+        assert (
+            python.name == "python" and python.parent.parent.parent == Path(vf["paths"]["prefix"]) / "stacks"
+        ), (
+            inst["name"],
+            cfg["command"][0],
+        )
+        assert host.file(str(python)).exists, cfg["command"][0]
+        assert cfg["command"][1:] == inst["command"][1:], inst["name"]
 
 
 def test_deployment_manifest(host: Any, vf: dict[str, Any]) -> None:

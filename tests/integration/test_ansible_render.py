@@ -42,7 +42,10 @@ PLAYBOOK = """
 """
 
 
-@pytest.mark.parametrize("example", ["tiny-cpu-2hosts.yml", "seed-004-4xa100.yml"])
+@pytest.mark.parametrize(
+    "example",
+    ["tiny-cpu-2hosts.yml", "seed-004-4xa100.yml", "tiny-cpu-multinode.yml", "seed-001-cpu-fallback.yml"],
+)
 def test_ansible_renders_what_vllm_fleet_render_renders(example: str, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the role sets owner root")

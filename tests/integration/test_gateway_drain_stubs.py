@@ -1,6 +1,7 @@
 """Drain through the real nginx gateway, with stub engines (tiny HTTP servers that say who they are, or
 answer 503 like a full engine): the router overlays the drained set on routes.json and walks the remaining
-servers of the upstream; the rendered files are never edited and nginx is never reloaded."""
+servers of the upstream; the rendered files are never edited and nginx is never reloaded. The same stubs
+check the cache-aware routing policy: prefix affinity, its load bound, failover, spill-over and drains."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,13 @@ pytestmark = pytest.mark.skipif(
 
 
 class Stub:
-    """An engine stand-in on a free port: 200 {"served_by": NAME} (or ``status`` when set)."""
+    """An engine stand-in on a free port: 200 {"served_by": NAME} (or ``status`` when set), after ``delay``
+    seconds; ``busy``/``peak``: requests in flight now / at most."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.status, self.hits = name, 200, 0
+        self.name, self.status, self.hits, self.delay = name, 200, 0, 0.0
+        self.busy = self.peak = 0
+        self.lock = threading.Lock()
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -38,7 +44,14 @@ class Stub:
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                stub.hits += 1
+                with stub.lock:
+                    stub.hits += 1
+                    stub.busy += 1
+                    stub.peak = max(stub.peak, stub.busy)
+                if stub.delay:
+                    time.sleep(stub.delay)
+                with stub.lock:
+                    stub.busy -= 1
                 body = json.dumps({"served_by": stub.name, "status": stub.status}).encode()
                 self.send_response(stub.status)
                 self.send_header("Content-Type", "application/json")
@@ -168,5 +181,176 @@ def test_a_refused_connection_is_retried_even_without_retry_non_idempotent(
         assert drain(g, "drain", "a").returncode == 0
         assert ask(g, 4) == [(200, "c")] * 4
         assert {e["upstream_status"] for e in g.log()[-4:]} == {"502 : 200"}  # x refused, then c
+    finally:
+        g.stop()
+
+
+# ----------------------------------------------------------------------------- routing.policy cache_aware
+
+CA = {"policy": "cache_aware", "max_conns": 2}
+
+
+def _reset(stubs: dict[str, Stub]) -> None:
+    for s in stubs.values():
+        s.status, s.delay, s.peak = 200, 0.0, 0
+
+
+def _ca_gw(stubs: dict[str, Stub], tmp: Path, **gw: Any) -> Gateway:
+    _reset(stubs)
+    return _gw(
+        tmp,
+        [{"name": n, "port": stubs[n].port, "routing": CA} for n in ("a", "b", "c")]
+        + [{"name": "d", "port": stubs["d"].port, "role": "backup", "routing": CA}],
+        **gw,
+    )
+
+
+def tenant(p: int, q: int = 0, **kw: Any) -> dict[str, Any]:
+    """A chat request of tenant p: a long system prompt (the shared prefix), question q."""
+    system = f"You are the assistant of tenant {p}. " * 30
+    return chat_body(
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": f"q{q}"}], **kw
+    )
+
+
+def served(g: Gateway, body: dict[str, Any], path: str = "/v1/chat/completions", **headers: str) -> str:
+    st, b = http_json("POST", g.url + path, body, headers=headers or None)
+    assert st == 200, (st, b)
+    return str(b["served_by"])
+
+
+def test_cache_aware_keeps_each_prefix_on_one_instance(stubs: dict[str, Stub], tmp_path: Path) -> None:
+    g = _ca_gw(stubs, tmp_path)
+    try:
+        home = {p: served(g, tenant(p)) for p in range(12)}
+        assert set(home.values()) <= {"a", "b", "c"} and len(set(home.values())) >= 2  # spread, no backup
+        for q in range(1, 4):  # every question of a tenant, every turn of a conversation: its instance
+            for p in range(12):
+                assert served(g, tenant(p, q)) == home[p]
+        turn2 = tenant(5)
+        turn2["messages"] += [
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": "more"},
+        ]
+        assert served(g, turn2) == home[5]
+        # the key does not depend on how the model is named (path, header, body)
+        assert served(g, tenant(7), "/models/tiny-qwen3/v1/chat/completions") == home[7]
+        assert served(g, dict(tenant(7), model="ignored"), **{"X-Model-Name": "tiny-qwen3"}) == home[7]
+        assert wait_for(lambda: len(g.log()) >= 12 * 4 + 3, 5)
+        log = g.log()
+        assert {e["upstream"] for e in log} == {"m_tiny_qwen3__ca"}
+        keys = {e["prefix_key"] for e in log}
+        assert len(keys) == 12 and all(len(k) == 16 for k in keys)  # a hash, never the prompt
+        assert not any("tenant" in json.dumps(e) for e in log)
+    finally:
+        g.stop()
+
+
+def test_cache_aware_gives_way_at_the_bound_and_spills_a_full_engine(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    g = _ca_gw(stubs, tmp_path)
+    try:
+        home = served(g, tenant(1))
+        stubs[home].delay = 0.5
+        # 6 at once, one prefix: the home instance takes max_conns (2), the rest go elsewhere
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(lambda q: served(g, tenant(1, q)), range(6)))
+        assert stubs[home].peak == 2
+        assert got.count(home) == 2 and len(set(got)) >= 2
+        stubs[home].delay = 0.0
+        assert served(g, tenant(1, 9)) == home  # below the bound again: back home
+        # the home instance answers 503 (full): the request spills to another instance, never ejects it
+        stubs[home].status = 503
+        other = served(g, tenant(1, 10))
+        assert other != home
+        spilled = g.find(lambda e: e["upstream"] == "m_tiny_qwen3__spill")
+        # the spill twin may try the full one again first (least_conn): "503 : 503, 200" or "503 : 200"
+        assert len(spilled) == 1 and spilled[0]["upstream_status"].startswith("503 : ")
+        assert spilled[0]["upstream_status"].endswith(", 200") or spilled[0]["upstream_status"] == "503 : 200"
+        stubs[home].status = 200
+        assert served(g, tenant(1, 11)) == home
+    finally:
+        g.stop()
+
+
+def test_cache_aware_fails_over_and_keeps_affinity_during_a_drain(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    dead = free_port()
+    _reset(stubs)
+    g = _gw(
+        tmp_path,
+        [
+            {"name": "a", "port": stubs["a"].port, "routing": CA},
+            {"name": "x", "port": dead, "routing": CA},  # a primary that is down
+            {"name": "b", "port": stubs["b"].port, "routing": CA},
+            {"name": "d", "port": stubs["d"].port, "role": "backup", "routing": CA},
+        ],
+    )
+    try:
+        got = [served(g, tenant(p)) for p in range(16)]  # the keys of x fail over before the first byte
+        assert set(got) <= {"a", "b"}
+        assert g.find(lambda e: e["upstream_status"].startswith("502"))  # x was tried
+        assert [served(g, tenant(p, 1)) for p in range(16)] == got  # and then stay where they went
+        assert drain(g, "drain", "a").returncode == 0
+        walk = [served(g, tenant(p, 2)) for p in range(8)]
+        assert set(walk) == {"b"}  # x is down: failover in the drained walk
+        assert drain(g, "drain", "b").returncode == 0  # only the dead x left: the backup serves
+        assert {served(g, tenant(p, 3)) for p in range(4)} == {"d"}
+        for n in ("a", "b"):
+            assert drain(g, "undrain", n).returncode == 0
+        assert [served(g, tenant(p, 4)) for p in range(16)] == got
+    finally:
+        g.stop()
+
+
+def test_cache_aware_without_a_prompt_and_with_every_primary_down(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    _reset(stubs)
+    g = _gw(
+        tmp_path,
+        [
+            {"name": "x", "port": free_port(), "routing": CA},
+            {"name": "y", "port": free_port(), "routing": CA},
+            {"name": "d", "port": stubs["d"].port, "role": "backup", "routing": CA},
+        ],
+    )
+    try:
+        # no prompt (no key): the model's upstream, least_conn
+        st, b = http_json("POST", g.url + "/v1/embeddings", {"model": "tiny-qwen3"})
+        assert st == 200 and b["served_by"] == "d"
+        assert g.find(lambda e: e["uri"] == "/v1/embeddings")[-1]["upstream"] == "m_tiny_qwen3"
+        # every primary down: from the ring back to the upstream, whose backup serves
+        assert served(g, tenant(1)) == "d"
+        e = g.find(lambda e: e["prefix_key"] != "")[-1]
+        assert e["upstream"] == "m_tiny_qwen3__ca:m_tiny_qwen3"
+        # the Anthropic API is keyed too (system + first user message)
+        body = {
+            "model": "tiny-qwen3",
+            "max_tokens": 4,
+            "system": "s " * 300,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        }
+        assert served(g, body, "/v1/messages") == "d"
+    finally:
+        g.stop()
+
+
+def test_cache_aware_drained_walk_keeps_each_key_on_one_instance(
+    stubs: dict[str, Stub], tmp_path: Path
+) -> None:
+    """While an instance is drained the router walks the others in an order ranked by the key (not at
+    random), so a prefix keeps its instance during a rolling restart."""
+    _reset(stubs)
+    g = _gw(tmp_path, [{"name": n, "port": stubs[n].port, "routing": CA} for n in ("a", "b", "c", "d")])
+    try:
+        assert drain(g, "drain", "d").returncode == 0
+        first = [served(g, tenant(p)) for p in range(12)]
+        assert "d" not in first and len(set(first)) >= 2
+        for q in (1, 2):
+            assert [served(g, tenant(p, q)) for p in range(12)] == first
+        assert {e["upstream"] for e in g.find(lambda e: e["prefix_key"] != "")} == {"m_tiny_qwen3__x__d"}
     finally:
         g.stop()

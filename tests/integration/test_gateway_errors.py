@@ -7,7 +7,6 @@ import http.client
 import json
 import shutil
 import ssl
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec
 from vllm_fleet.devtools.testing import free_port, http_json
+from vllm_fleet.fleet.tls import self_signed
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
@@ -49,12 +49,9 @@ def _gateway(tmp: Path, **gw: Any) -> Gateway:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gateway-errors")
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    # the certificate gateway.tls.self_signed makes (vllm-fleet tls self-signed), for the loopback address
+    made = self_signed(tmp / "tls", [], ["127.0.0.1"])
+    cert, key = made.certificate, made.key
     g = _gateway(
         tmp,
         max_body_size="64k",
@@ -141,12 +138,8 @@ def test_403_key_not_allowed_the_model_or_the_pool(gw: Gateway) -> None:
 
 def test_tls_redirects_plain_http(tmp_path: Path) -> None:
     """With tls: set, the plain port redirects to the TLS port (and still answers /health)."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    made = self_signed(tmp_path / "tls", ["localhost"], ["127.0.0.1"])
+    cert, key = made.certificate, made.key
     tls_port = free_port()
     g = _gateway(tmp_path, tls={"certificate": str(cert), "certificate_key": str(key), "port": tls_port})
     try:
@@ -156,8 +149,7 @@ def test_tls_redirects_plain_http(tmp_path: Path) -> None:
         assert r.status == 308
         assert r.getheader("Location") == f"https://127.0.0.1:{tls_port}/v1/chat/completions"
         assert http_json("GET", g.url + "/health")[0] == 200
-        ctx = ssl.create_default_context(cafile=str(cert))
-        ctx.check_hostname = False  # the certificate is for localhost
+        ctx = ssl.create_default_context(cafile=str(cert))  # verified: its names include 127.0.0.1
         req = urllib.request.Request(f"https://127.0.0.1:{tls_port}/v1/models", headers=H(KEY1))
         with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
             assert resp.status == 200
@@ -285,7 +277,6 @@ def test_429_per_ip_limit(tmp_path: Path) -> None:
 def test_tls_listener(gw: Gateway) -> None:
     assert gw.spec.gateway.tls is not None
     ctx = ssl.create_default_context(cafile=gw.spec.gateway.tls.certificate)
-    ctx.check_hostname = False
     req = urllib.request.Request(f"https://127.0.0.1:{gw.spec.gateway.tls.port}/v1/models", headers=H(KEY2))
     with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
         assert r.status == 200 and "tiny-qwen3" in r.read().decode()

@@ -376,10 +376,20 @@ def test_worker_hung_while_busy_is_restarted_by_the_watchdog(host: Remote) -> No
     worker = host.sh(f"pgrep -g {pgid} -f '^VLLM::Worker'").split()
     assert len(worker) == 1, worker
     copy_burst_script(host)
-    # 16 × 1000 tokens (8 running, 8 waiting): minutes of work, so requests still run when the worker stops
-    host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/burst.py 8101 tiny-a 16 1000 >/tmp/hang.out 2>&1 &")
+    # 24 × 1000 tokens (8 running, 16 waiting: the queue bound): so requests still run when the worker stops
+    # (16 took 10 s on an idle machine, and the stop came after they had finished: the launcher then named a
+    # stopped process, not a stall)
+    host.sh("nohup /opt/vllm-fleet/venv/bin/python /tmp/burst.py 8101 tiny-a 24 1000 >/tmp/hang.out 2>&1 &")
+    running = (
+        "import re,urllib.request as u;"
+        "t=u.urlopen('http://127.0.0.1:8101/metrics',timeout=5).read().decode();"
+        "print(sum(float(v) for v in re.findall(r'^vllm:num_requests_running\\{[^}]*\\} (\\S+)$',t,re.M)))"
+    )
     host.wait(
-        lambda: host.state("tiny-a").get("last_probe_kind") in ("baseline", "progress"),
+        lambda: (
+            host.state("tiny-a").get("last_probe_kind") in ("baseline", "progress")
+            and float(host.py(running, timeout=30) or 0) >= 1
+        ),
         60,
         "tiny-a busy",
         0.3,

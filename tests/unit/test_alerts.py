@@ -28,6 +28,8 @@ EXPORTER_METRICS = {
     "vllm_fleet_instance_state",
     "vllm_fleet_instance_restarts_total",
     "vllm_fleet_gateway_requests_total",
+    "vllm_fleet_instance_nodes",
+    "vllm_fleet_worker_state",
 } | {PREFIX + name + ("_total" if kind == "counter" else "") for kind, name, _help, _key in STATE_METRICS}
 
 pytestmark = pytest.mark.skipif(
@@ -77,6 +79,7 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     data = spec_data()
     data["alerts"]["queue_wait_p99_seconds"] = 10.0
     data["alerts"]["kv_cache_warning"] = 0.97
+    data["alerts"]["multinode_partial_for"] = "10m"
     changed = render_rules(data, tmp_path / "changed")
     shutil.copy(changed, tmp_path / "vllm-fleet.rules.yml")
     shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
@@ -85,6 +88,7 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     )
     assert r.returncode != 0
     assert "VllmQueueWaitHigh" in r.stdout + r.stderr and "VllmKvCacheUsageHigh" in r.stdout + r.stderr
+    assert "VllmMultiNodeGroupPartial" in r.stdout + r.stderr
 
 
 def test_generated_test_file_is_current() -> None:
@@ -162,6 +166,7 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
         "preemptions_per_second": 0.77,
         "restart_loop_count": 7,
         "restart_loop_window": "37m",
+        "multinode_partial_for": "11m",
         "decode_stall_for": "3m",
         "rate_window": "4m",
         "kv_cache_for": "13m",
@@ -180,6 +185,7 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
     assert "> 0.25" in _expr(rules, "VllmTtftSloBreached", 'instance="tiny-b"')
     assert "> 0.77" in _expr(rules, "VllmPreemptions")
     assert "[37m]) >= 7" in _expr(rules, "VllmUnitRestartLoop")
+    assert {r["for"] for r in rules if r["alert"] == "VllmMultiNodeGroupPartial"} == {"11m"}
     assert "[3m]" in _expr(rules, "VllmDecodeStalled")
     assert {r["for"] for r in rules if r["alert"].startswith("VllmKvCache")} == {"13m"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_fleet.bench.client import build_payload
-from vllm_fleet.bench.prompts import PromptBuilder
+from vllm_fleet.bench.prompts import PromptBuilder, SharedPrefixes
 from vllm_fleet.bench.scenarios import Instance, failures_between
 from vllm_fleet.bench.workload import ProfileError, load_profile, override, parse_profile
 
@@ -118,3 +118,32 @@ def test_instances_and_failure_windows() -> None:
     rep = {"failures": [{"start": 1.0, "stream": True}, {"start": 5.0, "stream": False}]}
     assert failures_between(rep, 0.0, None) == {"total": 2, "streaming": 1, "non_streaming": 1}
     assert failures_between(rep, 2.0, 6.0)["non_streaming"] == 1
+
+
+def test_shared_prefix_tenants_and_conversations() -> None:
+    """Tenants share their system prompt (the same in every run with the seed); conversations grow turn by
+    turn and start again after `turns`; the size check counts the prefix and every turn."""
+    sp = {"groups": 3, "tokens": 40, "turns": 3}
+    data = {
+        **BASE,
+        "classes": {"t": {"share": 1, "input_tokens": 5, "output_tokens": 4, "shared_prefix": sp}},
+    }
+    c = parse_profile(data).classes["t"]
+    assert c.max_input_tokens == 40 + 3 * 5 + 2 * 4
+    words = ["w" + str(i) for i in range(50)]
+    a, b = SharedPrefixes(seed=7), SharedPrefixes(seed=7)
+    ba, bb = PromptBuilder(words, exact=True, seed=1), PromptBuilder(words, exact=True, seed=2)
+    seq_a = [a.messages(ba, c) for _ in range(30)]
+    seq_b = [b.messages(bb, c) for _ in range(30)]
+    systems = {m[0]["content"] for m in seq_a}
+    assert len(systems) == 3 and {m[0]["content"] for m in seq_b} == systems  # same prefixes, any builder
+    assert all(len(s.split()) == 40 + 2 for s in systems)  # "Tenant N." + 40 words
+    assert {len(m) for m in seq_a} == {2, 4, 6}  # 1, 2, 3 turns, then a new conversation
+    for m in seq_a:
+        assert [x["role"] for x in m] == ["system"] + ["user", "assistant"] * ((len(m) - 2) // 2) + ["user"]
+    chat = build_payload(c, "m", seq_a[0])
+    assert chat["messages"] == seq_a[0]
+    anth = build_payload(c.model_copy(update={"api": "anthropic"}), "m", seq_a[0])
+    assert anth["system"] == seq_a[0][0]["content"] and anth["messages"][0]["role"] == "user"
+    with pytest.raises(ProfileError, match="with the shared prefix"):
+        parse_profile({**data, "max_model_len": 60})

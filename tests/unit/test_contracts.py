@@ -17,6 +17,7 @@ from vllm_fleet.contracts import (
     ContractError,
     InstanceConfig,
     parse_state,
+    stack_of,
 )
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import ServiceSettings, load_spec
@@ -83,6 +84,17 @@ def test_the_launchers_state_is_a_state_file() -> None:
         "instance": "a",
         "new_key": 1,
     }  # older/newer launchers
+
+
+def test_the_state_file_names_the_stack_the_engine_runs_from() -> None:
+    venv = "/opt/vllm-fleet/stacks/cpu-0.32.0-0123456789ab"
+    cfg = InstanceConfig(name="a", served_model_name="m", model_path="/m", port=9,
+                         command=[f"{venv}/bin/python", "-m", "vllm_fleet.host.vllm_cpu_entry", "serve"])  # fmt: skip
+    assert Launcher(cfg).state_dict()["stack"] == "cpu-0.32.0-0123456789ab"
+    assert stack_of([f"{venv}/bin/vllm", "serve"]) == "cpu-0.32.0-0123456789ab"
+    assert stack_of(["/usr/bin/env", "x"]) == "usr" and stack_of(["python"]) == "" and stack_of([]) == ""
+    with pytest.raises(ContractError, match="stack: expected str"):
+        parse_state({"instance": "a", "stack": None})
 
 
 def test_service_defaults_are_one_place() -> None:

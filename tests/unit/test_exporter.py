@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,6 +50,15 @@ def test_state_file_metrics(tmp_path: Path) -> None:
     assert m[("vllm_fleet_probe_failures_total", lbl(**i))] == 2
     assert m[("vllm_fleet_instance_state_present", lbl(**i))] == 1
     assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+    # no stack in this (older launcher's) state file: no stack series
+    assert not [k for k in m if k[0] == "vllm_fleet_instance_stack_info"]
+
+
+def test_the_engine_stack_of_the_running_engine_is_exported(tmp_path: Path) -> None:
+    (tmp_path / "qwen3.json").write_text(json.dumps({**STATE, "stack": "cpu-0.32.0-0123456789ab"}))
+    m = scrape(FleetCollector(tmp_path, None, use_systemd=False))
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    assert m[("vllm_fleet_instance_stack_info", lbl(**i, stack="cpu-0.32.0-0123456789ab"))] == 1
 
 
 def test_state_changes_are_seen_at_the_next_scrape(tmp_path: Path) -> None:
@@ -166,3 +176,110 @@ def test_exporter_unit_per_host(tmp_path: Path) -> None:
     )  # reachable by Prometheus on h1 only
     assert "DynamicUser=yes" in h1 and "SupplementaryGroups=vllm adm" in h1
     assert "\n# Ansible managed\n" in "\n" + h1
+
+
+WORKER = {
+    "instance": "big", "served_model_name": "big-70b", "rank": 1, "nnodes": 2, "state": "joined",
+    "since": 1795940050.5, "master": "10.0.0.1:28001", "worker_pid": os.getpid(), "engine_pid": 78, "exit_code": None,
+    "reason": None, "updated_at": 1795940050.5,
+}  # fmt: skip
+
+
+def test_worker_state_file_metrics(tmp_path: Path) -> None:
+    """A multi-node rank's state file ({state_dir}/workers/NAME.json) is a worker, never an instance."""
+    st, wcfg = tmp_path / "st", tmp_path / "workers-cfg"
+    (st / "workers").mkdir(parents=True)
+    wcfg.mkdir()
+    (st / "workers" / "big.json").write_text(json.dumps(WORKER))
+    # configured on this host, not started yet: a worker without a state file
+    (wcfg / "other.json").write_text(json.dumps({"name": "other", "served_model_name": "o", "rank": 2}))
+    c = FleetCollector(st, None, use_systemd=False, worker_config_dir=wcfg)
+    m = scrape(c)
+    w = {"instance": "big", "model": "big-70b", "rank": "1"}
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="joined"))] == 1
+    for s in ("waiting", "rank0_gone", "exited"):
+        assert m[("vllm_fleet_worker_state", lbl(**w, state=s))] == 0
+    assert m[("vllm_fleet_worker_state_present", lbl(**w))] == 1
+    assert m[("vllm_fleet_worker_state_since_timestamp_seconds", lbl(**w))] == 1795940050.5
+    o = {"instance": "other", "model": "o", "rank": "2"}
+    assert m[("vllm_fleet_worker_state_present", lbl(**o))] == 0
+    assert m[("vllm_fleet_worker_state", lbl(**o, state="joined"))] == 0
+    assert not [k for k in m if k[0].startswith("vllm_fleet_instance_") and ("instance", "big") in k[1]]
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+    # the worker loses rank 0: seen at the next scrape; a broken worker file is a read error
+    (st / "workers" / "big.json").write_text(json.dumps({**WORKER, "state": "rank0_gone", "exit_code": 1}))
+    (st / "workers" / "bad.json").write_text(json.dumps({**WORKER, "rank": "one"}))
+    m = scrape(c)
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="rank0_gone"))] == 1
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="joined"))] == 0
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 1
+
+
+def test_a_killed_worker_is_not_reported_joined(tmp_path: Path) -> None:
+    """A worker killed outright (SIGKILL at a stop timeout, the OOM killer) leaves "joined" in its file: its
+    process being gone makes it "exited", so the partial-group alert counts the rank as missing."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "big.json").write_text(json.dumps({**WORKER, "worker_pid": gone.pid}))
+    m = scrape(FleetCollector(tmp_path, None, use_systemd=False))
+    w = {"instance": "big", "model": "big-70b", "rank": "1"}
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="exited"))] == 1
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="joined"))] == 0
+    # a finished state is left as it is
+    (tmp_path / "workers" / "big.json").write_text(
+        json.dumps({**WORKER, "worker_pid": gone.pid, "state": "rank0_gone"})
+    )
+    m = scrape(FleetCollector(tmp_path, None, use_systemd=False))
+    assert m[("vllm_fleet_worker_state", lbl(**w, state="rank0_gone"))] == 1
+
+
+def test_multi_node_group_size_from_the_instance_config(tmp_path: Path) -> None:
+    cfg, st = tmp_path / "cfg", tmp_path / "st"
+    cfg.mkdir()
+    st.mkdir()
+    (cfg / "big.json").write_text(
+        json.dumps({"name": "big", "served_model_name": "b", "port": 8001, "nnodes": 3})
+    )
+    (cfg / "one.json").write_text(json.dumps({"name": "one", "port": 8002, "nnodes": 1}))
+    (cfg / "old.json").write_text(json.dumps({"name": "old", "port": 8003}))  # an older release's config
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert m[("vllm_fleet_instance_nodes", lbl(instance="big", model="b"))] == 3
+    assert [k for k in m if k[0] == "vllm_fleet_instance_nodes"] == [
+        ("vllm_fleet_instance_nodes", lbl(instance="big", model="b"))
+    ]  # single-host instances: no series
+
+
+def test_worker_unit_restarts_come_from_systemctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NRestarts of vllm-worker@NAME.service, asked in the same one systemctl call form as vllm@NAME's."""
+    import vllm_fleet.host.exporter as exporter
+
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        units = [a for a in cmd if a.endswith(".service")]
+        out = "\n\n".join(f"Id={u}\nNRestarts={n + 4}" for n, u in enumerate(units))
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "big.json").write_text(json.dumps(WORKER))
+    m = scrape(FleetCollector(tmp_path, None, use_systemd=True))
+    key = lbl(instance="big", model="big-70b", rank="1", unit="vllm-worker@big.service")
+    assert m[("vllm_fleet_worker_restarts_total", key)] == 4
+    assert ["systemctl", "show", "--property=Id,NRestarts", "vllm-worker@big.service"] in calls
+    assert unit_restarts(["x"], "vllm-worker") == {"x": 4}
+
+
+def test_exporter_unit_reads_the_worker_configs(tmp_path: Path) -> None:
+    import yaml
+
+    from vllm_fleet.fleet.render import render_monitoring
+    from vllm_fleet.fleet.spec import parse_spec
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = parse_spec(yaml.safe_load((repo / "examples" / "tiny-cpu-multinode.yml").read_text()))
+    render_monitoring(spec, tmp_path, folders=("monitoring",))
+    unit = (tmp_path / "h2" / "etc/systemd/system/vllm-fleet-exporter.service").read_text()
+    assert "--worker-config-dir /etc/vllm-fleet/workers" in unit and "--state-dir /run/vllm-fleet" in unit

@@ -344,3 +344,72 @@ def test_open_gateway_only_when_asked_and_plan_warns(tmp_path: Path) -> None:
     assert any("gateway.auth: none" in w for w in make_plan(open_spec).warnings)
     conf = {r.dest: r.content for r in render_host(open_spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
     assert "return 401;" not in conf
+
+
+def test_cache_aware_renders_a_bounded_hash_twin_per_upstream(tmp_path: Path) -> None:
+    """routing.policy cache_aware: per upstream of the model with two primaries or more (main, pools) a twin
+    over its primaries only (nginx's hash takes no backup servers), `hash $vf_pkey consistent`, max_conns
+    from routing.max_conns or max_num_seqs; least_conn models get none; nginx -t passes."""
+    from vllm_fleet.fleet.spec import SpecError
+
+    ca = {"policy": "cache_aware", "prefix_chars": 256}
+    spec = gateway_spec(
+        [
+            {"name": "a", "port": 9001, "routing": ca, "max_num_seqs": 7},
+            {"name": "b", "port": 9002, "routing": ca, "max_num_seqs": 7, "pool": "high"},
+            {"name": "e", "port": 9006, "routing": ca, "max_num_seqs": 7, "pool": "high"},
+            {"name": "c", "port": 9003, "routing": ca, "role": "backup"},
+            {"name": "d", "port": 9004, "routing": ca, "role": "fallback"},
+            {"name": "q", "port": 9005, "served_model_name": "other"},
+            {"name": "r", "port": 9007, "served_model_name": "other"},
+        ],
+        tmp_path,
+    )
+    render_fleet(spec, tmp_path / "out")
+    g = NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
+    routes = json.loads(_routes_file(g).read_text())
+    tiny = routes["models"][routes["index"]["tiny-qwen3"]]
+    assert tiny["policy"] == "cache_aware" and tiny["prefix_chars"] == 256
+    # main (a, b, e) and the high pool (b, e); the default pool has one primary: nothing to choose
+    assert tiny["ca"] == {"m_tiny_qwen3": "m_tiny_qwen3__ca", "m_tiny_qwen3__high": "m_tiny_qwen3__high__ca"}
+    other = routes["models"][routes["index"]["other"]]
+    assert other["policy"] == "least_conn" and other["ca"] == {}
+    ups = g.upstreams_file.read_text()
+    block = ups.split("upstream m_tiny_qwen3__ca {")[1].split("}")[0]
+    assert "hash $vf_pkey consistent;" in block and "backup" not in block
+    assert block.count("max_conns=7") == 3 and ":9003" not in block and ":9004" not in block
+    assert ups.count("hash $vf_pkey") == 2
+    if HAVE_NGINX:
+        r = g.check()
+        assert r.returncode == 0, r.stderr
+    with pytest.raises(SpecError, match="share one routing policy"):
+        gateway_spec(
+            [
+                {"name": "a", "port": 9001, "routing": ca},
+                {"name": "b", "port": 9002, "routing": {"max_conns": 3}},
+            ],
+            tmp_path,
+        )
+
+
+def test_a_batch_size_change_under_least_conn_leaves_the_gateway_files_alone() -> None:
+    """A flag change (max_num_seqs) restarts only that instance: under least_conn no gateway file depends on
+    it, so nginx is not reloaded (a reload closes clients' idle keep-alive connections mid-rollout); under
+    cache_aware the bound follows it (max_conns defaults to max_num_seqs)."""
+    from vllm_fleet.fleet.spec import parse_spec
+
+    data = load_spec(REPO / "examples/tiny-cpu-2hosts.yml").model_dump(mode="json")
+
+    def gateway_files(d: dict[str, object]) -> dict[str, str]:
+        spec = parse_spec(json.loads(json.dumps(d)))
+        return {r.dest: r.content for r in render_host(spec, spec.gateway.host) if "/nginx/" in r.dest}
+
+    before = gateway_files(data)
+    data["models"][1]["max_num_seqs"] = 3
+    assert gateway_files(data) == before
+    for m in data["models"]:
+        m["routing"] = {"policy": "cache_aware"}
+    ca_before = gateway_files(data)
+    data["models"][1]["max_num_seqs"] = 5
+    changed = gateway_files(data)
+    assert changed != ca_before and "max_conns=5" in "".join(changed.values())

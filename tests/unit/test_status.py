@@ -66,6 +66,7 @@ def healthy(spec: FleetSpec, **hosts_up: int) -> list[Sample]:
             )
         out += [
             ({"__name__": "vllm_fleet_instance_phase_info", **lab, "phase": "serving", "reason": ""}, 1.0),
+            ({"__name__": "vllm_fleet_instance_stack_info", **lab, "stack": f"cpu-0.32.0-{name * 12}"}, 1.0),
             ({"__name__": "vllm_fleet_instance_ready_timestamp_seconds", **lab}, NOW - 3725),
             ({"__name__": "vllm_fleet_instance_restarts_total", **lab, "unit": f"vllm@{name}.service"}, 1.0),
             ({"__name__": "vllm_fleet_probe_success", **lab}, 1.0),
@@ -98,7 +99,15 @@ def test_a_healthy_fleet_is_serving(spec: FleetSpec) -> None:
     text = table(st)
     assert text.splitlines()[0].split() == [
         "HOST", "INSTANCE", "MODEL", "GPUS", "STATE", "SINCE", "RESTARTS", "PROBE", "RUN/WAIT", "KV", "GATEWAY",
+        "STACK",
     ]  # fmt: skip
+    # each instance's engine stack, as its exporter reports it (an upgrade in progress shows two)
+    assert [r.stack for r in st.rows] == [
+        "cpu-0.32.0-aaaaaaaaaaaa",
+        "cpu-0.32.0-bbbbbbbbbbbb",
+        "cpu-0.32.0-cccccccccccc",
+    ]
+    assert text.splitlines()[1].split()[-1] == "cpu-0.32.0-aaaaaaaaaaaa"
     assert "1h2m" in text and "ok 42ms" in text and "25%" in text and "c [fallback]" in text
     assert text.splitlines()[-1].startswith("3/3 instances serving")
     assert "\x1b[" not in text and "\x1b[32m" in table(st, colour=True)
@@ -241,3 +250,99 @@ def test_basic_auth_with_the_monitoring_password(tmp_path: Path, fake_prometheus
         [*cmd, "--prometheus-password-file", str(tmp_path / "none")], capture_output=True, text=True
     )
     assert out.returncode == 3 and "cannot read the password file" in out.stderr, out
+
+
+# ------------------------------------------------------------------------- a multi-node instance's workers
+
+
+def mn_doc() -> dict[str, Any]:
+    """spec_doc plus ``mn``: one model over h1 (rank 0) and h2 (rank 1, vllm-worker@mn)."""
+    doc = spec_doc()
+    doc["models"].append(
+        {"name": "mn", "served_model_name": "big", "source": {"path": "/models/tiny"}, "host": "h1",
+         "port": 8003, "placement": [{"host": "h1"}, {"host": "h2"}], "tensor_parallel_size": 2,
+         "kv_cache_memory_bytes": 67108864, "max_model_len": 1024}
+    )  # fmt: skip
+    return doc
+
+
+def group(spec: FleetSpec, worker: str = "joined", worker_host: str = "h2", **hosts_up: int) -> list[Sample]:
+    """healthy() plus mn's rank 0 (ready on h1) and its rank-1 worker's series (in state ``worker``)."""
+    out = healthy(spec, **hosts_up)
+    exp = "vllm-fleet-exporter"
+    lab = {"job": exp, "host": "h1", "instance": "mn", "model": "big"}
+    for state in ("loading", "ready", "draining", "failed", "stopped"):
+        out.append(
+            ({"__name__": "vllm_fleet_instance_state", **lab, "state": state}, float(state == "ready"))
+        )
+    out += [
+        ({"__name__": "vllm_fleet_probe_success", **lab}, 1.0),
+        ({"__name__": "up", "job": "vllm", "host": "h1", "instance": "mn", "model": "big"}, 1.0),
+    ]
+    if hosts_up.get(worker_host, 1):
+        w = {"job": exp, "host": worker_host, "instance": "mn", "model": "big", "rank": "1"}
+        for state in ("waiting", "joined", "rank0_gone", "exited"):
+            out.append(({"__name__": "vllm_fleet_worker_state", **w, "state": state}, float(state == worker)))
+        out += [
+            ({"__name__": "vllm_fleet_worker_state_since_timestamp_seconds", **w}, NOW - 125),
+            ({"__name__": "vllm_fleet_worker_restarts_total", **w, "unit": "vllm-worker@mn.service"}, 2.0),
+        ]
+    return out
+
+
+def test_a_joined_worker_is_a_serving_row_under_its_instance() -> None:
+    spec = parse_spec(mn_doc(), "test")
+    st = judge(spec, group(spec), "http://p", now=NOW)
+    assert [r.verdict for r in st.rows] == ["serving"] * 4 and st.exit_code == EXIT_SERVING
+    [w] = st.workers
+    assert (w.host, w.instance, w.model, w.rank, w.state, w.verdict, w.restarts, w.since) == (
+        "h2", "mn", "big", 1, "joined", "serving", 2, NOW - 125,
+    )  # fmt: skip
+    lines = table(st).splitlines()
+    i = next(n for n, line in enumerate(lines) if line.split()[1] == "mn")
+    assert lines[i + 1].split()[:7] == ["h2", "mn", "[rank", "1]", "big", "-", "joined"]
+    assert "2m5s" in lines[i + 1] and lines[i + 1].split()[-6] == "2"  # SINCE, RESTARTS
+    assert lines[-1].startswith("4/4 instances serving, 1/1 multi-node workers joined")
+    doc = st.to_dict()
+    assert doc["workers"][0]["state"] == "joined" and doc["exit_code"] == 0
+    # a spec without multi-node instances has no worker rows and the summary it always had
+    plain = parse_spec(spec_doc(), "t")
+    assert judge(plain, healthy(plain), now=NOW).workers == []
+
+
+@pytest.mark.parametrize(
+    ("worker", "verdict"), [("waiting", "degraded"), ("rank0_gone", "down"), ("exited", "down")]
+)
+def test_a_worker_not_joined_makes_its_group_not_serving(worker: str, verdict: str) -> None:
+    spec = parse_spec(mn_doc(), "test")
+    st = judge(spec, group(spec, worker), now=NOW)
+    [w] = st.workers
+    assert (w.state, w.verdict) == (worker, verdict)
+    mn = st.rows[3]
+    assert (mn.state, mn.verdict, mn.phase) == ("ready", "degraded", "rank 1 not joined")
+    # big has no other instance: no serving one left (exit 2, like any model without a serving instance)
+    assert st.models_down == ["big"] and st.exit_code == EXIT_DOWN
+    assert "ready (rank 1 not joined)" in table(st) and "0/1 multi-node workers joined" in table(st)
+
+
+def test_a_worker_nobody_reports_is_unknown_and_its_host_down_unreachable() -> None:
+    spec = parse_spec(mn_doc(), "test")
+    # the worker's series come from another host than its placement's: not this rank's (a stale state file)
+    st = judge(spec, group(spec, worker_host="h1"), now=NOW)
+    assert (st.workers[0].state, st.workers[0].verdict) == ("unknown", "down")
+    st = judge(spec, group(spec, h2=0), now=NOW)
+    assert (st.workers[0].state, st.workers[0].verdict) == ("unreachable", "down")
+    assert st.exit_code == EXIT_DOWN  # b's and c's host too; qwen still has a, other has none
+
+
+def test_a_waiting_worker_alone_degrades_the_exit_code() -> None:
+    """A group still forming while the model has another serving instance: exit 1, not 0."""
+    doc = mn_doc()
+    doc["models"][3]["served_model_name"] = "qwen"
+    spec = parse_spec(doc, "test")
+    samples = [
+        ({**lv, "model": "qwen"} if lv.get("instance") == "mn" else lv, v) for lv, v in group(spec, "waiting")
+    ]
+    st = judge(spec, samples, now=NOW)
+    assert st.models_down == [] and st.exit_code == EXIT_DEGRADED
+    assert [r.verdict for r in st.rows] == ["serving", "serving", "serving", "degraded"]

@@ -49,6 +49,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compare", nargs=2, metavar=("URL_A", "URL_B"), help="rounds A B B A …; B/A ratios")
     c.add_argument("--rounds", type=int, default=6, help="rounds per endpoint (default 6)")
     c.add_argument("--round-duration", type=float, default=10.0, help="seconds per round (default 10)")
+    c.add_argument(
+        "--metrics-url-b",
+        action="append",
+        help="B's engines' /metrics (repeatable), when they are not A's (default: --metrics-url for both)",
+    )
     sc = p.add_argument_group("scenarios")
     sc.add_argument("--scenario", choices=["failover", "rolling-restart"])
     sc.add_argument("--during", metavar="CMD", help="failover: command run at --at, e.g. 'ssh h1 …'")
@@ -154,7 +159,15 @@ def main(a: argparse.Namespace) -> int:
     if a.compare:
         url_a, url_b = a.compare
         res = asyncio.run(
-            compare_mod.compare(prof, url_a, url_b, a.rounds, a.round_duration, _options(a, url_a))
+            compare_mod.compare(
+                prof,
+                url_a,
+                url_b,
+                a.rounds,
+                a.round_duration,
+                _options(a, url_a),
+                metrics_b=None if a.no_metrics else a.metrics_url_b,
+            )
         )
         report_mod.write_json(res, out / f"{stem}-compare.json")
         print(compare_mod.table(res))

@@ -38,14 +38,21 @@ class Target:
         return self.base_url.rstrip("/") + PATHS[api]
 
 
-def build_payload(c: RequestClass, model: str, prompt: str, stream: bool | None = None) -> dict[str, Any]:
-    """The JSON body for class ``c`` (its API shape, thinking, JSON output, exact output length)."""
+def build_payload(
+    c: RequestClass, model: str, prompt: str | list[dict[str, str]], stream: bool | None = None
+) -> dict[str, Any]:
+    """The JSON body for class ``c`` (its API shape, thinking, JSON output, exact output length). ``prompt``:
+    the user message, or the messages (a shared-prefix class: system prompt first)."""
     do_stream = c.stream if stream is None else stream
     body: dict[str, Any] = {"model": model, "max_tokens": c.output_tokens, "stream": do_stream}
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if c.api == "openai-completions":
-        body["prompt"] = prompt
+        body["prompt"] = "".join(m["content"] for m in messages)
+    elif c.api == "anthropic" and messages[0]["role"] == "system":
+        body["system"] = messages[0]["content"]
+        body["messages"] = messages[1:]
     else:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = messages
     if c.api != "anthropic" and do_stream:
         body["stream_options"] = {"include_usage": True}
     if c.ignore_eos:
@@ -120,7 +127,7 @@ async def send(
     session: aiohttp.ClientSession,
     target: Target,
     c: RequestClass,
-    prompt: str,
+    prompt: str | list[dict[str, str]],
     t0: float,
     timeout: float,
     stream: bool | None = None,

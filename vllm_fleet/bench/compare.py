@@ -19,6 +19,7 @@ METRICS = {
     "requests_per_s": ("overall", "requests_per_s"),
     "ttft_p50_ms": ("ttft_ms", "p50"),
     "ttft_p95_ms": ("ttft_ms", "p95"),
+    "ttft_p99_ms": ("ttft_ms", "p99"),
     "e2e_p50_ms": ("e2e_ms", "p50"),
     "e2e_p95_ms": ("e2e_ms", "p95"),
     "itl_p50_ms": ("itl_ms", "p50"),
@@ -38,6 +39,8 @@ def round_figures(rep: dict[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name, (a, b) in METRICS.items():
         out[name] = o[b] if a == "overall" else o[a][b]
+    # the engines' prefix-cache hit rate over the round (every --metrics-url of the endpoint, summed)
+    out["prefix_cache_hit_rate"] = (rep.get("engine_metrics") or {}).get("prefix_cache_hit_rate")
     out["failed"] = o["failed"]
     return out
 
@@ -58,7 +61,7 @@ def spread(values: list[float]) -> dict[str, float | None]:
 def ratios(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """B/A per adjacent pair (rounds 1-2, 3-4, …), then median and spread per figure."""
     out: dict[str, dict[str, float | None]] = {}
-    for name in METRICS:
+    for name in (*METRICS, "prefix_cache_hit_rate"):
         vals = []
         for i in range(0, len(rounds) - 1, 2):
             pair = {
@@ -80,14 +83,18 @@ async def compare(
     round_duration: float,
     base: Options,
     warmup: float = 3.0,
+    metrics_b: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run ``rounds`` rounds per endpoint, interleaved; warm both up first (not measured)."""
+    """Run ``rounds`` rounds per endpoint, interleaved; warm both up first (not measured). ``metrics_b``: B's
+    engines' /metrics when they are not A's (default: the same)."""
     per_round = override(profile, duration=round_duration, warmup=0.0, warmup_requests=0)
     warm = override(profile, duration=warmup, warmup=0.0, warmup_requests=0)
     opts = {
         "A": Options(**{**base.__dict__, "url": url_a, "label": "A"}),
         "B": Options(**{**base.__dict__, "url": url_b, "label": "B"}),
     }
+    if metrics_b is not None:
+        opts["B"].metrics_urls = metrics_b
     async with _session(_limit(profile)) as sess:
         prepared = {k: await prepare(sess, profile, o) for k, o in opts.items()}
         for k, o in opts.items():
@@ -113,7 +120,16 @@ async def compare(
             for lab in ("A", "B")
         },
         "rounds": [{k: v for k, v in r.items() if k != "report"} for r in done],
+        "per_endpoint": {
+            lab: per_endpoint([r["figures"] for r in done if r["label"] == lab]) for lab in ("A", "B")
+        },
     }
+
+
+def per_endpoint(figs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Each figure over one endpoint's rounds: median and spread."""
+    names = (*METRICS, "prefix_cache_hit_rate")
+    return {n: spread([f[n] for f in figs if f.get(n) is not None]) for n in names}
 
 
 def _quiet(o: Options) -> Options:
@@ -128,9 +144,21 @@ def table(res: dict[str, Any]) -> str:
             "       -" if s[k] is None else f"{s[k]:>8.3f}" for k in ("median", "min", "p25", "p75", "max")
         )
         lines.append(f"{name:<22}{cells}{s['n']:>7}")
+    lines.append("")
+    lines.append(f"{'per endpoint (median [min..max])':<34}{'A':>24}{'B':>24}")
+    for name in (*METRICS, "prefix_cache_hit_rate"):
+        cells = ""
+        for lab in ("A", "B"):
+            s = res["per_endpoint"][lab][name]
+            cells += f"{'-':>24}" if s["median"] is None else f"{_fmt(s):>24}"
+        lines.append(f"{name:<34}{cells}")
     t = res["totals"]
     lines.append(
         f"failed requests: A {t['A']['failed']}/{t['A']['requests']},"
         f" B {t['B']['failed']}/{t['B']['requests']}"
     )
     return "\n".join(lines)
+
+
+def _fmt(s: dict[str, float | None]) -> str:
+    return f"{s['median']:.3g} [{s['min']:.3g}..{s['max']:.3g}]"

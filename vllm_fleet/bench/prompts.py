@@ -9,7 +9,9 @@ with a leading space are kept, so N words make N tokens. Without ``/tokenize`` t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -74,3 +76,42 @@ async def make_builder(
         return builder
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
         return PromptBuilder(list(WORDS), exact=False, seed=seed)
+
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class SharedPrefixes:
+    """The prompts of shared-prefix classes (``RequestClass.shared_prefix``): per class and tenant a system
+    prompt that depends only on the seed, the class name and the tenant (so every run and both endpoints of
+    a compare run send the same prefixes), and per tenant the conversation so far."""
+
+    seed: int = 0
+    _systems: dict[tuple[str, int], str] = field(default_factory=dict)
+    _history: dict[tuple[str, int], Messages] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(zlib.crc32(f"{self.seed}:tenants".encode()))
+
+    def system(self, builder: PromptBuilder, cls: str, group: int, tokens: int) -> str:
+        key = (cls, group)
+        if key not in self._systems:
+            b = PromptBuilder(
+                builder.words, builder.exact, seed=zlib.crc32(f"{self.seed}:{cls}:{group}".encode())
+            )
+            self._systems[key] = f"Tenant {group}." + b.build(tokens)
+        return self._systems[key]
+
+    def messages(self, builder: PromptBuilder, c: Any) -> Messages:
+        """The next request of class ``c``: a random tenant's system prompt, its conversation so far (turns >
+        1), a new question of ``c.input_tokens`` tokens."""
+        sp = c.shared_prefix
+        g = self._rng.randrange(sp.groups)
+        history = self._history.setdefault((c.name, g), [])
+        if len(history) >= 2 * (sp.turns - 1) + 1:  # the conversation had its turns: a new one
+            history.clear()
+        if history:  # the answer to the previous question (any text: the prompt is what the cache holds)
+            history.append({"role": "assistant", "content": builder.build(c.output_tokens)})
+        history.append({"role": "user", "content": builder.build(c.input_tokens)})
+        return [{"role": "system", "content": self.system(builder, c.name, g, sp.tokens)}, *history]

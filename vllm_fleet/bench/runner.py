@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from .client import Target, send
-from .prompts import PromptBuilder
+from .prompts import PromptBuilder, SharedPrefixes
 from .stats import RequestRecord
 from .workload import Profile
 
@@ -86,6 +86,7 @@ class Load:
         self._stop = asyncio.Event()
         self._measured_issued = 0
         self._rng = random.Random(profile.seed if seed is None else seed)
+        self.shared = SharedPrefixes(profile.seed)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -116,7 +117,12 @@ class Load:
 
     async def _one(self, session: aiohttp.ClientSession, warm: bool, counted: bool = False) -> None:
         c = self.chooser.next()
-        prompt = self.builder.build(c.input_tokens)
+        prompt: str | list[dict[str, str]]
+        prompt = (
+            self.shared.messages(self.builder, c)
+            if c.shared_prefix is not None
+            else self.builder.build(c.input_tokens)
+        )
         if not counted:
             self._count(warm)
         self.inflight += 1

@@ -21,6 +21,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class SharedPrefix(_Strict):
+    """Requests that share prompt prefixes (what prefix caching and cache-aware routing are for): ``groups``
+    tenants, each with a system prompt of ``tokens`` tokens, the same for every request of the tenant (and in
+    every run with the same seed); the class's ``input_tokens`` is then the question after it. ``turns`` > 1:
+    each request of a tenant continues the tenant's conversation (system prompt, the earlier questions and
+    answers of ``output_tokens`` words, a new question); after ``turns`` turns a new conversation starts."""
+
+    groups: int = Field(ge=1)
+    tokens: int = Field(ge=1)
+    turns: int = Field(default=1, ge=1)
+
+    def max_prompt_tokens(self, question: int, answer: int) -> int:
+        return self.tokens + self.turns * question + (self.turns - 1) * answer
+
+
 class RequestClass(_Strict):
     name: str = ""
     share: float = Field(gt=0, description="relative weight; shares are normalised to sum 1")
@@ -33,6 +48,13 @@ class RequestClass(_Strict):
     ignore_eos: bool = True  # generate exactly output_tokens (vLLM extension)
     temperature: float | None = None
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    shared_prefix: SharedPrefix | None = None
+
+    @property
+    def max_input_tokens(self) -> int:
+        if self.shared_prefix is None:
+            return self.input_tokens
+        return self.shared_prefix.max_prompt_tokens(self.input_tokens, self.output_tokens)
 
     @model_validator(mode="after")
     def _check(self) -> RequestClass:
@@ -76,9 +98,10 @@ class Profile(_Strict):
             raise ValueError("classes: at least one class is needed")
         for name, c in self.classes.items():
             c.name = name
-            if self.max_model_len and c.input_tokens + c.output_tokens > self.max_model_len:
+            if self.max_model_len and c.max_input_tokens + c.output_tokens > self.max_model_len:
                 raise ValueError(
-                    f"classes.{name}: input_tokens + output_tokens = {c.input_tokens + c.output_tokens}"
+                    f"classes.{name}: input_tokens + output_tokens = {c.max_input_tokens + c.output_tokens}"
+                    f"{' (with the shared prefix and every turn)' if c.shared_prefix else ''}"
                     f" exceeds max_model_len {self.max_model_len}"
                 )
         return self

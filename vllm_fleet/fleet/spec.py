@@ -7,6 +7,7 @@ The same file is the Ansible role's vars: the role calls ``vllm-fleet context`` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -14,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
 
@@ -186,8 +195,53 @@ Quantization = Literal[
 ]
 
 
+class Routing(_Model):
+    """How the gateway picks an instance of a served model (docs/gateway.md, "Routing policy")."""
+
+    # least_conn: the fewest requests in flight; cache_aware: the instance that has the request's prompt
+    # prefix cached (bounded-load consistent hashing of a key of the prompt's leading characters) until it
+    # holds max_conns requests, then the next one on the ring under its bound, then the least loaded
+    policy: Literal["least_conn", "cache_aware"] = "least_conn"
+    # the prefix key covers this many leading characters of the canonical prompt (system + messages, or
+    # prompt/input): requests that share them share an instance
+    prefix_chars: int = Field(512, ge=16, le=65536)
+    # requests in flight on one instance before the affinity gives way; None: the instance's max_num_seqs
+    # (its running batch is full), else the planner's suggested max_num_seqs
+    max_conns: int | None = Field(None, ge=1)
+
+
+def _gpu_indices(v: list[int]) -> list[int]:
+    """GPU indices of one host: >= 0, none twice (an instance's ``gpus``, a multi-node rank's)."""
+    if any(g < 0 for g in v):
+        raise ValueError("GPU indices must be >= 0")
+    if len(set(v)) != len(v):
+        raise ValueError(f"GPU indices repeat: {v}")
+    return v
+
+
+class NodePlacement(_Model):
+    """One rank of a multi-node instance (docs/multi-node.md): the host and its devices."""
+
+    host: str
+    gpus: list[int] = []
+
+    _unique_gpus = field_validator("gpus")(classmethod(lambda cls, v: _gpu_indices(v)))
+
+
+class Distributed(_Model):
+    """How the ranks of a multi-node instance reach each other (vLLM's multiprocessing backend)."""
+
+    # rank 0's torch TCPStore (--master-port); None: the plan picks port + 20000
+    master_port: int | None = Field(None, ge=1024, le=65535)
+    # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on every rank; empty: vLLM's choice
+    socket_ifname: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{0,15}$")] = ""
+    # infiniband: the units may open /dev/infiniband/* (RDMA for NCCL); untested on hardware
+    fabric: Literal["tcp", "infiniband"] = "tcp"
+
+
 class ModelInstance(_Model):
-    """One engine instance: ``vllm@NAME.service`` on ``host``."""
+    """One engine instance: ``vllm@NAME.service`` on ``host``; with ``placement`` over several hosts, ``host``
+    is rank 0 and every other rank runs ``vllm-worker@NAME.service`` (docs/multi-node.md)."""
 
     name: Annotated[str, Field(pattern=NAME_RE)]
     served_model_name: str = ""
@@ -195,6 +249,10 @@ class ModelInstance(_Model):
     host: str
     gpus: list[int] = []
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    # the ranks in order when the instance spans hosts; placement[0].host == host
+    placement: list[NodePlacement] = []
+    distributed: Distributed = Distributed()
     port: int = Field(ge=1024, le=65535)
     dtype: Dtype = "auto"
     quantization: Quantization | None = None
@@ -214,6 +272,8 @@ class ModelInstance(_Model):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # the engine stack it runs: a name of the top-level ``stacks``, or None / "default": the fleet's ``stack``
+    stack: str | None = None
     shutdown_timeout: int = Field(30, ge=0, le=3600)
     extra_args: list[str] = []
     env: dict[str, str] = {}
@@ -221,6 +281,8 @@ class ModelInstance(_Model):
     share_gpus: bool = False
     role: Literal["primary", "backup", "fallback"] = "primary"
     pool: str = "default"
+    # per served model: every instance of it that sets routing must set the same
+    routing: Routing | None = None
     shape: ModelShape = ModelShape()
     alerts: ModelAlerts = ModelAlerts()
     service: ServiceSettings = ServiceSettings()
@@ -229,6 +291,8 @@ class ModelInstance(_Model):
     def _defaults(self) -> ModelInstance:
         if not self.served_model_name:
             self.served_model_name = self.name
+        if self.placement and not self.gpus:
+            self.gpus = list(self.placement[0].gpus)  # rank 0's devices
         if self.max_num_queued_reqs and self.max_num_seqs and self.max_num_queued_reqs < self.max_num_seqs:
             raise ValueError(
                 f"max_num_queued_reqs {self.max_num_queued_reqs} is below max_num_seqs {self.max_num_seqs}: it "
@@ -237,20 +301,22 @@ class ModelInstance(_Model):
         return self
 
     @property
+    def nodes(self) -> list[NodePlacement]:
+        """The ranks: ``placement``, or the one host with its GPUs."""
+        return list(self.placement) or [NodePlacement(host=self.host, gpus=list(self.gpus))]
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.placement) > 1
+
+    @property
     def queue_bound(self) -> int | None:
         """Requests in flight (running + waiting) the engine admits; None when unbounded or unknown."""
         if self.max_num_queued_reqs is not None:
             return self.max_num_queued_reqs or None
         return 2 * self.max_num_seqs if self.max_num_seqs else None
 
-    @field_validator("gpus")
-    @classmethod
-    def _unique_gpus(cls, v: list[int]) -> list[int]:
-        if any(g < 0 for g in v):
-            raise ValueError("GPU indices must be >= 0")
-        if len(set(v)) != len(v):
-            raise ValueError(f"GPU indices repeat: {v}")
-        return v
+    _unique_gpus = field_validator("gpus")(classmethod(lambda cls, v: _gpu_indices(v)))
 
     @field_validator("extra_args")
     @classmethod
@@ -306,13 +372,32 @@ class RateLimit(_Model):
     per_ip_burst: int = Field(100, ge=0)
 
 
+SELF_SIGNED_DIR = "/etc/nginx/vllm-fleet-tls"
+
+
 class Tls(_Model):
-    certificate: str
-    certificate_key: str
+    # PEM paths on the gateway host; with self_signed they default to SELF_SIGNED_DIR/gateway.{crt,key}
+    certificate: str = ""
+    certificate_key: str = ""
+    # a certificate generated once on the controller (SECRETS/gateway-tls-HOST/, for the sandbox or an
+    # internal network) for the gateway host's name and address, deployed by the gateway role
+    self_signed: bool = False
     port: Port = 8443
     # the plain-HTTP port while TLS is on: "redirect" (308 to https; /health still answered), "off", or "serve"
     # (the API on both: only behind something that already encrypts, e.g. a private network)
     plain_http: Literal["redirect", "off", "serve"] = "redirect"
+
+    @model_validator(mode="after")
+    def _certificate_or_self_signed(self) -> Tls:
+        if self.self_signed:
+            self.certificate = self.certificate or f"{SELF_SIGNED_DIR}/gateway.crt"
+            self.certificate_key = self.certificate_key or f"{SELF_SIGNED_DIR}/gateway.key"
+        elif not (self.certificate and self.certificate_key):
+            raise ValueError(
+                "give certificate and certificate_key (PEM paths on the gateway host), or self_signed: true "
+                "for a certificate generated by the gateway role"
+            )
+        return self
 
 
 class GatewayClient(_Model):
@@ -422,6 +507,8 @@ class AlertThresholds(_Model):
     instance_down_for: str = "1m"
     restart_loop_count: int = Field(3, ge=1)
     restart_loop_window: str = "15m"
+    # VllmMultiNodeGroupPartial: a rank > 0 of a multi-node instance not joined to rank 0 for this long
+    multinode_partial_for: str = "5m"
     gateway_5xx_ratio: float = Field(0.05, gt=0, le=1)
     gateway_5xx_for: str = "5m"
     ttft_p99_slo_seconds: float = Field(2.5, gt=0)
@@ -484,9 +571,25 @@ class Firewall(_Model):
 # --------------------------------------------------------------------------- fleet
 
 
+@dataclasses.dataclass
+class _HostIndex:
+    key: tuple[int, int, int, int]
+    hosts: dict[str, Host] = dataclasses.field(default_factory=dict)
+    models: dict[str, list[ModelInstance]] = dataclasses.field(default_factory=dict)
+    workers: dict[str, list[tuple[ModelInstance, int]]] = dataclasses.field(default_factory=dict)
+    groups: dict[str, list[ModelInstance]] = dataclasses.field(default_factory=dict)
+
+
+# the name of the fleet's own ``stack`` (what an instance without ``stack`` runs)
+DEFAULT_STACK = "default"
+
+
 class FleetSpec(_Model):
     name: Annotated[str, Field(pattern=NAME_RE)] = "fleet"
     stack: Stack = Stack()
+    # more engine stacks, by name, for instances that run another profile or release than the fleet's
+    # (``models[].stack``), e.g. a CPU fallback instance beside GPU primaries
+    stacks: dict[str, Stack] = {}
     paths: Paths = Paths()
     hosts: list[Host]
     models: list[ModelInstance]
@@ -495,6 +598,7 @@ class FleetSpec(_Model):
     alerts: AlertThresholds = AlertThresholds()
     slack: Slack = Slack()
     firewall: Firewall = Firewall()
+    _index: _HostIndex | None = PrivateAttr(default=None)
 
     @field_validator("slack", mode="before")
     @classmethod
@@ -508,15 +612,67 @@ class FleetSpec(_Model):
                     )
         return v
 
+    @field_validator("stacks")
+    @classmethod
+    def _stack_names(cls, v: dict[str, Stack]) -> dict[str, Stack]:
+        for name in v:
+            if name == DEFAULT_STACK:
+                raise ValueError(f"{name!r} names the fleet's own `stack`: pick another name")
+            if not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"stack name {name!r} must match {NAME_RE}")
+        return v
+
     # ------------------------------------------------------------------ helpers
+    def stack_name(self, m: ModelInstance) -> str:
+        """The name of the stack ``m`` runs (``DEFAULT_STACK``: the fleet's ``stack``)."""
+        return m.stack or DEFAULT_STACK
+
+    def stack_of(self, m: ModelInstance) -> Stack:
+        """The stack ``m`` runs: ``stacks[m.stack]``, else the fleet's ``stack``."""
+        if m.stack and m.stack != DEFAULT_STACK:
+            return self.stacks[m.stack]  # KeyError for an unknown name (the spec's checks refuse it)
+        return self.stack
+
+    def named_stack(self, name: str) -> Stack:
+        return self.stack if name == DEFAULT_STACK else self.stacks[name]
+
+    def stacks_on(self, host: str) -> list[str]:
+        """The names of the stacks ``host`` runs (its instances', then its headless ranks'), in spec order."""
+        names = [self.stack_name(m) for m in self.models_on(host)]
+        names += [self.stack_name(m) for m, _ in self.workers_on(host)]
+        return list(dict.fromkeys(names))
+
+    def _by_host(self) -> _HostIndex:
+        """Hosts, instances, ranks and groups by host name, built once per hosts/models list: the render and
+        the context ask per host, and a scan of every model per host made a 1,000-host fleet quadratic."""
+        key = (id(self.hosts), len(self.hosts), id(self.models), len(self.models))
+        idx = self._index
+        if idx is None or idx.key != key:
+            idx = _HostIndex(key)
+            for h in self.hosts:
+                idx.hosts.setdefault(h.name, h)
+            for m in self.models:
+                idx.models.setdefault(m.host, []).append(m)
+                for r, n in enumerate(m.placement):
+                    idx.groups.setdefault(n.host, []).append(m)
+                    if r:
+                        idx.workers.setdefault(n.host, []).append((m, r))
+            self._index = idx
+        return idx
+
     def host(self, name: str) -> Host:
-        for h in self.hosts:
-            if h.name == name:
-                return h
-        raise KeyError(name)
+        return self._by_host().hosts[name]  # KeyError for an unknown name
 
     def models_on(self, host: str) -> list[ModelInstance]:
-        return [m for m in self.models if m.host == host]
+        return list(self._by_host().models.get(host, []))
+
+    def workers_on(self, host: str) -> list[tuple[ModelInstance, int]]:
+        """The (instance, rank) of each headless rank > 0 of a multi-node instance that runs on ``host``."""
+        return list(self._by_host().workers.get(host, []))
+
+    def groups_on(self, host: str) -> list[ModelInstance]:
+        """The multi-node instances with a rank (0 or more) on ``host``."""
+        return [m for m in self._by_host().groups.get(host, []) if m.multi_node]
 
     def model(self, name: str) -> ModelInstance:
         for m in self.models:
@@ -543,6 +699,32 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(root)"
 
 
+def _placement_checks(i: int, m: ModelInstance, host_names: list[str]) -> list[tuple[str, str]]:
+    """A multi-node instance's ranks: known hosts, each named once, rank 0 on ``host`` with its GPUs."""
+    problems: list[tuple[str, str]] = []
+    if not m.placement:
+        return problems
+    path = f"models[{i}].placement"
+    seen: dict[str, int] = {}
+    for r, n in enumerate(m.placement):
+        if n.host not in host_names:
+            problems.append(
+                (f"{path}[{r}].host", f"unknown host {n.host!r} (hosts: {', '.join(host_names)})")
+            )
+        if n.host in seen:
+            problems.append((f"{path}[{r}].host", f"host {n.host!r} is already rank {seen[n.host]}"))
+        seen.setdefault(n.host, r)
+    if m.placement[0].host != m.host:
+        problems.append(
+            (f"{path}[0].host", f"rank 0 runs the API server: it must be the instance's host {m.host!r}")
+        )
+    if m.gpus and m.gpus != m.placement[0].gpus:
+        problems.append(
+            (f"models[{i}].gpus", f"{m.gpus} differs from placement[0].gpus {m.placement[0].gpus}")
+        )
+    return problems
+
+
 def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     """Checks across fields that pydantic cannot see one field at a time."""
     problems: list[tuple[str, str]] = []
@@ -566,8 +748,12 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
             problems.append(
                 (f"models[{i}].host", f"unknown host {m.host!r} (hosts: {', '.join(host_names)})")
             )
-        if spec.stack.profile == "gpu" and not m.gpus:
+        if m.stack and m.stack != DEFAULT_STACK and m.stack not in spec.stacks:
+            known = ", ".join([DEFAULT_STACK, *spec.stacks])
+            problems.append((f"models[{i}].stack", f"unknown stack {m.stack!r} (stacks: {known})"))
+        elif spec.stack_of(m).profile == "gpu" and not m.gpus and not m.placement:
             problems.append((f"models[{i}].gpus", "the gpu profile needs at least one GPU index"))
+        problems += _placement_checks(i, m, host_names)
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
         if val and val not in host_names:
             problems.append((field, f"unknown host {val!r} (hosts: {', '.join(host_names)})"))
@@ -575,6 +761,19 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
         if name not in host_names:
             problems.append((f"firewall.open_tcp_ports.{name}", f"unknown host {name!r}"))
     served = {m.served_model_name for m in spec.models}
+    routing: dict[str, tuple[int, Routing]] = {}
+    for i, m in enumerate(spec.models):
+        if m.routing is None:
+            continue
+        first = routing.setdefault(m.served_model_name, (i, m.routing))
+        if first[1] != m.routing:
+            problems.append(
+                (
+                    f"models[{i}].routing",
+                    f"differs from models[{first[0]}].routing: instances of served model "
+                    f"{m.served_model_name!r} share one routing policy",
+                )
+            )
     for client, c in spec.gateway.clients.items():
         for j, model in enumerate(c.models):
             if model not in served:
@@ -629,4 +828,11 @@ def load_spec(path: str | Path) -> FleetSpec:
 
 def spec_hash(spec: FleetSpec) -> str:
     """A short digest of the normalised spec: the same on the controller (templates) and the hosts (manifest)."""
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    d = spec.model_dump(mode="json")
+    # a spec that names no extra stack hashes as it did before `stacks` / `models[].stack` existed
+    if not d["stacks"]:
+        del d["stacks"]
+    for m in d["models"]:
+        if m["stack"] is None:
+            del m["stack"]
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

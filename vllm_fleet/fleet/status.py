@@ -4,10 +4,13 @@ One instant query (``QUERY``) brings every series the table needs: the host expo
 (state, phase and failure reason, ready since, probe, restarts), each engine's own load (running / waiting
 requests, KV cache), the gateway's drained set and what each host has deployed (the manifest's spec hash).
 Rows are the spec's instances, so an instance Prometheus knows nothing about still shows — as unknown; a host
-whose exporter is not scraped is named as unreachable.
+whose exporter is not scraped is named as unreachable. A multi-node instance's ranks > 0 get a worker row
+each, under their instance (``vllm-worker@NAME`` on the rank's host: its state file via that host's exporter).
 
 Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
-draining, drained, probe failing) or ``down`` (failed, stopped, unreachable, unknown). Exit codes
+draining, drained, probe failing, a rank of its group not joined) or ``down`` (failed, stopped, unreachable,
+unknown); a worker row is ``serving`` (joined), ``degraded`` (waiting for rank 0) or ``down`` (rank 0 gone,
+exited, unknown, unreachable) and counts in the exit code like an instance row. Exit codes
 (``EXIT_*``): 0 every instance serving; 1 some instance is not, but every served model still has a serving
 instance; 2 a served model has none; 3 Prometheus could not be asked.
 """
@@ -34,12 +37,16 @@ METRICS = (
     "up",
     "vllm_fleet_instance_state",
     "vllm_fleet_instance_phase_info",
+    "vllm_fleet_instance_stack_info",
     "vllm_fleet_instance_ready_timestamp_seconds",
     "vllm_fleet_instance_restarts_total",
     "vllm_fleet_probe_success",
     "vllm_fleet_probe_latency_seconds",
     "vllm_fleet_gateway_drained",
     "vllm_fleet_deployed_info",
+    "vllm_fleet_worker_state",
+    "vllm_fleet_worker_state_since_timestamp_seconds",
+    "vllm_fleet_worker_restarts_total",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
@@ -73,6 +80,25 @@ class Row:
     waiting: int | None = None
     kv_cache: float | None = None
     rotation: str = "?"  # in | drained | ? (the gateway's exporter is not scraped)
+    stack: str = ""  # the engine stack the running engine was started from (its venv's name)
+
+
+@dataclass
+class WorkerRow:
+    """A rank > 0 of a multi-node instance: ``vllm-worker@INSTANCE`` on ``host``."""
+
+    host: str
+    instance: str
+    model: str
+    rank: int
+    gpus: list[int]
+    verdict: str = "down"  # serving (joined) | degraded (waiting) | down
+    state: str = "unknown"  # the worker's: waiting | joined | rank0_gone | exited; unknown; unreachable
+    since: float | None = None  # when the worker entered its state
+    restarts: int | None = None  # systemd NRestarts of vllm-worker@INSTANCE
+
+
+WORKER_VERDICTS = {"joined": "serving", "waiting": "degraded"}  # any other state: down
 
 
 @dataclass
@@ -90,6 +116,7 @@ class FleetStatus:
     prometheus: str
     at: float
     rows: list[Row] = field(default_factory=list)
+    workers: list[WorkerRow] = field(default_factory=list)  # ranks > 0 of multi-node instances
     hosts: list[HostStatus] = field(default_factory=list)
     models_down: list[str] = field(default_factory=list)  # served models without a serving instance
 
@@ -97,7 +124,8 @@ class FleetStatus:
     def exit_code(self) -> int:
         if self.models_down:
             return EXIT_DOWN
-        return EXIT_SERVING if all(r.verdict == "serving" for r in self.rows) else EXIT_DEGRADED
+        rows: list[Row | WorkerRow] = [*self.rows, *self.workers]
+        return EXIT_SERVING if all(r.verdict == "serving" for r in rows) else EXIT_DEGRADED
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -187,9 +215,31 @@ def judge(
         row = Row(m.host, m.name, m.served_model_name or m.name, m.role, list(m.gpus))
         _fill(row, idx, reachable.get(m.host, False), gateway_seen, spec.gateway.enabled)
         st.rows.append(row)
+        for rank, node in enumerate(m.placement[1:] if m.multi_node else [], start=1):
+            w = WorkerRow(node.host, m.name, row.model, rank, list(node.gpus))
+            _fill_worker(w, idx, reachable.get(node.host, False))
+            st.workers.append(w)
+        missing = [w.rank for w in st.workers if w.instance == m.name and w.state != "joined"]
+        if missing and row.verdict == "serving":
+            # vLLM needs every rank: a group with one missing is about to fail (or already has)
+            row.verdict = "degraded"
+            row.phase = "rank " + ", ".join(str(r) for r in missing) + " not joined"
     models = dict.fromkeys(r.model for r in st.rows)
     st.models_down = [x for x in models if not any(r.model == x and r.verdict == "serving" for r in st.rows)]
     return st
+
+
+def _fill_worker(w: WorkerRow, idx: _Index, host_up: bool) -> None:
+    if not host_up:
+        w.state, w.verdict = "unreachable", "down"
+        return
+    labels = {"instance": w.instance, "rank": str(w.rank), "host": w.host}
+    current = [lv["state"] for lv, v in idx.find("vllm_fleet_worker_state", **labels) if v == 1]
+    w.state = current[0] if current else "unknown"
+    w.verdict = WORKER_VERDICTS.get(w.state, "down")
+    w.since = idx.one("vllm_fleet_worker_state_since_timestamp_seconds", **labels) or None
+    restarts = idx.one("vllm_fleet_worker_restarts_total", **labels)
+    w.restarts = int(restarts) if restarts is not None else None
 
 
 def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: bool) -> None:
@@ -204,6 +254,8 @@ def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: boo
         return
     current = [lv["state"] for lv, v in idx.find("vllm_fleet_instance_state", instance=i) if v == 1]
     row.state = current[0] if current else "unknown"
+    stack = idx.find("vllm_fleet_instance_stack_info", instance=i)
+    row.stack = stack[0][0].get("stack", "") if stack else ""
     info = idx.find("vllm_fleet_instance_phase_info", instance=i)
     if info:
         row.phase = info[0][0].get("reason") or info[0][0].get("phase", "")
@@ -250,6 +302,7 @@ _COLUMNS = (
     "RUN/WAIT",
     "KV",
     "GATEWAY",
+    "STACK",
 )
 
 
@@ -289,9 +342,24 @@ def table(st: FleetStatus, colour: bool = False) -> str:
                 load,
                 kv,
                 r.rotation,
+                r.stack or "-",
             ]
         )
         verdicts.append(r.verdict)
+        for w in (w for w in st.workers if w.instance == r.instance):
+            lines.append(
+                [
+                    w.host,
+                    f"{w.instance} [rank {w.rank}]",
+                    w.model,
+                    ",".join(str(g) for g in w.gpus) or "-",
+                    w.state,
+                    _age(w.since, st.at),
+                    "-" if w.restarts is None else str(w.restarts),
+                    *["-"] * 5,
+                ]
+            )
+            verdicts.append(w.verdict)
     widths = [
         max(len(c), *(len(row[k]) for row in lines)) if lines else len(c) for k, c in enumerate(_COLUMNS)
     ]
@@ -310,6 +378,9 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
     serving = sum(r.verdict == "serving" for r in st.rows)
     summary = f"{serving}/{len(st.rows)} instances serving"
+    if st.workers:
+        joined = sum(w.state == "joined" for w in st.workers)
+        summary += f", {joined}/{len(st.workers)} multi-node workers joined"
     if st.models_down:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")

@@ -1,18 +1,25 @@
-"""``vllm-fleet doctor``: the engine stack checked layer by layer, one verdict line per layer.
+"""``vllm-fleet doctor``: the engine stack checked layer by layer, one verdict line (and a fix) per layer.
 
 CPU instruction sets (cpu profile: AVX2/AVX-512/BF16/AMX and the AMX permission vLLM-CPU's kernels need) →
-driver (nvidia-smi) → CUDA runtime (torch's CUDA build vs. the driver) → torch sees the GPUs → vLLM imports
-(and is the pinned release) → optional tiny load (``--load MODEL [--dtype D]``: a few tokens generated
-in-process in that dtype; a process of the load killed by a signal is named with the signal and its meaning).
-A layer that fails blocks the layers above it (they are reported as blocked, not run). On the cpu profile the
-GPU layers are skipped with a verdict that says so. Run it with the fleet venv's interpreter (the unit's
-``vllm-fleet``).
+driver (nvidia-smi, >= stack.min_driver) → gpus (the GPUs nvidia-smi lists against the spec's
+``hosts[].gpus`` and the GPUs the models use) → CUDA runtime (torch's CUDA build vs. the driver) → torch sees
+the GPUs → vLLM imports (and is the pinned release) → optional tiny load (``--load MODEL [--dtype D]``: a few
+tokens generated in-process in that dtype; a process of the load killed by a signal is named with the signal
+and its meaning). A layer that fails blocks the layers above it (they are reported as blocked, not run). On
+the cpu profile the GPU layers are skipped with a verdict that says so. ``--layers A,B`` runs only those
+layers (the play runs them as tasks, see docs/ansible.md).
+
+Run it with an engine stack's interpreter (``STACK/bin/vllm-fleet``: the layers from cuda-runtime up import
+torch and vLLM with ``sys.executable``). The layers below them (cpu-isa, driver, gpus) need only the standard
+library and this module's two imports (``cpu_features``, ``engine_death``): the preflight role runs them with
+a fresh host's ``python3``, before anything is installed (ansible/roles/preflight/files/run_module.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shutil
@@ -25,6 +32,19 @@ from vllm_fleet.host import cpu_features
 from vllm_fleet.host.engine_death import cause_in
 
 NVSMI_FIELDS = "index,name,uuid,driver_version,compute_cap,memory.total"
+# every layer, bottom up; the first three need no engine stack (no torch, no vLLM)
+LAYERS = ("cpu-isa", "driver", "gpus", "cuda-runtime", "torch-gpus", "vllm-import", "tiny-load")
+STACK_FREE_LAYERS = LAYERS[:3]
+# the fix of a stack that does not import: the play never installs into a stack venv once it is complete
+_REINSTALL = (
+    "fix the lock, or remove this stack's venv and rerun the playbook (it installs it from the lock again)"
+)
+# a unit in one of these states holds (or is about to hold) its GPUs
+_UNIT_BUSY_STATES = {"active", "activating", "reloading", "deactivating"}
+# a GPU with this much memory in use is taken, even when nvidia-smi lists no process (a container's view)
+_BUSY_MIB = 1024
+# the load's share of one GPU (decode_check's gpu_memory_utilization); weights above most of it cannot load
+_LOAD_GPU_SHARE = 0.2
 
 
 @dataclass
@@ -41,9 +61,16 @@ class Layer:
         return out + (f"\n{'':10}fix: {self.fix}" if self.fix else "")
 
 
-def run(cmd: list[str], timeout: float = 60) -> tuple[int, str, str]:
+def run(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``cmd``'s exit status, stdout and stderr; ``env``: variables added to this process's environment."""
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **env} if env else None,
+        )
     except FileNotFoundError:
         return 127, "", f"{cmd[0]}: not found"
     except subprocess.TimeoutExpired:
@@ -59,6 +86,11 @@ def parse_nvidia_smi(csv_text: str) -> list[dict[str, str]]:
         if len(vals) == len(keys):
             gpus.append(dict(zip(keys, vals, strict=True)))
     return gpus
+
+
+def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
+    """``gpus`` back as the query's CSV (what ``parse_nvidia_smi`` reads; the play hands it to the re-plan)."""
+    return "".join(", ".join(g[k] for k in NVSMI_FIELDS.split(",")) + "\n" for g in gpus)
 
 
 def nvidia_gpus() -> tuple[list[dict[str, str]], str]:
@@ -102,15 +134,23 @@ except md.PackageNotFoundError:
 print(json.dumps({"dist": dist, "version": md.version(dist), "module": vllm.__file__}))
 """
 
-_ERROR_LINE_RE = re.compile(r"\b(ERROR|CRITICAL)\b|^\w*(Error|Exception): ")
+# a Python exception line, also behind a process tag ("[rank0]: ModuleNotFoundError: ...")
+_EXCEPTION_LINE_RE = re.compile(r"(?:^|[\s:\]])\w*(Error|Exception): ")
+_ERROR_LINE_RE = re.compile(r"\b(ERROR|CRITICAL)\b")
 
 
 def _py_json(
-    code: str, args: list[str] | None = None, timeout: float = 300, module: bool = False
+    code: str,
+    args: list[str] | None = None,
+    timeout: float = 300,
+    module: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any] | None, str]:
     """Run Python code (or ``-m`` a module) in the venv's interpreter; its last stdout line as JSON, or the
-    failure's cause: a process killed by a signal (named), else the last error line, else the last line."""
-    rc, out, err = run([sys.executable, "-m" if module else "-c", code, *(args or [])], timeout)
+    failure's cause: a process killed by a signal (named), else the first exception line (the root cause
+    of a chain: vLLM's engine core traceback comes before the API server's "initialization failed"), else
+    the last ERROR line, else the last line."""
+    rc, out, err = run([sys.executable, "-m" if module else "-c", code, *(args or [])], timeout, env)
     if rc == 0:
         # the last line that is a JSON object: vLLM logs its shutdown to stdout after the result
         for line in reversed(out.strip().splitlines()):
@@ -123,6 +163,9 @@ def _py_json(
     if (death := cause_in(text)) is not None:
         return None, death.describe()
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    exceptions = [ln for ln in lines if _EXCEPTION_LINE_RE.search(ln)]
+    if exceptions:
+        return None, exceptions[0][:400]
     errors = [ln for ln in lines if _ERROR_LINE_RE.search(ln)]
     return None, (errors or lines or [f"exit {rc}"])[-1][:400]
 
@@ -185,23 +228,63 @@ def driver_layer(gpu: bool, min_driver: int = 0) -> Layer:
         return Layer("driver", "skip", "cpu profile: no NVIDIA driver needed")
     gpus, err = nvidia_gpus()
     if err or not gpus:
+        at_least = f" (>= {min_driver})" if min_driver else ""
         return Layer(
-            "driver", "fail", err or "nvidia-smi lists no GPU", "install the NVIDIA driver and reboot"
+            "driver",
+            "fail",
+            err or "nvidia-smi lists no GPU",
+            f"install the NVIDIA driver{at_least} and reboot",
         )
     drv = gpus[0]["driver_version"]
-    facts = {"driver": drv, "cuda_driver": driver_cuda_version(), "gpus": gpus}
+    facts = {
+        "driver": drv,
+        "cuda_driver": driver_cuda_version(),
+        "gpus": gpus,
+        "nvidia_smi": nvidia_smi_text(gpus),
+    }
     if min_driver and _ver_tuple(drv)[:1] < (min_driver,):
         return Layer("driver", "fail", f"driver {drv} < {min_driver} required by the pinned torch CUDA build",
                      f"install NVIDIA driver >= {min_driver}", facts)  # fmt: skip
     return Layer("driver", "ok", f"driver {drv}, {len(gpus)} GPU(s): {gpus[0]['name']}", facts=facts)
 
 
+def gpus_layer(
+    gpu: bool, gpus: list[dict[str, str]], needed: int = 0, host_gpus: dict[str, Any] | None = None
+) -> Layer:
+    """The GPUs nvidia-smi lists against the spec: at least the ``needed`` ones the models use, and unless
+    ``host_gpus`` (the spec's ``hosts[].gpus``; ``field``: its place in the spec) says ``detect: true``, its
+    count, model and compute capability."""
+    if not gpu:
+        return Layer("gpus", "skip", "cpu profile: no GPUs needed")
+    hg = host_gpus or {}
+    where = hg.get("field") or "hosts[].gpus"
+    names = sorted({g["name"] for g in gpus})
+    ccs = sorted({g["compute_cap"] for g in gpus})
+    have = f"nvidia-smi lists {len(gpus)}: {', '.join(names) or '-'} (cc {', '.join(ccs) or '-'})"
+    facts: dict[str, Any] = {"count": len(gpus), "names": names, "compute_caps": ccs}
+    fix = f"fix {where} in the spec (or set {where}.detect: true), or the inventory"
+    if not hg.get("detect"):
+        count, model, cc = hg.get("count") or 0, hg.get("model") or "", hg.get("compute_capability") or ""
+        if count and len(gpus) != count:
+            return Layer("gpus", "fail", f"{where}.count: the spec says {count} GPU(s) and the models use "
+                         f"{needed}, {have}", fix, facts)  # fmt: skip
+        if model and names != [model]:
+            return Layer("gpus", "fail", f"{where}.model: the spec says {model}, {have}", fix, facts)
+        if cc and ccs != [cc]:
+            return Layer(
+                "gpus", "fail", f"{where}.compute_capability: the spec says {cc}, {have}", fix, facts
+            )
+    if len(gpus) < needed:
+        return Layer("gpus", "fail", f"the models use {needed} GPU(s) on this host, {have}",
+                     f"fix the models' gpus (or {where}) in the spec, or the inventory", facts)  # fmt: skip
+    said = "detect: true" if hg.get("detect") else "as the spec says"
+    return Layer("gpus", "ok", f"{have}; the models use {needed}; {said}", facts=facts)
+
+
 def cuda_runtime_layer(gpu: bool, torch_facts: dict[str, Any] | None, err: str, drv_cuda: str) -> Layer:
     """torch imports, is a CUDA build (gpu profile), and the driver supports its CUDA version."""
     if torch_facts is None:
-        return Layer(
-            "cuda-runtime", "fail", f"import torch failed: {err}", "reinstall the venv from the lock"
-        )
+        return Layer("cuda-runtime", "fail", f"import torch failed: {err}", _REINSTALL)
     if not gpu:
         return Layer("cuda-runtime", "skip", f"cpu profile (torch {torch_facts['torch']}, no CUDA build needed)",
                      facts=torch_facts)  # fmt: skip
@@ -235,17 +318,18 @@ def vllm_layer(vllm_version: str = "") -> Layer:
     """vLLM imports, and is the pinned release when one is given."""
     vf, err = _py_json(PY_VLLM, timeout=180)
     if vf is None:
-        return Layer("vllm-import", "fail", f"import vllm failed: {err}", "reinstall the venv from the lock")
+        return Layer("vllm-import", "fail", f"import vllm failed: {err}", _REINSTALL)
     if vllm_version and vf["version"].split("+")[0] != vllm_version:
         return Layer("vllm-import", "fail", f"{vf['dist']} {vf['version']} installed, spec pins {vllm_version}",
                      "rerun the playbook (install tag)", vf)  # fmt: skip
     return Layer("vllm-import", "ok", f"{vf['dist']} {vf['version']} imports", facts=vf)
 
 
-def tiny_load_layer(load_model: str, profile: str, dtype: str) -> Layer:
-    """A few tokens generated from ``load_model`` in-process, in ``dtype`` (vllm_fleet.host.decode_check)."""
+def tiny_load_layer(load_model: str, profile: str, dtype: str, env: dict[str, str] | None = None) -> Layer:
+    """A few tokens generated from ``load_model`` in-process, in ``dtype`` (vllm_fleet.host.decode_check),
+    with ``env`` added (the instance's ``env`` from the spec, as its unit has it)."""
     res, err = _py_json(
-        "vllm_fleet.host.decode_check", [load_model, profile, dtype], timeout=600, module=True
+        "vllm_fleet.host.decode_check", [load_model, profile, dtype], timeout=600, module=True, env=env
     )
     if res is None:
         fix = (
@@ -258,6 +342,80 @@ def tiny_load_layer(load_model: str, profile: str, dtype: str) -> Layer:
                  f"(dtype {res.get('dtype', dtype)})", facts=res)  # fmt: skip
 
 
+def running_instance_gpus(instances_dir: str) -> dict[int, str]:
+    """{GPU index: instance} of the instances (configs in ``instances_dir``) whose ``vllm@`` unit is running
+    or starting: the GPUs they hold or are about to hold (the configs on disk are what they run with)."""
+    cfgs: dict[str, list[int]] = {}
+    try:
+        names = sorted(os.listdir(instances_dir))
+    except OSError:
+        return {}
+    for fn in names:
+        if fn.endswith(".json"):
+            try:
+                with open(os.path.join(instances_dir, fn)) as f:
+                    cfgs[fn[:-5]] = [int(g) for g in json.load(f).get("gpus") or []]
+            except (OSError, ValueError, TypeError):
+                continue
+    if not cfgs:
+        return {}
+    units = [f"vllm@{n}.service" for n in cfgs]
+    _rc, out, _ = run(["systemctl", "show", "-p", "ActiveState", "--value", *units], 30)
+    states = out.splitlines()
+    busy: dict[int, str] = {}
+    for (name, gpus), state in zip(cfgs.items(), states + [""] * len(cfgs), strict=False):
+        if state.strip() in _UNIT_BUSY_STATES:
+            busy.update({g: name for g in gpus})
+    return busy
+
+
+def gpu_usage() -> dict[str, tuple[int, bool]]:
+    """{GPU UUID: (MiB in use, whether nvidia-smi lists a compute process on it)}."""
+    _rc, out, _ = run(["nvidia-smi", "--query-gpu=uuid,memory.used", "--format=csv,noheader,nounits"], 30)
+    used = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[1].isdigit():
+            used[parts[0]] = int(parts[1])
+    _rc, out, _ = run(["nvidia-smi", "--query-compute-apps=gpu_uuid", "--format=csv,noheader"], 30)
+    procs = {ln.strip() for ln in out.splitlines() if ln.strip()}
+    return {u: (mib, u in procs) for u, mib in used.items()}
+
+
+def pick_idle_gpu(instances_dir: str) -> tuple[dict[str, str] | None, str]:
+    """A GPU no running instance uses (not in a running instance's config, no compute process, under
+    ``_BUSY_MIB`` in use), and the verdict when there is none."""
+    gpus, err = nvidia_gpus()
+    if err or not gpus:
+        return None, err or "nvidia-smi lists no GPU"
+    held, usage = running_instance_gpus(instances_dir), gpu_usage()
+    why = []
+    for g in gpus:
+        mib, procs = usage.get(g["uuid"], (0, False))
+        if int(g["index"]) in held:
+            why.append(f"GPU {g['index']}: instance {held[int(g['index'])]}")
+        elif procs or mib >= _BUSY_MIB:
+            why.append(f"GPU {g['index']}: {mib} MiB in use" + (" by a process" if procs else ""))
+        else:
+            return g, ""
+    return (
+        None,
+        f"every GPU is in use ({'; '.join(why)}): load skipped, it would take a running instance's memory",
+    )
+
+
+def model_weight_bytes(model: str) -> int:
+    """Bytes of the weight files in a model folder (0 when it is not a folder)."""
+    total = 0
+    for root, _dirs, files in os.walk(model):
+        total += sum(
+            os.path.getsize(os.path.join(root, f))
+            for f in files
+            if f.endswith((".safetensors", ".bin", ".pt"))
+        )
+    return total
+
+
 def check(
     profile: str,
     vllm_version: str = "",
@@ -265,32 +423,103 @@ def check(
     expect_gpus: int = 0,
     load_model: str = "",
     dtype: str = "auto",
+    env: dict[str, str] | None = None,
+    layers: list[str] | tuple[str, ...] | None = None,
+    host_gpus: dict[str, Any] | None = None,
+    idle_gpu: bool = False,
+    instances_dir: str = "/etc/vllm-fleet/instances",
 ) -> list[Layer]:
-    """Every layer, bottom up: CPU instruction sets, driver, CUDA runtime, torch sees the GPUs, vLLM imports,
-    the optional tiny load; a failed layer blocks the ones above it."""
-    gpu = profile == "gpu"
+    """The layers, bottom up (``layers``: only those, in that order; None: all): CPU instruction sets, driver,
+    the GPUs against the spec (``host_gpus``: its ``hosts[].gpus``; ``expect_gpus``: the GPUs the models use),
+    CUDA runtime, torch sees the GPUs, vLLM imports, the optional tiny load (``idle_gpu``: only on a GPU no
+    running instance uses, skipped when there is none); a failed layer blocks the ones above it."""
+    want = set(LAYERS if layers is None else layers)
+    # "gpu+cpu": a host that runs stacks of both profiles (models[].stack): its CPU checked for the cpu
+    # profile, its driver and GPUs for the gpu one
+    gpu = profile in ("gpu", "gpu+cpu")
     v = _Verdicts()
-    v.add(cpu_isa_layer(profile))
-    driver = v.add(driver_layer(gpu, min_driver))
+    if "cpu-isa" in want:
+        v.add(cpu_isa_layer("cpu" if profile == "gpu+cpu" else profile))
+    driver: Layer | None = None
+    if "driver" in want or "gpus" in want:
+        driver = driver_layer(gpu, min_driver)
+        if "driver" in want:
+            v.add(driver)
+    if "gpus" in want and v.gate("gpus"):
+        assert driver is not None
+        v.add(gpus_layer(gpu, driver.facts.get("gpus", []), expect_gpus, host_gpus))
     torch_facts: dict[str, Any] | None = None
-    if v.gate("cuda-runtime"):  # one torch import answers the CUDA runtime and the torch-gpus layers
+    if {"cuda-runtime", "torch-gpus"} & want and v.gate("cuda-runtime"):
+        # one torch import answers the CUDA runtime and the torch-gpus layers
         torch_facts, err = _py_json(PY_TORCH, timeout=120)
-        v.add(cuda_runtime_layer(gpu, torch_facts, err, driver.facts.get("cuda_driver", "")))
-    if v.gate("torch-gpus"):
+        if "cuda-runtime" in want:
+            drv_cuda = driver.facts.get("cuda_driver", "") if driver else driver_cuda_version() if gpu else ""
+            v.add(cuda_runtime_layer(gpu, torch_facts, err, drv_cuda))
+    if "torch-gpus" in want and v.gate("torch-gpus"):
         v.add(torch_gpus_layer(gpu, torch_facts, expect_gpus))
-    if v.gate("vllm-import"):
+    if "vllm-import" in want and v.gate("vllm-import"):
         v.add(vllm_layer(vllm_version))
+    if "tiny-load" not in want:
+        return v.layers
     if not load_model:
         v.add(Layer("tiny-load", "skip", "not requested (--load MODEL_PATH)"))
     elif v.gate("tiny-load"):
-        v.add(tiny_load_layer(load_model, profile, dtype))
+        load_env = dict(env or {})
+        if gpu and idle_gpu:
+            chosen, why = pick_idle_gpu(instances_dir)
+            if chosen is None:
+                return [*v.layers, Layer("tiny-load", "skip", why)]
+            share = _LOAD_GPU_SHARE * int(chosen["memory.total"] or 0) * 2**20
+            if (weights := model_weight_bytes(load_model)) > 0.75 * share:
+                return [*v.layers, Layer("tiny-load", "skip", f"{load_model} holds {weights / 2**30:.1f} GiB of "
+                        f"weights, more than the load's share of GPU {chosen['index']} ({share / 2**30:.1f} GiB)",
+                        "load a smaller model (--load)")]  # fmt: skip
+            load_env["CUDA_VISIBLE_DEVICES"] = chosen["uuid"]
+        v.add(tiny_load_layer(load_model, profile, dtype, load_env))
     return v.layers
 
 
+def _layer_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if bad := [n for n in names if n not in LAYERS]:
+        raise argparse.ArgumentTypeError(f"unknown layer(s) {', '.join(bad)}; layers: {', '.join(LAYERS)}")
+    return sorted(names, key=LAYERS.index)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", nargs="?", help="fleet spec (profile, pinned version, GPU count of --host)")
-    p.add_argument("--host", help="host in the spec (for the expected GPU count)")
-    p.add_argument("--profile", choices=["cpu", "gpu"], help="without a spec")
+    p.add_argument("spec", nargs="?", help="fleet spec (profile, pinned version, GPUs of --host)")
+    p.add_argument("--host", help="host in the spec (its GPUs, the GPUs its models use, their dtype and env)")
+    p.add_argument(
+        "--profile",
+        choices=["cpu", "gpu", "gpu+cpu"],
+        help="without a spec (gpu+cpu: a host running stacks of both profiles; host layers only)",
+    )
+    p.add_argument(
+        "--stack",
+        default="",
+        help="with a spec: the stack checked (a name of its `stacks`, or default; default: the first stack "
+        "--host runs) and, with --host, that stack's instances there",
+    )
+    p.add_argument(
+        "--layers",
+        type=_layer_list,
+        default=None,
+        metavar="A,B",
+        help=f"only these layers (of {','.join(LAYERS)}); default: all",
+    )
+    p.add_argument("--vllm-version", default=None, help="the pinned vLLM release (default: the spec's)")
+    p.add_argument("--min-driver", type=int, default=None, help="lowest NVIDIA driver (default: the spec's)")
+    p.add_argument(
+        "--expect-gpus", type=int, default=None, help="GPUs the models use (default: the spec's for --host)"
+    )
+    p.add_argument(
+        "--host-gpus",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='the spec\'s hosts[].gpus ({"count", "model", "compute_capability", "detect", "field"}); '
+        "default: --host's",
+    )
     p.add_argument(
         "--load", default="", metavar="MODEL_PATH", help="also load this model and generate 4 tokens"
     )
@@ -299,23 +528,53 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="",
         help="dtype of the --load decode (default: the instances' dtype on --host, else the model's own)",
     )
+    p.add_argument(
+        "--idle-gpu",
+        action="store_true",
+        help="gpu: load on a GPU no running instance uses (skipped with a verdict when every GPU is taken)",
+    )
+    p.add_argument(
+        "--instances-dir",
+        default="/etc/vllm-fleet/instances",
+        help="instance configs of this host (--idle-gpu: the GPUs of the running ones are taken)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
     profile, version, min_driver, expect, dtype = a.profile or "gpu", "", 0, 0, a.dtype or "auto"
+    env: dict[str, str] = {}
+    host_gpus: dict[str, Any] | None = None
     if a.spec:
         from vllm_fleet.fleet.spec import load_spec
 
         spec = load_spec(a.spec)
-        profile, version, min_driver = spec.stack.profile, spec.stack.vllm_version, spec.stack.min_driver
+        name = getattr(a, "stack", "") or (
+            (spec.stacks_on(a.host) or ["default"])[0] if a.host else "default"
+        )
+        stack = spec.named_stack(name)
+        profile, version, min_driver = stack.profile, stack.vllm_version, stack.min_driver
         if a.host:
-            expect = max((g for m in spec.models_on(a.host) for g in m.gpus), default=-1) + 1
-            dtypes = {m.dtype for m in spec.models_on(a.host)}
+            # the host's instances on that stack (their GPUs, dtype and env)
+            mine = [m for m in spec.models_on(a.host) if spec.stack_name(m) == name]
+            expect = max((g for m in mine for g in m.gpus), default=-1) + 1
+            index = [h.name for h in spec.hosts].index(a.host)
+            host_gpus = {**spec.hosts[index].gpus.model_dump(), "field": f"hosts[{index}].gpus"}
+            dtypes = {m.dtype for m in mine}
             if not a.dtype and len(dtypes) == 1:
                 dtype = dtypes.pop()
-    layers = check(a.profile or profile, version, min_driver, expect, a.load, dtype)
+            # the load runs with the environment the spec gives this host's engines (e.g. a sampler switch
+            # a carried stack needs); instances that disagree on a variable leave it out
+            envs = [m.env for m in mine]
+            env = {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
+    version = version if getattr(a, "vllm_version", None) is None else a.vllm_version
+    min_driver = min_driver if getattr(a, "min_driver", None) is None else a.min_driver
+    expect = expect if getattr(a, "expect_gpus", None) is None else a.expect_gpus
+    host_gpus = getattr(a, "host_gpus", None) or host_gpus
+    layers = check(a.profile or profile, version, min_driver, expect, a.load, dtype, env,
+                   getattr(a, "layers", None), host_gpus, getattr(a, "idle_gpu", False),
+                   getattr(a, "instances_dir", "/etc/vllm-fleet/instances"))  # fmt: skip
     if a.json:
         print(json.dumps([asdict(x) for x in layers], indent=2))
     else:
@@ -324,3 +583,11 @@ def _run(a: argparse.Namespace) -> int:
         bad = [x.name for x in layers if x.status == "fail"]
         print(f"verdict: {'FAIL at ' + bad[0] if bad else 'OK'}")
     return 1 if any(x.status == "fail" for x in layers) else 0
+
+
+def main(argv: list[str]) -> int:
+    """``vllm-fleet doctor ARGS`` without the rest of vllm-fleet (the preflight's run_module.py calls it)."""
+    p = argparse.ArgumentParser(prog="vllm-fleet doctor")
+    add_args(p)
+    a = p.parse_args(argv)
+    return int(a.handler(a))

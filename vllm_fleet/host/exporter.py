@@ -2,7 +2,10 @@
 
 Per instance it exports the launcher's state file (``{state_dir}/{name}.json``: loading / ready / draining /
 failed / stopped, probe latency and failures, load duration), the unit's restart count (systemd
-``NRestarts`` of ``vllm@NAME.service`` when systemd runs), NVML GPU metrics (nvidia-ml-py: utilisation,
+``NRestarts`` of ``vllm@NAME.service`` when systemd runs) and, for a multi-node instance, its group size;
+per headless rank of a multi-node instance on this host, the worker's state file
+(``{state_dir}/workers/{name}.json``: waiting / joined / rank0_gone / exited) and the restart count of
+``vllm-worker@NAME.service``; NVML GPU metrics (nvidia-ml-py: utilisation,
 memory, temperature, power, ECC, XID) when the host has NVIDIA GPUs, and — on the gateway host — request
 counts by model and status code from the gateway's JSON access log (the nginx exporter has no status codes).
 
@@ -31,7 +34,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from vllm_fleet.contracts import MANIFEST_PATH as MANIFEST_FILE
-from vllm_fleet.contracts import ContractError, StateFile, read_state
+from vllm_fleet.contracts import (
+    WORKER_STATE_SUBDIR,
+    WORKER_STATES,
+    ContractError,
+    StateFile,
+    WorkerStateFile,
+    read_state,
+    read_worker_state,
+)
 from vllm_fleet.files import read_json_object
 from vllm_fleet.host.drain import STATE_FILE as DRAIN_STATE_FILE
 
@@ -52,6 +63,7 @@ class Instance:
     model: str = ""
     port: int | None = None
     state: StateFile | None = None
+    nnodes: int = 1  # the instance config's: hosts the engine group spans
 
 
 def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
@@ -65,7 +77,13 @@ def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Insta
                 errors += 1
                 continue
             name = str(cfg.get("name") or p.stem)
-            found[name] = Instance(name, str(cfg.get("served_model_name") or name), cfg.get("port"))
+            nnodes = cfg.get("nnodes")
+            found[name] = Instance(
+                name,
+                str(cfg.get("served_model_name") or name),
+                cfg.get("port"),
+                nnodes=nnodes if isinstance(nnodes, int) and not isinstance(nnodes, bool) else 1,
+            )
     if state_dir.is_dir():
         for p in sorted(state_dir.glob("*.json")):
             try:
@@ -83,15 +101,76 @@ def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Insta
     return sorted(found.values(), key=lambda i: i.name), errors
 
 
+@dataclass
+class Worker:
+    """A headless rank > 0 of a multi-node instance on this host (``vllm-worker@NAME.service``)."""
+
+    name: str
+    model: str = ""
+    rank: int | None = None
+    state: WorkerStateFile | None = None
+
+
+def read_workers(state_dir: Path, config_dir: Path | None) -> tuple[list[Worker], int]:
+    """Workers known from their configs (``{config_dir}/workers/NAME.json``) and/or their state files
+    (``{state_dir}/workers/NAME.json``). Returns (workers, errors)."""
+    found: dict[str, Worker] = {}
+    errors = 0
+    if config_dir is not None and config_dir.is_dir():
+        for p in sorted(config_dir.glob("*.json")):
+            cfg = read_json_object(p)
+            if cfg is None:
+                errors += 1
+                continue
+            name = str(cfg.get("name") or p.stem)
+            rank = cfg.get("rank")
+            found[name] = Worker(
+                name, str(cfg.get("served_model_name") or name), rank if isinstance(rank, int) else None
+            )
+    wdir = state_dir / WORKER_STATE_SUBDIR
+    if wdir.is_dir():
+        for p in sorted(wdir.glob("*.json")):
+            try:
+                st = read_worker_state(p)
+            except (OSError, ContractError) as exc:
+                log.warning("%s", exc)
+                errors += 1
+                continue
+            name = str(st.get("instance") or p.stem)
+            w = found.setdefault(name, Worker(name))
+            pid = st.get("worker_pid")
+            if st.get("state") in ("waiting", "joined") and isinstance(pid, int) and not _alive(pid):
+                # killed (SIGKILL at a stop timeout, the OOM killer): it could not write its last state
+                st = {**st, "state": "exited", "reason": "the worker process is gone"}
+            w.state = st
+            w.model = w.model or str(st.get("served_model_name") or name)
+            w.rank = w.rank if w.rank is not None else st.get("rank")
+    return sorted(found.values(), key=lambda w: w.name), errors
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (any user's: EPERM means it does)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def systemd_available() -> bool:
     return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
 
 
-def unit_restarts(names: list[str]) -> dict[str, int]:
-    """``NRestarts`` of ``vllm@NAME.service`` per instance name (one systemctl call for all)."""
+def unit_restarts(names: list[str], template: str = "vllm") -> dict[str, int]:
+    """``NRestarts`` of ``TEMPLATE@NAME.service`` (``vllm@``, ``vllm-worker@``) per instance name (one
+    systemctl call for all)."""
     if not names:
         return {}
-    units = [f"vllm@{n}.service" for n in names]
+    units = [f"{template}@{n}.service" for n in names]
     try:
         out = subprocess.run(
             ["systemctl", "show", "--property=Id,NRestarts", *units],
@@ -106,8 +185,8 @@ def unit_restarts(names: list[str]) -> dict[str, int]:
     for block in out.strip().split("\n\n"):
         props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         unit, value = props.get("Id", ""), props.get("NRestarts", "")
-        if unit.startswith("vllm@") and value.isdigit():
-            result[unit.removeprefix("vllm@").removesuffix(".service")] = int(value)
+        if unit.startswith(f"{template}@") and value.isdigit():
+            result[unit.removeprefix(f"{template}@").removesuffix(".service")] = int(value)
     return result
 
 
@@ -393,9 +472,11 @@ class FleetCollector(Collector):
         use_systemd: bool | None = None,
         drain_state: Path | None = None,
         manifest: Path | None = None,
+        worker_config_dir: Path | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.config_dir = config_dir
+        self.worker_config_dir = worker_config_dir
         self.access_log = access_log
         self.nvml = nvml
         self.drain_state = drain_state
@@ -405,7 +486,10 @@ class FleetCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         started = time.monotonic()
         instances, errors = read_instances(self.state_dir, self.config_dir)
+        workers, worker_errors = read_workers(self.state_dir, self.worker_config_dir)
+        errors += worker_errors
         yield from self._instance_metrics(instances)
+        yield from self._worker_metrics(workers)
         if self.use_systemd:
             restarts = unit_restarts([i.name for i in instances])
             fam = CounterMetricFamily(
@@ -417,6 +501,18 @@ class FleetCollector(Collector):
                 if i.name in restarts:
                     fam.add_metric([i.name, i.model, f"vllm@{i.name}.service"], restarts[i.name])
             yield fam
+            if workers:
+                restarts = unit_restarts([w.name for w in workers], "vllm-worker")
+                wfam = CounterMetricFamily(
+                    PREFIX + "worker_restarts",
+                    "Automatic restarts of vllm-worker@NAME.service, a multi-node rank > 0 (systemd NRestarts)",
+                    labels=["instance", "model", "rank", "unit"],
+                )
+                for w in workers:
+                    if w.name in restarts:
+                        unit = f"vllm-worker@{w.name}.service"
+                        wfam.add_metric([w.name, w.model, _rank(w), unit], restarts[w.name])
+                yield wfam
         if self.access_log is not None:
             yield from self.access_log.metrics()
         yield from self._deployment_metrics()
@@ -504,10 +600,60 @@ class FleetCollector(Collector):
                     ],
                     1,
                 )
+        stack = GaugeMetricFamily(
+            PREFIX + "instance_stack_info",
+            "The engine stack (venv: profile-vLLM version-lock hash) the running engine was started from",
+            labels=[*lbl, "stack"],
+        )
+        for i in instances:
+            if i.state is not None and i.state.get("stack"):
+                stack.add_metric([i.name, i.model, str(i.state.get("stack"))], 1)
+        nodes = GaugeMetricFamily(
+            PREFIX + "instance_nodes",
+            "Hosts (ranks) the engine group of a multi-node instance spans (instance config; multi-node only)",
+            labels=lbl,
+        )
+        for i in instances:
+            if i.nnodes > 1:
+                nodes.add_metric([i.name, i.model], i.nnodes)
         yield state
         yield present
         yield phase
+        yield stack
+        yield nodes
         yield from (fam for fam, _, _ in fams)
+
+    def _worker_metrics(self, workers: list[Worker]) -> Iterator[Metric]:
+        """A multi-node instance's headless ranks on this host, labelled like the instance series plus
+        ``rank``: their state 0/1 per state (``WORKER_STATES``), whether a state file exists, since when."""
+        lbl = ["instance", "model", "rank"]
+        state = GaugeMetricFamily(
+            PREFIX + "worker_state",
+            "Multi-node worker (rank > 0) state: 1 for the current state (worker state file)",
+            labels=[*lbl, "state"],
+        )
+        present = GaugeMetricFamily(
+            PREFIX + "worker_state_present", "1 when the worker wrote a state file", labels=lbl
+        )
+        since = GaugeMetricFamily(
+            PREFIX + "worker_state_since_timestamp_seconds", "Time the worker entered its state", labels=lbl
+        )
+        for w in workers:
+            lv = [w.name, w.model, _rank(w)]
+            st = w.state or {}
+            present.add_metric(lv, 1 if w.state is not None else 0)
+            current = st.get("state")
+            for s in WORKER_STATES:
+                state.add_metric([*lv, s], 1 if current == s else 0)
+            if (v := _number(st.get("since"))) is not None:
+                since.add_metric(lv, v)
+        yield state
+        yield present
+        yield since
+
+
+def _rank(w: Worker) -> str:
+    return "" if w.rank is None else str(w.rank)
 
 
 def build_registry(args: argparse.Namespace) -> CollectorRegistry:
@@ -526,6 +672,7 @@ def build_registry(args: argparse.Namespace) -> CollectorRegistry:
             nvml,
             drain_state=Path(args.drain_state) if args.drain_state else None,
             manifest=Path(args.manifest) if args.manifest else None,
+            worker_config_dir=Path(args.worker_config_dir) if args.worker_config_dir else None,
         )
     )
     return registry
@@ -551,8 +698,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:9400", help="ADDRESS:PORT to serve /metrics on")
-    p.add_argument("--state-dir", default="/run/vllm-fleet", help="launcher state files (*.json)")
+    p.add_argument(
+        "--state-dir",
+        default="/run/vllm-fleet",
+        help="launcher state files (*.json), workers' (workers/*.json)",
+    )
     p.add_argument("--config-dir", default="/etc/vllm-fleet/instances", help="instance configs (*.json)")
+    p.add_argument(
+        "--worker-config-dir",
+        default="/etc/vllm-fleet/workers",
+        help="configs of this host's multi-node workers, ranks > 0 (*.json)",
+    )
     p.add_argument(
         "--access-log", default=os.environ.get("VLLM_FLEET_ACCESS_LOG", ""), help="gateway JSON access log"
     )

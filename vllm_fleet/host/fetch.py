@@ -252,7 +252,9 @@ def fetch_all(
     done: dict[str, FetchResult] = {}
     out: list[FetchResult] = []
     for m in spec.models:
-        if (host and m.host != host) or (instance and m.name != instance):
+        # a host needs the models of its instances and of the multi-node ranks it runs (each loads its share)
+        on_host = not host or m.host == host or any(n.host == host for n in m.placement)
+        if not on_host or (instance and m.name != instance):
             continue
         dest = dest_dir / m.name if dest_dir else Path(model_path(spec, m))
         key = str(dest)
@@ -267,6 +269,21 @@ def fetch_all(
         done[key] = r
         out.append(r)
     return out
+
+
+def model_size(root: Path) -> dict[str, Any]:
+    """``config`` (the model's config.json, or None) and ``weight_bytes`` (safetensors) of a fetched folder."""
+    from vllm_fleet.fleet.modelinfo import safetensors_bytes
+
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    try:
+        size = safetensors_bytes(root)
+    except (OSError, ValueError, KeyError):
+        size = None
+    return {"config": config if isinstance(config, dict) else None, "weight_bytes": size}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -293,9 +310,9 @@ def _run(a: argparse.Namespace) -> int:
         print(f"fetch: {exc}", file=sys.stderr)
         return 1
     if a.json:
-        print(
-            json.dumps({"changed": any(r.changed for r in results), "models": [r.__dict__ for r in results]})
-        )
+        # each model's config.json and weight bytes: the play plans again with them before any unit starts
+        models = [{**r.__dict__, **model_size(Path(r.path))} for r in results]
+        print(json.dumps({"changed": any(r.changed for r in results), "models": models}))
     else:
         for r in results:
             state = "fetched/verified" if r.changed else "unchanged"

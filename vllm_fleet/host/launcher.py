@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.contracts import InstanceConfig, StateFile
+from vllm_fleet.contracts import InstanceConfig, StateFile, stack_of
 from vllm_fleet.host.cpu_wait import CpuReading, read_group, starvation
 from vllm_fleet.host.engine_death import Death, DeathWatch
+from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, Progress, health, inflight, liveness, probe
 
@@ -218,6 +219,7 @@ class Launcher:
         return {
             "instance": self.cfg.name,
             "served_model_name": self.cfg.served_model_name,
+            "stack": stack_of(self.cfg.command),
             "port": self.cfg.port,
             "state": self.state,
             "launcher_pid": os.getpid(),
@@ -260,7 +262,7 @@ class Launcher:
         # a process killed by SIGILL/SIGSEGV/SIGBUS prints "Fatal Python error: ..." and its Python stack first
         env.setdefault("PYTHONFAULTHANDLER", "1")
         env.update(self.cfg.environment)
-        return env
+        return with_rank_interface(env)  # a multi-node rank 0: gloo's interface from its fleet address
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(

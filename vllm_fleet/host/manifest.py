@@ -86,16 +86,25 @@ def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
                 },
             }
         )
-    return {
+    # the host's first stack: the one the role runs this from (every stack of the host in `stacks`)
+    names = spec.stacks_on(host) or ["default"]
+    first = spec.named_stack(names[0])
+    out: dict[str, Any] = {
         "fleet": spec.name,
         "host": host,
         "hostname": socket.gethostname(),
         "spec_hash": spec_hash(spec),
-        "profile": spec.stack.profile,
-        "pinned_vllm": spec.stack.vllm_version,
-        "stack": stack_facts(spec.stack.profile),
+        "profile": first.profile,
+        "pinned_vllm": first.vllm_version,
+        "stack": stack_facts(first.profile),
         "instances": instances,
     }
+    if names != ["default"]:  # a host that runs a named stack (models[].stack): each of its stacks
+        out["stacks"] = {
+            n: {"profile": spec.named_stack(n).profile, "pinned_vllm": spec.named_stack(n).vllm_version}
+            for n in names
+        }
+    return out
 
 
 def write_manifest(data: dict[str, Any], path: Path) -> bool:

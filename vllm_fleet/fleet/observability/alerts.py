@@ -189,6 +189,23 @@ ALERTS: tuple[Alert, ...] = (
         value="increase(vllm_fleet_probes_starved_total[${rate_window}])", op=">=", threshold=3,
     ),
     Alert(
+        # a multi-node instance (docs/multi-node.md): rank 0's config says how many hosts the group spans
+        # (vllm_fleet_instance_nodes), each worker host's exporter whether its rank joined rank 0
+        # (vllm_fleet_worker_state); a rank whose host exporter is not scraped counts as not joined
+        "VllmMultiNodeGroupPartial", "critical", section="multi-node groups",
+        summary="vLLM multi-node group partial: a rank has not joined rank 0",
+        description='{{ $value | printf "%.0f" }} rank(s) > 0 of the multi-node instance {{ $labels.instance }} '
+                    "({{ $labels.model }}, rank 0 on {{ $labels.host }}) have not joined rank 0 for "
+                    "${multinode_partial_for} (waiting for rank 0, rank 0 gone, exited, or their host not "
+                    "scraped): the engine group cannot serve until every rank is in it.",
+        value="max by (${by}) (vllm_fleet_instance_nodes) - 1\n"
+              "- on (instance) group_left ()\n"
+              '(sum by (instance) (vllm_fleet_worker_state{state="joined"}) or max by (instance) '
+              "(vllm_fleet_instance_nodes) * 0)",
+        op=">", threshold=0, for_="multinode_partial_for",
+        expr="${value}\n${op} ${threshold}",
+    ),
+    Alert(
         "VllmGateway5xxRatioHigh", "critical", section="gateway", scope="fleet",
         summary="Gateway answers too many 5xx",
         description="{{ $value | humanizePercentage }} of gateway requests for model {{ $labels.model }} on "

@@ -1,0 +1,131 @@
+"""The engine role's stack bookkeeping on a host (ansible/roles/engine/files/stacks.py): which venv a new stack
+is hard-linked from, which stacks are in use, which are pruned (never one an instance config, a rollback copy or
+a running engine names; the newest ones kept)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "engine" / "files" / "stacks.py"
+
+
+def stack(root: Path, name: str, mtime: float, done: bool = True) -> Path:
+    d = root / "stacks" / name
+    (d / "bin").mkdir(parents=True)
+    (d / "bin" / "python").write_text("")
+    if done:
+        marker = d / ".vllm-fleet-installed.json"
+        marker.write_text("{}")
+        os.utime(marker, (mtime, mtime))
+    return d
+
+
+def run(root: Path, new: str | list[str], keep: int = 2) -> dict[str, Any]:
+    args = {"stacks_dir": str(root / "stacks"), "new": new, "keep": keep, "config_dir": str(root / "inst"),
+            "state_dir": str(root / "run"), "rollback_dir": str(root / "rb"), "legacy": str(root / "venv")}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def config(folder: Path, name: str, venv: Path) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.json").write_text(
+        json.dumps({"name": name, "command": [f"{venv}/bin/python", "-m", "x"]})
+    )
+
+
+def test_a_first_stack_is_copied_from_the_legacy_venv_then_from_the_newest_stack(tmp_path: Path) -> None:
+    assert run(tmp_path, "cpu-0.32.0-aaaaaaaaaaaa")["seed"] == ""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    assert run(tmp_path, "cpu-0.32.0-aaaaaaaaaaaa")["seed"] == str(tmp_path / "venv")
+    stack(tmp_path, "cpu-0.32.0-aaaaaaaaaaaa", 100)
+    stack(tmp_path, "cpu-0.32.0-bbbbbbbbbbbb", 200)
+    stack(tmp_path, "cpu-0.32.0-half", 0, done=False)  # an interrupted install: never a seed
+    assert run(tmp_path, "cpu-0.33.0-cccccccccccc")["seed"] == str(
+        tmp_path / "stacks" / "cpu-0.32.0-bbbbbbbbbbbb"
+    )
+    # the new stack exists: nothing to copy
+    assert run(tmp_path, "cpu-0.32.0-aaaaaaaaaaaa")["seed"] == ""
+
+
+def test_prune_keeps_the_new_the_previous_and_every_stack_in_use(tmp_path: Path) -> None:
+    old = stack(tmp_path, "s1", 100)
+    running = stack(tmp_path, "s2", 200)
+    kept = stack(tmp_path, "s3", 300)
+    previous = stack(tmp_path, "s4", 400)
+    stack(tmp_path, "s5", 500)  # the new one
+    half = stack(tmp_path, "s6", 0, done=False)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "a.json").write_text(json.dumps({"instance": "a", "stack": running.name}))
+    config(tmp_path / "rb", "b", kept)
+    config(tmp_path / "inst", "c", previous)
+    got = run(tmp_path, "s5")
+    assert got["in_use"] == ["s2", "s3", "s4"]
+    # s4 is in use, so the one "previous" slot goes to the newest other: none left but s1, pruned with the half one
+    assert got["prune"] == sorted([str(old), str(half)])
+    # with nothing in use, the newest other (s4) is the previous one kept
+    for p in (tmp_path / "run" / "a.json", tmp_path / "rb" / "b.json", tmp_path / "inst" / "c.json"):
+        p.unlink()
+    got = run(tmp_path, "s5")
+    assert got["in_use"] == [] and got["prune"] == sorted(
+        str(tmp_path / "stacks" / n) for n in ("s1", "s2", "s3", "s6")
+    )
+
+
+TOOLS = SCRIPT.parent / "tools_lock.py"
+
+
+def test_the_fleet_venv_lock_is_the_named_pins_with_their_hashes(tmp_path: Path) -> None:
+    lock = tmp_path / "lock.txt"
+    lock.write_text(
+        "# vllm-fleet lock\n"
+        "pydantic==2.14.4 \\\n    --hash=sha256:aaaa\n"
+        "pydantic-core==2.50.5 \\\n    --hash=sha256:bbbb\n"
+        "sdnotify==0.3.2 \\\n    --hash=sha256:cccc \\\n    --hash=sha256:dddd\n"
+        "torch==2.13.0+cpu \\\n    --hash=sha256:eeee\n"
+    )
+    out = tmp_path / "tools.txt"
+    subprocess.run(
+        [sys.executable, str(TOOLS), str(lock), str(out), "pydantic", "pydantic_core", "SDNotify"], check=True
+    )
+    lines = out.read_text().splitlines()
+    assert [ln.split()[0] for ln in lines] == ["pydantic==2.14.4", "pydantic-core==2.50.5", "sdnotify==0.3.2"]
+    assert lines[2].split()[1:] == ["--hash=sha256:cccc", "--hash=sha256:dddd"]  # every hash of a pin kept
+    bad = subprocess.run(
+        [sys.executable, str(TOOLS), str(lock), str(out), "pyyaml"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "no pin for pyyaml" in bad.stderr
+
+
+def test_a_host_with_two_stacks_seeds_each_from_its_own_profile_and_keeps_both(tmp_path: Path) -> None:
+    """models[].stack: a gpu and a cpu stack on one host. Each new one is hard-linked from the newest complete
+    stack of its own profile (else the newest), neither is pruned, and the previous one is still kept."""
+    stack(tmp_path, "gpu-0.33.0-aaaaaaaaaaaa", 100)
+    stack(tmp_path, "cpu-0.32.0-bbbbbbbbbbbb", 200)
+    stack(tmp_path, "cpu-0.31.0-oooooooooooo", 50)
+    out = run(tmp_path, ["gpu-0.33.0-cccccccccccc", "cpu-0.32.0-dddddddddddd"])
+    assert out["seeds"] == {
+        "gpu-0.33.0-cccccccccccc": str(tmp_path / "stacks" / "gpu-0.33.0-aaaaaaaaaaaa"),
+        "cpu-0.32.0-dddddddddddd": str(tmp_path / "stacks" / "cpu-0.32.0-bbbbbbbbbbbb"),
+    }
+    assert out["seed"] == out["seeds"]["gpu-0.33.0-cccccccccccc"]
+    # two new stacks + keep 2: one slot each for them, one for the newest previous (b); a's and o's go
+    assert out["prune"] == sorted(
+        str(tmp_path / "stacks" / n) for n in ("gpu-0.33.0-aaaaaaaaaaaa", "cpu-0.31.0-oooooooooooo")
+    )
+    # both exist and are complete: nothing to copy, and neither is pruned when one of them is "older"
+    stack(tmp_path, "gpu-0.33.0-cccccccccccc", 300)
+    stack(tmp_path, "cpu-0.32.0-dddddddddddd", 10)
+    out = run(tmp_path, ["gpu-0.33.0-cccccccccccc", "cpu-0.32.0-dddddddddddd"])
+    assert set(out["seeds"].values()) == {""}
+    assert not {
+        str(tmp_path / "stacks" / n) for n in ("gpu-0.33.0-cccccccccccc", "cpu-0.32.0-dddddddddddd")
+    } & set(out["prune"])
