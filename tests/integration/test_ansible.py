@@ -1146,11 +1146,17 @@ def test_multinode_group_deploys_and_serves_through_the_gateway(fleet: Fleet, tm
     finally:
         for n in drained:
             assert h1.run(f"{venv} undrain {n}").returncode == 0
-    # `vllm-fleet status` with this spec: the group's row serving and its worker's row (rank 1 on h2) joined
+
+    # `vllm-fleet status` with this spec: the group's row serving and its worker's row (rank 1 on h2) joined.
+    # Both are read from Prometheus: the group's new scrape target can show `up` a scrape or two after the
+    # worker's joined series (the row is `degraded` until then), so wait for both
+    def group_serving(_: int, d: dict[str, Any]) -> bool:
+        joined = any(w["state"] == "joined" for w in d.get("workers", []))
+        return joined and any(r["instance"] == GROUP and r["verdict"] == "serving" for r in d.get("rows", []))
+
     doc = _wait_status(
-        fleet, lambda c, d: any(w["state"] == "joined" for w in d.get("workers", [])), "the worker joined",
-        spec=group_spec(fleet, tmp_path),
-    )  # fmt: skip
+        fleet, group_serving, "the worker joined and the group serving", spec=group_spec(fleet, tmp_path)
+    )
     (w,) = doc["workers"]
     assert (w["host"], w["instance"], w["rank"], w["verdict"]) == (h2.name, GROUP, 1, "serving"), w
     row = next(r for r in doc["rows"] if r["instance"] == GROUP)
