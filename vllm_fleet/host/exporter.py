@@ -66,39 +66,58 @@ class Instance:
     nnodes: int = 1  # the instance config's: hosts the engine group spans
 
 
-def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
-    """Instances known from the instance configs and/or launcher state files. Returns (instances, errors)."""
-    found: dict[str, Instance] = {}
+def _configs(config_dir: Path | None) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """``(name, config)`` of every ``*.json`` config in ``config_dir`` (name: its ``name`` or the file's stem),
+    and how many could not be read."""
+    found: list[tuple[str, dict[str, Any]]] = []
     errors = 0
     if config_dir is not None and config_dir.is_dir():
         for p in sorted(config_dir.glob("*.json")):
             cfg = read_json_object(p)
             if cfg is None:
                 errors += 1
-                continue
-            name = str(cfg.get("name") or p.stem)
-            nnodes = cfg.get("nnodes")
-            found[name] = Instance(
-                name,
-                str(cfg.get("served_model_name") or name),
-                cfg.get("port"),
-                nnodes=nnodes if isinstance(nnodes, int) and not isinstance(nnodes, bool) else 1,
-            )
+            else:
+                found.append((str(cfg.get("name") or p.stem), cfg))
+    return found, errors
+
+
+def _states(state_dir: Path, read: Callable[[Path], Any]) -> tuple[list[tuple[str, Any]], int]:
+    """``(name, state)`` of every ``*.json`` state file in ``state_dir`` read with ``read`` (name: its
+    ``instance`` or the file's stem), and how many could not be read (logged)."""
+    found: list[tuple[str, Any]] = []
+    errors = 0
     if state_dir.is_dir():
         for p in sorted(state_dir.glob("*.json")):
             try:
-                st = read_state(p)
+                st = read(p)
             except (OSError, ContractError) as exc:
                 # a torn write cannot happen (tmp + rename); anything else is worth a metric
                 log.warning("%s", exc)
                 errors += 1
                 continue
-            name = str(st.get("instance") or p.stem)
-            inst = found.setdefault(name, Instance(name))
-            inst.state = st
-            inst.model = inst.model or str(st.get("served_model_name") or name)
-            inst.port = inst.port or st.get("port")
-    return sorted(found.values(), key=lambda i: i.name), errors
+            found.append((str(st.get("instance") or p.stem), st))
+    return found, errors
+
+
+def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Instance], int]:
+    """Instances known from the instance configs and/or launcher state files. Returns (instances, errors)."""
+    found: dict[str, Instance] = {}
+    configs, cfg_errors = _configs(config_dir)
+    for name, cfg in configs:
+        nnodes = cfg.get("nnodes")
+        found[name] = Instance(
+            name,
+            str(cfg.get("served_model_name") or name),
+            cfg.get("port"),
+            nnodes=nnodes if isinstance(nnodes, int) and not isinstance(nnodes, bool) else 1,
+        )
+    states, st_errors = _states(state_dir, read_state)
+    for name, st in states:
+        inst = found.setdefault(name, Instance(name))
+        inst.state = st
+        inst.model = inst.model or str(st.get("served_model_name") or name)
+        inst.port = inst.port or st.get("port")
+    return sorted(found.values(), key=lambda i: i.name), cfg_errors + st_errors
 
 
 @dataclass
@@ -115,37 +134,23 @@ def read_workers(state_dir: Path, config_dir: Path | None) -> tuple[list[Worker]
     """Workers known from their configs (``{config_dir}/workers/NAME.json``) and/or their state files
     (``{state_dir}/workers/NAME.json``). Returns (workers, errors)."""
     found: dict[str, Worker] = {}
-    errors = 0
-    if config_dir is not None and config_dir.is_dir():
-        for p in sorted(config_dir.glob("*.json")):
-            cfg = read_json_object(p)
-            if cfg is None:
-                errors += 1
-                continue
-            name = str(cfg.get("name") or p.stem)
-            rank = cfg.get("rank")
-            found[name] = Worker(
-                name, str(cfg.get("served_model_name") or name), rank if isinstance(rank, int) else None
-            )
-    wdir = state_dir / WORKER_STATE_SUBDIR
-    if wdir.is_dir():
-        for p in sorted(wdir.glob("*.json")):
-            try:
-                st = read_worker_state(p)
-            except (OSError, ContractError) as exc:
-                log.warning("%s", exc)
-                errors += 1
-                continue
-            name = str(st.get("instance") or p.stem)
-            w = found.setdefault(name, Worker(name))
-            pid = st.get("worker_pid")
-            if st.get("state") in ("waiting", "joined") and isinstance(pid, int) and not _alive(pid):
-                # killed (SIGKILL at a stop timeout, the OOM killer): it could not write its last state
-                st = {**st, "state": "exited", "reason": "the worker process is gone"}
-            w.state = st
-            w.model = w.model or str(st.get("served_model_name") or name)
-            w.rank = w.rank if w.rank is not None else st.get("rank")
-    return sorted(found.values(), key=lambda w: w.name), errors
+    configs, cfg_errors = _configs(config_dir)
+    for name, cfg in configs:
+        rank = cfg.get("rank")
+        found[name] = Worker(
+            name, str(cfg.get("served_model_name") or name), rank if isinstance(rank, int) else None
+        )
+    states, st_errors = _states(state_dir / WORKER_STATE_SUBDIR, read_worker_state)
+    for name, st in states:
+        w = found.setdefault(name, Worker(name))
+        pid = st.get("worker_pid")
+        if st.get("state") in ("waiting", "joined") and isinstance(pid, int) and not _alive(pid):
+            # killed (SIGKILL at a stop timeout, the OOM killer): it could not write its last state
+            st = {**st, "state": "exited", "reason": "the worker process is gone"}
+        w.state = st
+        w.model = w.model or str(st.get("served_model_name") or name)
+        w.rank = w.rank if w.rank is not None else st.get("rank")
+    return sorted(found.values(), key=lambda w: w.name), cfg_errors + st_errors
 
 
 def _alive(pid: int) -> bool:
