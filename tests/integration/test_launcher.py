@@ -181,17 +181,25 @@ def test_watchdog_pings_repeat(run: Run) -> None:
     assert s["probes_total"] >= 2 and s["last_probe_latency_seconds"] > 0
 
 
-def _long_completions(run: Run, n: int) -> list[threading.Thread]:
-    """``n`` completions of 900 tokens in the background (they keep the engine busy)."""
-    body = {"model": "tiny-served", "prompt": "once upon a time", "max_tokens": 900, "ignore_eos": True}
+def _sustained_completions(run: Run, n: int) -> tuple[list[threading.Thread], threading.Event]:
+    """``n`` lanes of 300-token completions in the background, each sending the next as soon as one ends, until
+    the event is set (the engine stays busy however fast the machine decodes: four one-shot 900-token
+    completions were over on a fast CI machine before the launcher's next probe saw them)."""
+    body = {"model": "tiny-served", "prompt": "once upon a time", "max_tokens": 300, "ignore_eos": True}
     url = f"http://127.0.0.1:{run.port}/v1/completions"
-    threads = [
-        threading.Thread(target=lambda: http_json("POST", url, body, timeout=300), daemon=True)
-        for _ in range(n)
-    ]
+    stop = threading.Event()
+
+    def lane() -> None:
+        while not stop.is_set():
+            try:
+                http_json("POST", url, body, timeout=300)
+            except OSError:
+                return
+
+    threads = [threading.Thread(target=lane, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
-    return threads
+    return threads, stop
 
 
 def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
@@ -216,7 +224,7 @@ def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     test_unit_engine_service); after SIGCONT the pings resume."""
     run.notify.wait_for("READY", "1", timeout=1500)
     targets, busy = _hang_targets(run, mode)
-    threads = _long_completions(run, 4) if busy else []
+    threads, load = _sustained_completions(run, 4) if busy else ([], threading.Event())
     if busy:
         deadline = time.monotonic() + 60
         while run.state().get("last_probe_kind") != "progress" and time.monotonic() < deadline:
@@ -244,6 +252,7 @@ def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     since = len(run.notify.messages)
     run.notify.wait_for("WATCHDOG", "1", since=since, timeout=60)  # pings resume once probes pass again
     assert run.state()["last_probe_ok"] is True
+    load.set()
     for t in threads:
         t.join(300)
     print(
