@@ -5,6 +5,8 @@ check the cache-aware routing policy: prefix affinity, its load bound, failover,
 
 from __future__ import annotations
 
+import http.client
+import itertools
 import json
 import shutil
 import subprocess
@@ -31,10 +33,12 @@ pytestmark = pytest.mark.skipif(
 
 class Stub:
     """An engine stand-in on a free port: 200 {"served_by": NAME} (or ``status`` when set), after ``delay``
-    seconds; ``busy``/``peak``: requests in flight now / at most."""
+    seconds; ``busy``/``peak``: requests in flight now / at most. With ``sse`` = (events, gap) it answers as
+    vLLM streams: ``text/event-stream``, chunked, one ``data:`` event every ``gap`` seconds, then ``[DONE]``."""
 
     def __init__(self, name: str) -> None:
         self.name, self.status, self.hits, self.delay = name, 200, 0, 0.0
+        self.sse: tuple[int, float] | None = None
         self.busy = self.peak = 0
         self.lock = threading.Lock()
         stub = self
@@ -52,12 +56,29 @@ class Stub:
                     time.sleep(stub.delay)
                 with stub.lock:
                     stub.busy -= 1
+                if stub.sse:
+                    self._stream(*stub.sse)
+                    return
                 body = json.dumps({"served_by": stub.name, "status": stub.status}).encode()
                 self.send_response(stub.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _stream(self, events: int, gap: float) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(events + 1):
+                    data = json.dumps({"served_by": stub.name, "i": i}) if i < events else "[DONE]"
+                    line = f"data: {data}\n\n".encode()
+                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                    self.wfile.flush()
+                    if i < events:
+                        time.sleep(gap)
+                self.wfile.write(b"0\r\n\r\n")
 
             def log_message(self, *a: Any) -> None:
                 pass
@@ -190,9 +211,44 @@ def test_a_refused_connection_is_retried_even_without_retry_non_idempotent(
 CA = {"policy": "cache_aware", "max_conns": 2}
 
 
+def test_sse_is_passed_on_as_it_is_written(stubs: dict[str, Stub], tmp_path: Path) -> None:
+    """A stream reaches the client event by event, as the engine writes it: not buffered (vLLM sends no
+    ``X-Accel-Buffering``) and not compressed (the server block says ``gzip off``: Debian's nginx.conf turns
+    gzip on for the http block, and gzip holds a stream in its buffers). The stub paces 8 events 0.25 s apart,
+    so the check does not depend on how fast an engine decodes or how busy the machine is (a real engine's
+    stream came in one read when the machine was loaded)."""
+    stubs["a"].sse = (8, 0.25)
+    try:
+        g = _gw(tmp_path, [{"name": "a", "port": stubs["a"].port}])
+        try:
+            host, port = g.url.removeprefix("http://").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            t0 = time.perf_counter()
+            # as the OpenAI SDK asks: a gateway that compressed the stream would hold it in gzip's buffers
+            headers = {"Content-Type": "application/json", "Accept-Encoding": "gzip, deflate"}
+            conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(stream=True)), headers)
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+            assert resp.getheader("Content-Encoding") is None, resp.getheaders()
+            arrivals = []
+            while line := resp.readline():
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.perf_counter() - t0)
+            conn.close()
+        finally:
+            g.stop()
+    finally:
+        stubs["a"].sse = None
+    gaps = [round(y - x, 3) for x, y in itertools.pairwise(arrivals)]
+    print(f"SSE through the gateway: events at {[round(t, 2) for t in arrivals]} s")
+    assert len(arrivals) == 8, arrivals
+    assert arrivals[0] < 0.2 + 0.25 * 3, arrivals  # the first event came before most were written
+    assert sum(1 for d in gaps if d >= 0.125) >= 6, gaps  # one by one, not a buffer at a time
+
+
 def _reset(stubs: dict[str, Stub]) -> None:
     for s in stubs.values():
-        s.status, s.delay, s.peak = 200, 0.0, 0
+        s.status, s.delay, s.peak, s.sse = 200, 0.0, 0, None
 
 
 def _ca_gw(stubs: dict[str, Stub], tmp: Path, **gw: Any) -> Gateway:

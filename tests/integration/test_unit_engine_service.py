@@ -361,7 +361,7 @@ def test_burst_past_the_queue_bound_is_rejected_fast_and_nothing_restarts(host: 
 
 def test_burst_deeper_than_the_watchdog_keeps_a_busy_engine_alive(host: Remote) -> None:
     """The issue's failure: a decode probe queued behind the burst timed out and the watchdog killed a
-    healthy engine. tiny-b has no queue bound: 120 requests × 900 tokens keep it busy for longer than two
+    healthy engine. tiny-b has no queue bound: 120 requests kept in flight keep it busy for longer than two
     watchdog periods; the launcher reads progress from the engine's counters and keeps pinging."""
     before = host.show("vllm@tiny-b", "NRestarts", "MainPID")
     # 120 in flight for 2.5 watchdog periods, whatever the machine's speed (a one-shot 120 × 900 tokens took
