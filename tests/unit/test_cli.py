@@ -71,3 +71,19 @@ def test_the_plugin_table_is_the_one_list_of_commands(capsys: pytest.CaptureFixt
     choices = next(a.choices for a in parser._actions if a.dest == "cmd")
     assert choices is not None
     assert set(choices) == set(cli.BUILTINS) | set(cli.PLUGINS)
+
+
+@pytest.mark.parametrize("name", ["h200.yml", "h200-burst.yml", "h200-unit.yml"])
+def test_the_gpu_lab_specs_plan_with_the_lab_flags_only(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/gpu-validation.md's specs run the carried vLLM 0.21.0: no lock and no captured argument list, so a
+    plain plan refuses them (as it must for a deploy) and the device scripts pass the two lab flags
+    (tools/gpu-validate/measure.py LAB). Both halves are checked: a check added to the planner that the lab
+    flags do not lift would break the GPU procedure, as the per-stack lock check once did unnoticed."""
+    monkeypatch.chdir(REPO)  # ./locks is where the default lock folder is found
+    spec = str(REPO / "tools/gpu-validate" / name)
+    assert cli.main(["plan", spec]) == 1
+    out = capsys.readouterr().out
+    assert "no lock locks/gpu-0.21.0.txt" in out and "no captured argument list" in out
+    assert cli.main(["plan", spec, "--lock-dir", "", "--allow-unchecked-flags"]) == 0, capsys.readouterr().out

@@ -40,6 +40,11 @@ KV_RE = re.compile(
 )
 
 
+# The carried vLLM 0.21.0 is installed by hand (run-device.sh install), not from a lock, and the repository
+# captures no 0.21.0 argument list (only its pinned releases'): plan and render skip both checks here
+LAB = ("--lock-dir", "", "--allow-unchecked-flags")
+
+
 def vf_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     # the console entry point
     code = "import sys; from vllm_fleet.cli import main; sys.exit(main())"
@@ -57,7 +62,7 @@ def get(url: str, timeout: float = 2.0) -> int:
 def render() -> dict[str, Any]:
     out = VF / "render"
     shutil.rmtree(out, ignore_errors=True)
-    r = vf_cli("render", str(SPEC), "--out", str(out))
+    r = vf_cli("render", str(SPEC), "--out", str(out), *LAB)
     if r.returncode:
         raise SystemExit(f"render failed: {r.stdout}{r.stderr}")
     inst = out / "h200" / str(VF).lstrip("/") / "etc/instances" / f"{NAME}.json"
@@ -219,9 +224,9 @@ def measure(out: Path) -> int:
         return 1
     cfg = render()
     res["instance_config"] = {k: cfg[k] for k in ("command", "environment", "gpus", "service")}
-    plan = vf_cli("plan", str(SPEC), "--json")
+    plan = vf_cli("plan", str(SPEC), "--json", *LAB)
     res["plan"] = json.loads(plan.stdout) if plan.stdout.strip().startswith("{") else plan.stdout
-    res["plan_text"] = vf_cli("plan", str(SPEC)).stdout
+    res["plan_text"] = vf_cli("plan", str(SPEC), *LAB).stdout
 
     # --- the launcher, with a NOTIFY_SOCKET we own (what systemd would give it)
     sock = str(VF / "notify.sock")

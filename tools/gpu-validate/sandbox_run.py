@@ -2,8 +2,9 @@
 
     python tools/gpu-validate/sandbox_run.py RENDERED RULES OUT [--allow SYSCALL ...] [--no-notify]
 
-RENDERED is `vllm-fleet render tools/gpu-validate/h200-unit.yml` (made where systemd-analyze is, with RULES
-from unit_rules.py). Lays out the production paths (/opt/vllm-fleet, /etc/vllm-fleet, /var/lib/vllm-fleet,
+RENDERED is `vllm-fleet render tools/gpu-validate/h200-unit.yml --lock-dir "" --allow-unchecked-flags` (the lab
+flags of measure.py; made where systemd-analyze is, with RULES from unit_rules.py). Lays out the production
+paths (/opt/vllm-fleet, /etc/vllm-fleet, /var/lib/vllm-fleet,
 /run/vllm-fleet, user vllm) from the carried bundle (run-device.sh install with SITE=/opt/vllm-fleet/site),
 binds a NOTIFY_SOCKET the way systemd does, runs the unit's ExecStart under the sandbox, waits for READY=1,
 serves requests (completion, chat stream, 64 concurrent), reads every engine process's
