@@ -957,6 +957,7 @@ def per_instance_stack_spec(fleet: Fleet, tmp_path: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.extended
 def test_per_instance_stack_two_stacks_on_one_host(fleet: Fleet, tmp_path: Path) -> None:
     """Stacks per instance (issue 19): tiny-b names a stack of its own (`stacks.cpu-b`: the fleet's lock plus
     one pinned package, vllm_fleet_stack_install_locks) while the fleet stays on the stack it runs (the probe
@@ -1196,6 +1197,7 @@ def _kill_group_rank(fleet: Fleet, victim: str) -> None:
     assert traffic.ok["plain"] > 0 and traffic.ok["stream"] > 0, traffic.ok
 
 
+@pytest.mark.extended
 def test_multinode_kill_9_of_the_worker(fleet: Fleet) -> None:
     """SIGKILL to the worker on h2: rank 0 ends by itself and both units start again and re-form the group.
     Meanwhile the gateway serves tiny-qwen3 from the other instances. A dead worker leaves rank 0 answering
