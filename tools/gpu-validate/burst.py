@@ -33,6 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from measure import LAB, stop_launcher, vf_cli  # noqa: E402  (the sibling script: its plan/render and stop)
 
 VF = Path("/root/vf")
 SPEC = REPO / "tools/gpu-validate/h200-burst.yml"
@@ -40,13 +41,6 @@ NAME = "qwen3-8b"
 PORT = 8002
 WATCHDOG_S = 20.0
 PY = sys.executable
-# as in measure.py: the carried 0.21.0 has no lock and no captured argument list
-LAB = ("--lock-dir", "", "--allow-unchecked-flags")
-
-
-def vf_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from vllm_fleet.cli import main; sys.exit(main())"
-    return subprocess.run([PY, "-c", code, *args], text=True, capture_output=True, cwd=REPO)
 
 
 def metrics() -> dict[str, float]:
@@ -272,14 +266,8 @@ def main(out: Path) -> int:
     print("hang:", json.dumps(hang), flush=True)
 
     # 3. stop
-    ts = time.monotonic()
-    lp.send_signal(signal.SIGTERM)
-    try:
-        rc = lp.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(lp.pid, signal.SIGKILL)
-        rc = lp.wait(10)
-    res["stop"] = {"rc": rc, "seconds": round(time.monotonic() - ts, 1)}
+    rc, took = stop_launcher(lp, 90)
+    res["stop"] = {"rc": rc, "seconds": took}
     res["notify"] = [{"t": round(t - t0, 2), **f} for t, f in lis.messages]
     lis.close()
     (out / "burst-results.json").write_text(json.dumps(res, indent=2, default=str))

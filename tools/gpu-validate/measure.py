@@ -51,6 +51,19 @@ def vf_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PY, "-c", code, *args], text=True, capture_output=True, cwd=REPO, **kw)
 
 
+def stop_launcher(lp: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
+    """SIGTERM to the launcher (what systemctl stop sends), SIGKILL to its session after ``timeout``: its exit
+    code and the seconds it took."""
+    ts = time.monotonic()
+    lp.send_signal(signal.SIGTERM)
+    try:
+        rc = lp.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(lp.pid, signal.SIGKILL)
+        rc = lp.wait(10)
+    return rc, round(time.monotonic() - ts, 2)
+
+
 def get(url: str, timeout: float = 2.0) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -309,18 +322,8 @@ def measure(out: Path) -> int:
 
     # --- stop: SIGTERM to the launcher (what systemctl stop does), record STOPPING and exit code
     n_before = len(lis.messages)
-    ts = time.monotonic()
-    lp.send_signal(signal.SIGTERM)
-    try:
-        rc = lp.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(lp.pid, signal.SIGKILL)
-        rc = lp.wait(10)
-    res["stop"] = {
-        "rc": rc,
-        "seconds": round(time.monotonic() - ts, 2),
-        "messages": len(lis.messages) - n_before,
-    }
+    rc, took = stop_launcher(lp, 60)
+    res["stop"] = {"rc": rc, "seconds": took, "messages": len(lis.messages) - n_before}
     if gw:
         gw.stop()
     with __import__("contextlib").suppress(ProcessLookupError):
