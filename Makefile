@@ -17,7 +17,7 @@ images: setup
 test: setup images
 	$(PY) -m pytest -ra --durations=20 -m "not extended" $(PYTEST_ARGS)
 
-## everything, the extended scenarios too (about N minutes more: docs/performance.md)
+## everything: the `extended` scenarios too (docs/ansible.md, "Scenarios and tiers", lists each with its time)
 test-all: setup images
 	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS)
 

@@ -43,10 +43,10 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         eng.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[type]:
     """Start more engines: ``engine_factory(served_name=..., port=...)`` → started, ready EngineProcess.
-    All are stopped at the end of the session."""
+    All are stopped when the module ends (its engines never compete with the next module's for the CPUs)."""
     started: list[EngineProcess] = []
 
     def make(**kw: object) -> EngineProcess:
@@ -61,9 +61,9 @@ def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
             e.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess:
     """An engine with a tiny queue bound (2 running + 2 waiting; more get vLLM's own fast 503): a full instance
-    for the gateway's spill-over tests and the saturation alert. Shared by both (one load)."""
+    for the gateway's spill-over tests and the saturation alert (one per module that uses it)."""
     e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
     return e.wait_ready(900)

@@ -8,7 +8,8 @@ Loaded from tests/conftest.py (``pytest_plugins``). Use::
         h2 = sandbox_factory("myarea-h2", engine=True, model_dir=tiny_model)
         assert h1.run("systemctl is-system-running").stdout.strip() == "running"
 
-Every host a session boots is powered off and removed at the end of the session (also when tests fail).
+Every host a module boots is powered off and removed when that module ends (also when tests fail): a module's
+hosts, engines and services never run under the next module's tests.
 Skips with a clear reason when not root or systemd-nspawn is missing.
 """
 
@@ -44,7 +45,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sandbox_factory() -> Iterator[SandboxFactory]:
     """``sandbox_factory(name, address=None, **up_kwargs)`` → a booted :class:`SandboxHost`.
 

@@ -1,14 +1,18 @@
 """`ansible-playbook site.yml` against two real systemd hosts (nspawn sandbox), end to end.
 
-h1: two tiny-model instances + gateway + monitoring, h2: a backup instance (examples/tiny-cpu-2hosts.yml).
+h1: two tiny-model instances + gateway + monitoring, h2: a backup instance: examples/tiny-cpu-2hosts.yml as
+written (its defaults: no TLS, no Slack, a generated gateway key), only retargeted to the sandbox hosts.
 Installs are offline from the wheelhouse (`vllm-fleet lock wheelhouse`, bound read-only into the hosts, which
-have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment:
-refused spec (nothing changed) → --check --diff on the fresh hosts (reports changes, fails nothing, changes
-nothing) → deploy + chat through the gateway → rerun changed=0 → testinfra suite (the README's command) →
---check reports no change → a flag change restarts only that instance (drained first), under steady client
-traffic that loses no request → kill -9 of a primary under traffic: no plain request fails, systemd serves
-it again → stack upgrades (one that rolls, one that rolls back) → a TP=2 instance over both hosts (deploy,
-gateway, kill -9 of each rank, a network cut, removal) → `vllm-fleet status` (last: it powers h2 off).
+have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment,
+changed the way a user's day 2 changes a spec: refused spec (nothing changed) → deploy + chat through the
+gateway → rerun changed=0 → testinfra suite (the README's command) → port scan, credentials → every metric an
+alert or a panel reads has series → kill -9 of a primary under traffic (no plain request fails, systemd serves
+it again, the restart counted in the exporter's metric and `vllm-fleet status`) → TLS turned on → a stack
+upgrade that rolls host by host, and one that rolls back → `vllm-fleet status` (last: it powers h2 off).
+`make test-all` adds the `extended` scenarios in between: --check on fresh and deployed hosts, a model refused
+after the fetch, a flag change under traffic, the doctor stopping a broken stack, stacks per instance, a TP=2
+instance over both hosts (deploy, kill -9 of each rank, a network cut, removal). The hosts are torn down when
+the module ends (docs/ansible.md lists every scenario with its tier and time).
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ class Fleet:
     gateway_url: str
     templates: Path
     wheelhouse: Path
+    # the text of the spec the last successful (not --check) run deployed: `vllm-fleet status` shows drift
+    # when it differs from spec_path's
+    deployed: str = ""
 
     def playbook(self, *args: str, spec: Path | None = None, timeout: float = 1500) -> tuple[int, str, float]:
         env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
@@ -105,6 +112,8 @@ class Fleet:
                "-e", f"vllm_fleet_spec={spec or self.spec_path}", *self.extra, *args]  # fmt: skip
         t = time.monotonic()
         res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        if res.returncode == 0 and "--check" not in args:
+            self.deployed = (spec or self.spec_path).read_text()
         return res.returncode, res.stdout + res.stderr, time.monotonic() - t
 
     def unit_pids(self) -> dict[str, str]:
@@ -162,10 +171,10 @@ def fleet(
         for n in ("h1", "h2")
     }
     example = yaml.safe_load((REPO / "examples" / "tiny-cpu-2hosts.yml").read_text())
+    # the example spec as written, only retargeted to the sandbox hosts: its defaults (no TLS, no Slack,
+    # generated keys and passwords) are what a user deploys first; later scenarios change it as a user's day 2
+    # does (TLS, a flag, a new stack, a group over hosts)
     spec = retarget(example, names, {n: hosts[names[n]].address for n in names})
-    # TLS with the certificate the role makes (gateway.tls.self_signed); the plain port keeps serving the API
-    # (these tests use it; the redirect is tests/integration/test_gateway_errors.py's business)
-    spec["gateway"]["tls"] = {"self_signed": True, "plain_http": "serve"}
     spec_path = work / "fleet.yml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     models = work / "models"
@@ -261,32 +270,6 @@ def test_gateway_needs_a_key_by_default(fleet: Fleet) -> None:
     log = gw.run("cat /var/log/nginx/vllm-fleet.access.log", check=True).stdout
     assert '"status":401' in log and fleet.api_key not in log
     assert fleet.api_key not in fleet.spec_path.read_text()
-
-
-def test_gateway_tls_with_the_self_signed_certificate(fleet: Fleet) -> None:
-    """gateway.tls.self_signed: the role made one certificate for the gateway host's name and address on the
-    controller (beside the generated keys) and deployed it, the key readable by nginx only; a client that
-    trusts that file reaches the API over TLS with the host's address verified."""
-    import ssl
-    import urllib.error
-    import urllib.request
-
-    gw_name = fleet.spec["gateway"]["host"]
-    gw = fleet.hosts[gw_name]
-    cert = fleet.inventory.parent / "vllm-fleet-secrets" / f"gateway-tls-{gw_name}" / "gateway.crt"
-    assert cert.is_file()
-    on_host = gw.run("cat /etc/nginx/vllm-fleet-tls/gateway.crt", check=True).stdout
-    assert on_host == cert.read_text()
-    key = gw.run("stat -c '%a %U %G' /etc/nginx/vllm-fleet-tls/gateway.key", check=True).stdout.split()
-    assert key == ["640", "root", "www-data"], key
-    ctx = ssl.create_default_context(cafile=str(cert))  # check_hostname on: the IP is in the certificate
-    url = f"https://{gw.address}:{fleet.spec['gateway']['tls'].get('port', 8443)}/v1/models"
-    with urllib.request.urlopen(
-        urllib.request.Request(url, headers=fleet.auth), context=ctx, timeout=30
-    ) as r:
-        assert r.status == 200 and "tiny-qwen3" in r.read().decode()
-    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
-        urllib.request.urlopen(url, context=ssl.create_default_context(), timeout=30)  # not a public CA's
 
 
 def test_rerun_changes_nothing(fleet: Fleet) -> None:
@@ -584,6 +567,47 @@ def test_prometheus_needs_credentials_and_scrapes_every_target(fleet: Fleet) -> 
     assert len(json.loads(body)["data"]["activeAlertmanagers"]) == 1, body
 
 
+def test_every_metric_an_alert_or_a_panel_reads_has_series_on_the_fleet(fleet: Fleet) -> None:
+    """Observability truth on the deployed fleet (not promtool's synthetic series): every metric family that a
+    deployed alert rule or a dashboard panel reads has at least one series in the fleet's Prometheus, except
+    the families docs/observability.md lists as absent by design on this fleet (GPU/NVML on CPU hosts; the
+    multi-node ones while it has no group). An alert whose metric never exists on a real host fails here."""
+    from vllm_fleet.devtools.promql import absent_by_design, metric_name, selectors
+    from vllm_fleet.fleet.observability.dashboards import panel_queries
+    from vllm_fleet.fleet.spec import load_spec
+
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    rule_files = mon.run("cat /etc/prometheus/rules/*.yml", check=True).stdout
+    exprs = {
+        f"alert {r['alert']}": r["expr"]
+        for doc in yaml.safe_load_all(rule_files) if doc
+        for g in doc["groups"] for r in g["rules"] if "alert" in r
+    }  # fmt: skip
+    assert len(exprs) >= 10, exprs
+    spec = load_spec(fleet.spec_path)
+    exprs |= {f"panel {where}": e for where, e, _ in panel_queries(spec.alerts.model_dump())}
+    families: dict[str, list[str]] = {}
+    for where, expr in exprs.items():
+        for sel in selectors(expr):
+            families.setdefault(metric_name(sel), []).append(where)
+    lacks = ("gpu", "multinode")  # a CPU fleet with no group yet
+    checked = sorted(n for n in families if not absent_by_design(n, lacks))
+    assert "vllm_fleet_instance_restarts_total" in checked and "vllm:kv_cache_usage_perc" in checked, checked
+
+    def empty() -> list[str]:
+        got = prometheus(fleet, [f"count({{__name__={json.dumps(n)}}})" for n in checked])
+        return [n for n in checked if not got[f"count({{__name__={json.dumps(n)}}})"]]
+
+    missing = empty()
+    deadline = time.monotonic() + 90  # a family written on the first scrape after the deploy's restarts
+    while missing and time.monotonic() < deadline:
+        time.sleep(5)
+        missing = empty()
+    print(f"{len(checked)} families read by {len(exprs)} alert and panel expressions have series")
+    assert missing == [], {n: families[n] for n in missing}
+
+
+@pytest.mark.extended
 def test_check_mode_reports_no_change(fleet: Fleet) -> None:
     rc, out, seconds = fleet.playbook("--check", "--diff")
     assert rc == 0, out[-4000:]
@@ -602,6 +626,7 @@ FETCH_TASKS = {
 }
 
 
+@pytest.mark.extended
 def test_model_that_does_not_fit_is_refused_after_the_fetch_before_any_unit(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -655,6 +680,7 @@ def test_model_that_does_not_fit_is_refused_after_the_fetch_before_any_unit(
         fleet.hosts[host].run("rm -rf /var/lib/vllm-fleet/models/big")
 
 
+@pytest.mark.extended
 def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -> None:
     before = fleet.unit_pids()
     changed_spec = json.loads(json.dumps(fleet.spec))
@@ -690,11 +716,15 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
 
 def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     """SIGKILL to every process of tiny-a: plain requests in flight are re-sent by nginx to tiny-b (none
-    fails); only streams tiny-a was sending can break; systemd restarts the unit and it serves again."""
+    fails); only streams tiny-a was sending can break; systemd restarts the unit and it serves again; the
+    restart is counted where operators look: `vllm_fleet_instance_restarts_total` (the host exporter reads
+    systemd's NRestarts under its hardened unit) and the RESTARTS column of `vllm-fleet status`."""
     name = fleet.spec["models"][0]["name"]  # tiny-a on h1
     h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
     port = fleet.spec["models"][0]["port"]
     before = fleet.unit_pids()[name]
+    restarts_before = _restarts(fleet, name)
+    assert restarts_before is not None, "the exporter exports no restart count for " + name
     with SteadyLoad(fleet.gateway_url, workers=2, think=0.5, headers=fleet.auth) as traffic:
         time.sleep(5)
         t_kill = time.monotonic()
@@ -717,6 +747,82 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     assert len(traffic.failures) <= traffic.workers, traffic.failures  # at most the streams in flight
     assert traffic.ok["plain"] > 0 and traffic.ok["stream"] > 0
     assert h1.run(f"systemctl is-active vllm@{name}.service").stdout.strip() == "active"
+    nrestarts = int(h1.run(f"systemctl show -p NRestarts --value vllm@{name}.service").stdout)
+    assert nrestarts >= 1
+    # Prometheus has the exporter's count, and `vllm-fleet status` shows it
+    deadline = time.monotonic() + 120
+    while (_restarts(fleet, name) or 0) < nrestarts and time.monotonic() < deadline:
+        time.sleep(2)
+    assert _restarts(fleet, name) == nrestarts > restarts_before
+    doc = _wait_status(fleet, lambda c, d: any(r["instance"] == name and r["restarts"] == nrestarts
+                                               for r in d["rows"]), f"{name} with {nrestarts} restarts")  # fmt: skip
+    print("status after the kill:", [(r["instance"], r["restarts"]) for r in doc["rows"]])
+
+
+def _restarts(fleet: Fleet, name: str) -> int | None:
+    """`vllm_fleet_instance_restarts_total` of instance ``name`` in the fleet's Prometheus (None: no series)."""
+    (result,) = prometheus(fleet, [f'vllm_fleet_instance_restarts_total{{instance="{name}"}}']).values()
+    return int(float(result[0]["value"][1])) if result else None
+
+
+# runs on the monitoring host (its firewall admits nothing else to Prometheus): argv[1] a JSON list of PromQL
+# queries; prints {query: result vector}, with the generated basic-auth password
+PROM_QUERIES = r"""
+import base64, json, sys, urllib.parse, urllib.request as u
+base, queries = sys.argv[1], json.loads(sys.argv[2])
+pw = open('/etc/prometheus/vllm-fleet-web.password').read().strip()
+auth = 'Basic ' + base64.b64encode(('vllm-fleet:' + pw).encode()).decode()
+out = {}
+for q in queries:
+    req = u.Request(base + '/api/v1/query?' + urllib.parse.urlencode({'query': q}), headers={'Authorization': auth})
+    doc = json.loads(u.urlopen(req, timeout=20).read())
+    out[q] = doc['data']['result'] if doc['status'] == 'success' else doc
+print(json.dumps(out))
+"""
+
+
+def prometheus(fleet: Fleet, queries: list[str]) -> dict[str, Any]:
+    """Instant queries against the fleet's Prometheus, run on the monitoring host."""
+    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
+    base = f"http://{mon.address}:9090"
+    cp = mon.run(["python3", "-c", PROM_QUERIES, base, json.dumps(queries)], check=True, timeout=120)
+    return dict(json.loads(cp.stdout))
+
+
+def test_day_2_turn_on_tls_with_a_self_signed_certificate(fleet: Fleet) -> None:
+    """A user's day-2 change to the example: `gateway.tls: {self_signed: true, plain_http: serve}` in the spec
+    and the playbook again. The role made one certificate for the gateway host's name and address on the
+    controller (beside the generated keys) and deployed it, the key readable by nginx only; a client that
+    trusts that file reaches the API over TLS with the host's address verified; the plain port keeps serving
+    (the later scenarios use it; the redirect is tests/integration/test_gateway_errors.py's business). No
+    engine restarts for a gateway change. From here on the fleet's spec file is the TLS one."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    before = fleet.unit_pids()
+    fleet.spec["gateway"]["tls"] = {"self_signed": True, "plain_http": "serve"}
+    fleet.spec_path.write_text(yaml.safe_dump(fleet.spec, sort_keys=False))
+    rc, out, seconds = fleet.playbook()
+    assert rc == 0, out[-6000:]
+    record("tls_day2_run_seconds", seconds)
+    assert fleet.unit_pids() == before
+    gw_name = fleet.spec["gateway"]["host"]
+    gw = fleet.hosts[gw_name]
+    cert = fleet.inventory.parent / "vllm-fleet-secrets" / f"gateway-tls-{gw_name}" / "gateway.crt"
+    assert cert.is_file()
+    on_host = gw.run("cat /etc/nginx/vllm-fleet-tls/gateway.crt", check=True).stdout
+    assert on_host == cert.read_text()
+    key = gw.run("stat -c '%a %U %G' /etc/nginx/vllm-fleet-tls/gateway.key", check=True).stdout.split()
+    assert key == ["640", "root", "www-data"], key
+    ctx = ssl.create_default_context(cafile=str(cert))  # check_hostname on: the IP is in the certificate
+    url = f"https://{gw.address}:{fleet.spec['gateway']['tls'].get('port', 8443)}/v1/models"
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=fleet.auth), context=ctx, timeout=30
+    ) as r:
+        assert r.status == 200 and "tiny-qwen3" in r.read().decode()
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(url, context=ssl.create_default_context(), timeout=30)  # not a public CA's
 
 
 # --------------------------------------------------------------------------- engine-stack upgrades
@@ -874,6 +980,7 @@ def test_upgrade_to_a_new_stack_rolls_both_hosts_without_losing_a_request(
     assert all(r["verdict"] == "serving" for r in doc["rows"]), doc["rows"]
 
 
+@pytest.mark.extended
 def test_a_stack_whose_vllm_cannot_import_is_stopped_by_the_doctor_before_any_restart(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1101,6 +1208,7 @@ def group_pids(fleet: Fleet) -> dict[str, str]:
     }
 
 
+@pytest.mark.extended
 def test_multinode_group_deploys_and_serves_through_the_gateway(fleet: Fleet, tmp_path: Path) -> None:
     """A TP=2 instance over h1 and h2: site.yml deploys it beside the running fleet (rank 0 = vllm@ on h1,
     rank 1 = vllm-worker@ on h2 with the model pushed there too); with tiny-a and tiny-b drained the gateway's
@@ -1239,6 +1347,7 @@ def test_multinode_network_cut_between_the_hosts(fleet: Fleet) -> None:
     assert status == 200, body
 
 
+@pytest.mark.extended
 def test_multinode_group_removed_from_the_spec_stops_both_ranks(fleet: Fleet, tmp_path: Path) -> None:
     """The spec without the group: its unit on h1 and its worker on h2 are stopped and disabled, nothing else
     restarts."""
@@ -1285,11 +1394,14 @@ def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet) -> No
     for r in rows.values():
         assert (r["verdict"], r["state"], r["rotation"], r["probe_ok"]) == ("serving", "ready", "in", True), r
         assert r["ready_since"] and r["running"] is not None and r["kv_cache"] is not None, r
-    # the fleet runs the spec of the flag-change test above (tiny-b's max_num_seqs 8): given the original spec,
-    # status shows the drift on every host, each naming the same deployed spec
+    # the fleet runs the spec of the last deploy above (the upgrade's and the flag change's: tiny-b's
+    # max_num_seqs 8): given the spec file, status shows the drift on every host, each naming the same
+    # deployed spec
     deployed = {h["deployed_spec"] for h in doc["hosts"]}
-    assert all(h["reachable"] and h["drift"] for h in doc["hosts"]), doc["hosts"]
-    assert len(deployed) == 1 and doc["spec_hash"] not in deployed and "" not in deployed, doc["hosts"]
+    drift = fleet.deployed != fleet.spec_path.read_text()
+    assert all(h["reachable"] and h["drift"] == drift for h in doc["hosts"]), (drift, doc["hosts"])
+    assert len(deployed) == 1 and "" not in deployed, doc["hosts"]
+    assert (doc["spec_hash"] not in deployed) == drift, doc["hosts"]
 
     gw = fleet.hosts[fleet.spec["gateway"]["host"]]
     venv = "/opt/vllm-fleet/venv/bin/vllm-fleet"

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.devtools.promql import ABSENT_BY_DESIGN, selectors, substitute
 from vllm_fleet.devtools.testing import EngineProcess, free_port, http_json
 from vllm_fleet.fleet.observability.dashboards import panel_queries
 from vllm_fleet.fleet.render import render_monitoring
@@ -53,12 +54,12 @@ pytestmark = [
 ]  # fmt: skip
 
 # series that cannot exist on this machine; docs/observability.md lists them
-GPU_ONLY = re.compile(r"vllm_fleet_gpu_")
+GPU_ONLY = ABSENT_BY_DESIGN["gpu"]
 SYSTEMD_ONLY = re.compile(r"vllm_fleet_instance_restarts_total")
 # series only a multi-node group has (rank 0's node count, its workers' states): this fleet is one engine, so
 # VllmMultiNodeGroupPartial reads none here; its logic is in the promtool cases, the worker series are read
 # from a real Prometheus by `vllm-fleet status` in the Ansible group scenario
-MULTINODE_ONLY = re.compile(r"vllm_fleet_instance_nodes|vllm_fleet_worker_state")
+MULTINODE_ONLY = ABSENT_BY_DESIGN["multinode"]
 QUEUE_WAIT_THRESHOLD = 0.5  # a request-latency bucket bound; the first bound is 0.3 s
 
 
@@ -155,33 +156,10 @@ def wait_until(pred: Any, timeout: float, interval: float = 0.5) -> bool:
     return False
 
 
-SELECTOR = re.compile(r"((?:vllm:|vllm_fleet_|node_|nginx_)[A-Za-z0-9_:]*|(?<![\w:])up(?=\{))(\{[^}]*\})?")
-
-
-def selectors(expr: str) -> list[str]:
-    """Every vector selector (metric name + its label matchers) in a PromQL expression; `le` matchers
-    are dropped (bucket bounds are not a property of the metric's existence)."""
-    out = []
-    for name, labels in SELECTOR.findall(expr):
-        matchers = [m.strip() for m in labels.strip("{}").split(",") if m.strip()] if labels else []
-        matchers = [m for m in matchers if not m.startswith("le")]
-        out.append(name + ("{" + ", ".join(matchers) + "}" if matchers else ""))
-    return out
-
-
 def missing_series(port: int, expr: str) -> list[str]:
     """Selectors of ``expr`` with no series now (empty = every metric the expression reads exists)."""
     prom_query(port, expr)  # the whole expression must at least be valid PromQL
     return [s for s in selectors(expr) if not prom_query(port, f"count({s})")]
-
-
-def substitute(expr: str, instance: str, host: str, window: str) -> str:
-    return (
-        expr.replace("$__rate_interval", window)
-        .replace('model=~"$model"', 'model=~".*"')
-        .replace("$instance", instance)
-        .replace("$host", host)
-    )
 
 
 # ------------------------------------------------------------------------------------------------ fixture

@@ -1,0 +1,54 @@
+"""What an alert rule or a dashboard panel reads, and which of those series a fleet lacks by design.
+
+Used by the checks that run every alert and panel expression against a live Prometheus: the local one of
+``tests/integration/test_observability_live.py`` and the deployed sandbox fleet's in
+``tests/integration/test_ansible.py`` ("every metric an alert or a panel reads has series").
+docs/observability.md lists the families absent by design.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+# a vector selector: one of our metric families (vLLM's, ours, node-exporter's, nginx-exporter's, `up{…}`)
+# with its label matchers
+SELECTOR = re.compile(r"((?:vllm:|vllm_fleet_|node_|nginx_)[A-Za-z0-9_:]*|(?<![\w:])up(?=\{))(\{[^}]*\})?")
+
+# families a fleet has only with hardware or topology it may lack (docs/observability.md, "absent by design")
+ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
+    # NVML readings: only hosts with NVIDIA GPUs (the cpu profile has none)
+    "gpu": re.compile(r"vllm_fleet_gpu_"),
+    # a multi-node group's node count and its workers' states: only fleets with a group (TP/PP over hosts)
+    "multinode": re.compile(r"vllm_fleet_instance_nodes|vllm_fleet_worker_state"),
+}
+
+
+def selectors(expr: str) -> list[str]:
+    """Every vector selector (metric name + its label matchers) in a PromQL expression; `le` matchers
+    are dropped (bucket bounds are not a property of the metric's existence)."""
+    out = []
+    for name, labels in SELECTOR.findall(expr):
+        matchers = [m.strip() for m in labels.strip("{}").split(",") if m.strip()] if labels else []
+        matchers = [m for m in matchers if not m.startswith("le")]
+        out.append(name + ("{" + ", ".join(matchers) + "}" if matchers else ""))
+    return out
+
+
+def metric_name(selector: str) -> str:
+    return selector.split("{", 1)[0]
+
+
+def substitute(expr: str, instance: str, host: str, window: str) -> str:
+    """A dashboard query with Grafana's variables filled in, as Grafana would send it."""
+    return (
+        expr.replace("$__rate_interval", window)
+        .replace('model=~"$model"', 'model=~".*"')
+        .replace("$instance", instance)
+        .replace("$host", host)
+    )
+
+
+def absent_by_design(name: str, lacks: Iterable[str]) -> bool:
+    """True when the family ``name`` belongs to one of the ``lacks`` kinds (keys of ABSENT_BY_DESIGN)."""
+    return any(ABSENT_BY_DESIGN[k].search(name) for k in lacks)
