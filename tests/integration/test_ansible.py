@@ -726,7 +726,7 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     restarts_before = _restarts(fleet, name)
     assert restarts_before is not None, "the exporter exports no restart count for " + name
     with SteadyLoad(fleet.gateway_url, workers=2, think=0.5, headers=fleet.auth) as traffic:
-        time.sleep(5)
+        wait_traffic(traffic, lambda ok: ok["plain"] > 0 and ok["stream"] > 0)  # both kinds in flight
         t_kill = time.monotonic()
         assert h1.run(f"systemctl kill --signal=SIGKILL vllm@{name}.service").returncode == 0
         deadline = t_kill + 900
@@ -738,7 +738,8 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
                 break
             time.sleep(2)
         serving_again = time.monotonic() - t_kill
-        time.sleep(3)
+        served = sum(traffic.ok.values())
+        wait_traffic(traffic, lambda ok: sum(ok.values()) >= served + 4)  # requests after the restart
     assert serving_again < 900, "tiny-a did not serve again within 900 s"
     record("kill9_serving_again_seconds", serving_again)
     record("kill9_requests_during", traffic.total)
@@ -757,6 +758,14 @@ def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
     doc = _wait_status(fleet, lambda c, d: any(r["instance"] == name and r["restarts"] == nrestarts
                                                for r in d["rows"]), f"{name} with {nrestarts} restarts")  # fmt: skip
     print("status after the kill:", [(r["instance"], r["restarts"]) for r in doc["rows"]])
+
+
+def wait_traffic(traffic: SteadyLoad, ok: Any, timeout: float = 120) -> None:
+    """Wait until ``ok(traffic.ok)`` holds (the counts of successful plain and streamed requests)."""
+    deadline = time.monotonic() + timeout
+    while not ok(dict(traffic.ok)):
+        assert time.monotonic() < deadline, (traffic.ok, traffic.failures[:3])
+        time.sleep(0.2)
 
 
 def _restarts(fleet: Fleet, name: str) -> int | None:

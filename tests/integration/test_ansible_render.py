@@ -83,6 +83,7 @@ def test_ansible_renders_what_vllm_fleet_render_renders(example: str, tmp_path: 
     assert not extra, f"the role wrote files render does not: {sorted(map(str, extra))}"
 
 
+@pytest.mark.extended  # CI runs the same check once, in `make lint` (before the tests)
 def test_ansible_lint_production_profile() -> None:
     res = subprocess.run(
         [str(BIN / "ansible-lint"), "--profile", "production", "--nocolor", "site.yml", "ansible/"],

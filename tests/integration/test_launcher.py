@@ -233,10 +233,16 @@ def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     for p in targets:
         os.kill(p, signal.SIGSTOP)
     try:
-        t_stop = time.monotonic()
-        time.sleep(SERVICE["probe_timeout_seconds"] + SERVICE["probe_interval_seconds"] + 1)
-        t_quiet = time.monotonic()
-        time.sleep(8)
+        t_stop, at_stop = time.monotonic(), len(run.notify.messages)
+        # the launcher sees the hang: a failing probe (its timeout at most after the next probe), then quiet
+        _wait_status(
+            run,
+            "",
+            since=at_stop,
+            timeout=SERVICE["probe_timeout_seconds"] + SERVICE["probe_interval_seconds"] + 30,
+        )
+        t_quiet = time.monotonic() + 0.5  # a ping already on its way when the probe failed
+        time.sleep(8.5)  # an observation window: no WATCHDOG=1 may arrive in it
         pings = [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1"]
         assert [t for t in pings if t >= t_quiet] == [], f"WATCHDOG=1 while the engine was hung ({mode})"
         last = max(pings) - t_stop
@@ -299,9 +305,8 @@ def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> Non
         t_fail = _wait_status(
             run, "starved_grace_seconds", since=len(run.notify.messages), timeout=grace + 60
         )
-        time.sleep(SERVICE["probe_timeout_seconds"] + SERVICE["probe_interval_seconds"] + 1)
-        t_quiet = time.monotonic()
-        time.sleep(6)
+        t_quiet = time.monotonic() + 0.5  # a ping already on its way when the check failed
+        time.sleep(6.5)  # an observation window: no WATCHDOG=1 may arrive in it
         assert _pings_between(run, t_quiet, time.monotonic()) == [], "pinged after the starvation grace"
     pinged = _pings_between(run, t0, t_fail)
     assert pinged, "no WATCHDOG=1 while the engine was starved within the grace"

@@ -32,7 +32,9 @@ def test_established_to_sees_a_real_connection_and_its_end() -> None:
     c.close()
     peer.close()
     srv.close()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while established_to(read_tables(), "127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert established_to(read_tables(), "127.0.0.1", port) == 0
 
 
