@@ -167,6 +167,10 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
+    # decided here, tested in the roles: an Ansible conditional must be a bool (ansible-core 2.19 refuses the
+    # None of `vf.gateway.tls` when the spec has no gateway.tls)
+    vf["gateway_tls"] = spec.gateway.tls is not None
+    vf["gateway_tls_self_signed"] = spec.gateway.tls is not None and spec.gateway.tls.self_signed
     vf["monitoring_host"] = spec.monitoring_host
     # where Prometheus and Alertmanager listen (and are reached): vllm_fleet/fleet/network.py
     vf["monitoring_address"] = monitoring_address(spec)
