@@ -139,10 +139,55 @@ def test_real_gateway_log_format_is_parsed(tmp_path: Path) -> None:
     assert m[("vllm_fleet_gateway_requests_total", lbl(model="tiny-qwen3", code="200"))] == 1
 
 
-def test_unit_restarts_without_systemd_is_empty() -> None:
-    # no systemd on the test machine: systemctl is missing or cannot talk to PID 1 -> no numbers, no crash
+def test_unit_restarts_of_no_units_asks_nothing() -> None:
     assert unit_restarts([]) == {}
-    assert isinstance(unit_restarts(["nope"]), dict)
+
+
+def test_a_failing_systemd_read_is_counted_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What `systemctl show` answers as a DynamicUser= on Debian 12 (no nss-systemd): the restart series are
+    missing, and the exporter says so (a counter, a journal line) instead of dropping them silently."""
+    import vllm_fleet.host.exporter as exporter
+
+    answer = {"rc": 1, "err": "Failed to get properties: Transport endpoint is not connected\n"}
+
+    def fake_run(cmd: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        units = [a for a in cmd if a.endswith(".service")]
+        out = "" if answer["rc"] else "\n\n".join(f"Id={u}\nNRestarts=3" for u in units)
+        return subprocess.CompletedProcess(cmd, answer["rc"], out, answer["err"])
+
+    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    with pytest.raises(exporter.SystemdReadError, match="Transport endpoint is not connected"):
+        unit_restarts(["qwen3"])
+    (tmp_path / "qwen3.json").write_text(json.dumps(STATE))
+    c = FleetCollector(tmp_path, None, use_systemd=True)
+    caplog.set_level("INFO", logger="vllm_fleet.host.exporter")
+    for _ in range(3):
+        m = scrape(c)
+    assert not [k for k in m if k[0] == "vllm_fleet_instance_restarts_total"]
+    assert m[("vllm_fleet_exporter_systemd_errors_total", ())] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # once per reason, not once per scrape
+    assert "Transport endpoint is not connected" in warnings[0]
+    assert "vllm_fleet_instance_restarts_total" in warnings[0]
+    # systemctl missing: another reason, logged again
+    monkeypatch.setattr(
+        exporter.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("systemctl"))
+    )
+    m = scrape(c)
+    assert m[("vllm_fleet_exporter_systemd_errors_total", ())] == 4
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2
+    # the reads work again: the series is back, the counter keeps its count, the recovery is logged
+    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    answer.update(rc=0, err="")
+    m = scrape(c)
+    key = lbl(instance="qwen3", model="qwen3-8b", unit="vllm@qwen3.service")
+    assert m[("vllm_fleet_instance_restarts_total", key)] == 3
+    assert m[("vllm_fleet_exporter_systemd_errors_total", ())] == 4
+    assert any("read from systemd again" in r.getMessage() for r in caplog.records)
+    # no systemd at all (a container, a test machine): no systemd series, no error counter
+    assert not [k for k in scrape(FleetCollector(tmp_path, None, use_systemd=False)) if "systemd" in k[0]]
 
 
 def test_cli_once_prints_the_exposition(tmp_path: Path) -> None:
@@ -174,7 +219,17 @@ def test_exporter_unit_per_host(tmp_path: Path) -> None:
     assert (
         "--listen 192.168.0.2:9400" in h2 and "--access-log" not in h2
     )  # reachable by Prometheus on h1 only
-    assert "DynamicUser=yes" in h1 and "SupplementaryGroups=vllm adm" in h1
+    # a static system user, declared next to the unit (a dynamic one cannot ask systemd for NRestarts on a host
+    # without nss-systemd), with the hardening a dynamic user implied
+    assert "DynamicUser" not in h1.replace("Not DynamicUser=", "")
+    assert (
+        "User=vllm-fleet-exporter\nGroup=vllm-fleet-exporter\n" in h1 and "SupplementaryGroups=vllm adm" in h1
+    )
+    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                 "RemoveIPC=yes", "RestrictSUIDSGID=yes"):  # fmt: skip
+        assert f"\n{line}\n" in h1, line
+    sysusers = (tmp_path / "h2" / "etc/sysusers.d/vllm-fleet-exporter.conf").read_text()
+    assert 'u vllm-fleet-exporter - "vllm-fleet host exporter" / /usr/sbin/nologin' in sysusers.splitlines()
     assert "\n# Ansible managed\n" in "\n" + h1
 
 

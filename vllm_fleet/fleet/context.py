@@ -28,6 +28,8 @@ from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
+# the host exporter's system user (vllm-fleet-exporter.service)
+EXPORTER_USER = "vllm-fleet-exporter"
 
 
 def stack_ctx(spec: FleetSpec, m: ModelInstance) -> dict[str, Any]:
@@ -174,6 +176,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["monitoring_host"] = spec.monitoring_host
     # where Prometheus and Alertmanager listen (and are reached): vllm_fleet/fleet/network.py
     vf["monitoring_address"] = monitoring_address(spec)
+    # the host exporter's static system user (monitoring/vllm-fleet-exporter.sysusers.conf.j2, the monitoring
+    # role): not DynamicUser=, whose uid the system bus cannot resolve without nss-systemd (Debian 12's default)
+    vf["exporter_user"] = EXPORTER_USER
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__
     vf["plan"] = plan.to_dict()

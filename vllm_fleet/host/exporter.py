@@ -52,6 +52,8 @@ STATES = ("loading", "ready", "draining", "failed", "stopped")
 # gateway request duration buckets (seconds): interactive up to long generations
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PREFIX = "vllm_fleet_"
+# how often a systemd read failure that goes on is logged again (seconds)
+SYSTEMD_LOG_EVERY = 600.0
 
 
 # --------------------------------------------------------------------------- instances
@@ -170,24 +172,28 @@ def systemd_available() -> bool:
     return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
 
 
+class SystemdReadError(RuntimeError):
+    """``systemctl show`` could not answer (the message says how): the restart series are missing meanwhile."""
+
+
 def unit_restarts(names: list[str], template: str = "vllm") -> dict[str, int]:
     """``NRestarts`` of ``TEMPLATE@NAME.service`` (``vllm@``, ``vllm-worker@``) per instance name (one
-    systemctl call for all)."""
+    systemctl call for all). Raises :class:`SystemdReadError` when systemctl fails: as an unprivileged user it
+    asks PID 1 over the system bus, and dbus-daemon refuses a caller whose uid it cannot resolve (a
+    ``DynamicUser=`` without nss-systemd: ``Transport endpoint is not connected``)."""
     if not names:
         return {}
     units = [f"{template}@{n}.service" for n in names]
+    cmd = ["systemctl", "show", "--property=Id,NRestarts", *units]
     try:
-        out = subprocess.run(
-            ["systemctl", "show", "--property=Id,NRestarts", *units],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
+        cp = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemdReadError(f"{' '.join(cmd[:3])}: {exc}") from None
+    if cp.returncode != 0:
+        why = " ".join(cp.stderr.split()) or f"exit status {cp.returncode}"
+        raise SystemdReadError(f"{' '.join(cmd[:3])}: {why}")
     result: dict[str, int] = {}
-    for block in out.strip().split("\n\n"):
+    for block in cp.stdout.strip().split("\n\n"):
         props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         unit, value = props.get("Id", ""), props.get("NRestarts", "")
         if unit.startswith(f"{template}@") and value.isdigit():
@@ -487,6 +493,36 @@ class FleetCollector(Collector):
         self.drain_state = drain_state
         self.manifest = manifest
         self.use_systemd = systemd_available() if use_systemd is None else use_systemd
+        # failed systemd reads since the exporter started (a counter), and what was last logged about them
+        self.systemd_errors = 0
+        self._systemd_lock = threading.Lock()
+        self._systemd_logged: tuple[str, float] | None = None
+
+    def _restarts(self, names: list[str], template: str) -> dict[str, int]:
+        """:func:`unit_restarts`, counting and logging a failure instead of dropping the series silently
+        (logged when the reason changes, again every ``SYSTEMD_LOG_EVERY`` seconds while it lasts, and when
+        the reads work again)."""
+        try:
+            restarts = unit_restarts(names, template)
+        except SystemdReadError as exc:
+            with self._systemd_lock:
+                self.systemd_errors += 1
+                now, msg = time.monotonic(), str(exc)
+                last = self._systemd_logged
+                if last is None or last[0] != msg or now - last[1] >= SYSTEMD_LOG_EVERY:
+                    self._systemd_logged = (msg, now)
+                    log.warning(
+                        "cannot read restart counts (NRestarts) from systemd, %d failed reads so far; no "
+                        "vllm_fleet_instance_restarts_total / vllm_fleet_worker_restarts_total series meanwhile: %s",
+                        self.systemd_errors,
+                        msg,
+                    )
+            return {}
+        with self._systemd_lock:
+            if self._systemd_logged is not None and names:
+                self._systemd_logged = None
+                log.info("restart counts are read from systemd again")
+        return restarts
 
     def collect(self) -> Iterable[Metric]:
         started = time.monotonic()
@@ -496,7 +532,7 @@ class FleetCollector(Collector):
         yield from self._instance_metrics(instances)
         yield from self._worker_metrics(workers)
         if self.use_systemd:
-            restarts = unit_restarts([i.name for i in instances])
+            restarts = self._restarts([i.name for i in instances], "vllm")
             fam = CounterMetricFamily(
                 PREFIX + "instance_restarts",
                 "Automatic restarts of vllm@NAME.service (systemd NRestarts)",
@@ -507,7 +543,7 @@ class FleetCollector(Collector):
                     fam.add_metric([i.name, i.model, f"vllm@{i.name}.service"], restarts[i.name])
             yield fam
             if workers:
-                restarts = unit_restarts([w.name for w in workers], "vllm-worker")
+                restarts = self._restarts([w.name for w in workers], "vllm-worker")
                 wfam = CounterMetricFamily(
                     PREFIX + "worker_restarts",
                     "Automatic restarts of vllm-worker@NAME.service, a multi-node rank > 0 (systemd NRestarts)",
@@ -518,6 +554,12 @@ class FleetCollector(Collector):
                         unit = f"vllm-worker@{w.name}.service"
                         wfam.add_metric([w.name, w.model, _rank(w), unit], restarts[w.name])
                 yield wfam
+            yield CounterMetricFamily(
+                PREFIX + "exporter_systemd_errors",
+                "Reads of unit properties from systemd (systemctl show NRestarts) that failed since the exporter "
+                "started; the restart series are missing while they fail (the reason is in its journal)",
+                value=self.systemd_errors,
+            )
         if self.access_log is not None:
             yield from self.access_log.metrics()
         yield from self._deployment_metrics()
