@@ -346,3 +346,59 @@ def test_a_waiting_worker_alone_degrades_the_exit_code() -> None:
     st = judge(spec, samples, now=NOW)
     assert st.models_down == [] and st.exit_code == EXIT_DEGRADED
     assert [r.verdict for r in st.rows] == ["serving", "serving", "serving", "degraded"]
+
+
+def test_a_prometheus_that_does_not_answer_names_the_firewall_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From a controller the monitoring host's firewall does not admit, the connection is dropped, not refused:
+    a bare `URLError: timed out` said nothing; the error names the address tried, the admitted sources and the
+    ways out."""
+    import argparse
+    import socket
+
+    from vllm_fleet.fleet import status
+
+    silent = (
+        socket.socket()
+    )  # accepts connections (the backlog) and never answers: a dropped reply, in effect
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    doc = spec_doc()
+    doc["firewall"] = {"admin_sources": ["192.0.2.0/24"]}
+    spec = parse_spec(doc, "t")
+    try:
+        with pytest.raises(status.StatusError) as err:
+            status.query(url, QUERY, timeout=0.3, timeout_hint=status.unanswered_hint(spec, url))
+        msg = str(err.value)
+        assert msg.startswith(f"Prometheus at {url}: no answer within 0.3 s. "), msg
+        assert "firewall (h1) admits Prometheus only from h1 itself and firewall.admin_sources" in msg
+        assert (
+            "(configured: 192.0.2.0/24)" in msg
+            and "this machine's address towards 127.0.0.1 is 127.0.0.1" in msg
+        )
+        assert "add this machine's address (or its network) to firewall.admin_sources" in msg
+        assert "run `vllm-fleet status` on h1" in msg and "URLError" not in msg
+        # the command: exit 3 with that message (the query's timeout shortened for the test)
+        query = status.query
+        monkeypatch.setattr(status, "query", lambda *a, **k: query(*a, **{**k, "timeout": 0.3}))
+        args = argparse.Namespace(
+            prometheus=url, prometheus_user="", prometheus_password_file="", json=False, watch=0
+        )
+        spec = parse_spec({**doc, "monitoring": {"host": "h1", "web_auth": False}}, "t")
+        assert status.run(args, spec) == 3
+        assert "(configured: 192.0.2.0/24)" in capsys.readouterr().err
+    finally:
+        silent.close()
+    # a dropped SYN times out in connect(): urllib wraps that one in URLError
+    import urllib.error
+
+    assert status._timed_out(urllib.error.URLError(TimeoutError("timed out")))
+    assert not status._timed_out(urllib.error.URLError(ConnectionRefusedError()))
+    # no firewall in the spec: no firewall advice
+    doc["firewall"] = {"enabled": False}
+    assert "firewall" not in status.unanswered_hint(parse_spec(doc, "t"), url)
+    # none admitted
+    doc["firewall"] = {}
+    assert "(configured: none)" in status.unanswered_hint(parse_spec(doc, "t"), url)

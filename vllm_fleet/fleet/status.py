@@ -21,6 +21,7 @@ import argparse
 import base64
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -141,8 +142,52 @@ def prometheus_url(spec: FleetSpec) -> str:
     return f"http://{host.address}:{spec.monitoring.prometheus_port}"
 
 
-def query(url: str, expr: str, auth: tuple[str, str] | None = None, timeout: float = 10.0) -> list[Sample]:
-    """One instant query: ``(labels, value)`` per series."""
+def _source_address(host: str) -> str | None:
+    """This machine's address towards ``host`` (the route's source; a UDP connect sends nothing), or None."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except (OSError, IndexError):
+        return None
+
+
+def unanswered_hint(spec: FleetSpec, url: str) -> str:
+    """What to do when Prometheus at ``url`` does not answer in time: the monitoring host's firewall drops
+    every packet it does not admit (``firewall.admin_sources`` besides the monitoring host), so a controller
+    that is not admitted waits for the timeout."""
+    mon = spec.monitoring_host
+    if not spec.firewall.enabled:
+        return f" (is the monitoring host {mon} up and Prometheus running there?)"
+    target = urllib.parse.urlsplit(url).hostname or ""
+    sources = ", ".join(spec.firewall.admin_sources) or "none"
+    me = _source_address(target) if target else None
+    mine = f"; this machine's address towards {target} is {me}" if me else ""
+    return (
+        f". The monitoring host's firewall ({mon}) admits Prometheus only from {mon} itself and "
+        f"firewall.admin_sources (configured: {sources}){mine}: add this machine's address (or its network) "
+        f"to firewall.admin_sources and deploy again, or run `vllm-fleet status` on {mon}, or tunnel "
+        f"(ssh -L 9090:{target}:{urllib.parse.urlsplit(url).port or 9090} {mon}, then --prometheus "
+        "http://127.0.0.1:9090); docs/status.md"
+    )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or (
+        isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, TimeoutError)
+    )
+
+
+def query(
+    url: str,
+    expr: str,
+    auth: tuple[str, str] | None = None,
+    timeout: float = 10.0,
+    timeout_hint: str = "",
+) -> list[Sample]:
+    """One instant query: ``(labels, value)`` per series. ``timeout_hint`` ends the error when nothing
+    answered within ``timeout`` (:func:`unanswered_hint`)."""
     req = urllib.request.Request(f"{url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
     if auth is not None:
         token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
@@ -159,6 +204,8 @@ def query(url: str, expr: str, auth: tuple[str, str] | None = None, timeout: flo
             )
         raise StatusError(f"Prometheus at {url}: HTTP {exc.code} {exc.reason}{hint}") from None
     except (OSError, ValueError) as exc:
+        if _timed_out(exc):
+            raise StatusError(f"Prometheus at {url}: no answer within {timeout:g} s{timeout_hint}") from None
         raise StatusError(f"Prometheus at {url}: {type(exc).__name__}: {exc}") from None
     if doc.get("status") != "success":
         raise StatusError(f"Prometheus at {url}: {doc.get('errorType')}: {doc.get('error')}")
@@ -414,7 +461,7 @@ def run(a: argparse.Namespace, spec: FleetSpec) -> int:
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not a.json
     while True:
         try:
-            st = judge(spec, query(url, QUERY, _auth(a, spec)), url)
+            st = judge(spec, query(url, QUERY, _auth(a, spec), timeout_hint=unanswered_hint(spec, url)), url)
         except StatusError as exc:
             if a.json:
                 print(json.dumps({"fleet": spec.name, "error": str(exc), "exit_code": EXIT_UNREACHABLE}))
