@@ -108,6 +108,22 @@ print('host', m['host'], '| fleet', m['fleet'], '| spec', m['spec_hash'], '|', s
   vllm-fleet sandbox ssh "$h" "systemctl --no-legend list-units 'vllm@*' nginx.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service | sed 's/^/   /'"
 done
 echo "   gateway:    http://$GW_ADDR:8000/v1  (OpenAI + Anthropic APIs; API key in $KEY_FILE)"
-echo "   prometheus: http://127.0.0.1:9090 on the monitoring host (basic auth: user vllm-fleet, password in"
-echo "               $WORK/inventory/vllm-fleet-secrets/monitoring-web-password)   manifest: /var/lib/vllm-fleet/manifest.json"
+# where Prometheus really listens (vllm_fleet/fleet/network.py: loopback on a one-host fleet, else the monitoring
+# host's internal address), who may reach it (the firewall: the monitoring host and firewall.admin_sources) and
+# how to log in (basic auth unless monitoring.web_auth is false)
+python - "$WORK/fleet.yml" "$WORK/inventory" <<'PY'
+import sys
+from vllm_fleet.fleet.network import monitoring_address
+from vllm_fleet.fleet.spec import load_spec
+spec, inv = load_spec(sys.argv[1]), sys.argv[2]
+mon, m, fw = spec.monitoring_host, spec.monitoring, spec.firewall
+addr, port = monitoring_address(spec), m.prometheus_port
+who = f"{mon} itself" + (f" and firewall.admin_sources ({', '.join(fw.admin_sources)})" if fw.admin_sources else "")
+print(f"   prometheus: http://{addr}:{port}  reachable from {who if fw.enabled else 'the fleet'}")
+if m.web_auth:
+    print(f"               basic auth: user {m.web_user}, password in {inv}/vllm-fleet-secrets/monitoring-web-password")
+    print(f"               (on {mon}: {m.web_password_file}; vllm-fleet status there reads it)")
+print(f"               from here (KEEP=1): ssh -F {inv}/ssh_config -L {port}:{addr}:{port} {mon}, then http://127.0.0.1:{port}")
+PY
+echo "   manifest:   /var/lib/vllm-fleet/manifest.json on each host"
 echo "playbook: $((T2 - T1)) s; demo total: $(( $(date +%s) - T0 )) s"
