@@ -783,7 +783,10 @@ class SimServer:
                 pending = piece
         finally:
             self.engine.abort(r)  # the client went away (no-op when it finished)
-        await resp.chunk(sse(chunk(pending or "", r.finish, True)))
+        last = chunk(pending or "", r.finish, True)
+        if include_usage:  # the fingerprint moves to the usage event
+            last.pop("system_fingerprint", None)
+        await resp.chunk(sse(last))
         if include_usage:
             u = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                  "usage": self._usage(r), "system_fingerprint": FINGERPRINT}  # fmt: skip

