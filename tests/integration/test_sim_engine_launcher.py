@@ -1,0 +1,103 @@
+"""The launcher (`vllm-fleet launch`) runs the sim engine from an instance config's ``command``, as it runs
+vLLM: phases while loading, READY=1 after a real completion, watchdog pings; the sim's controls make it
+stalled (the probe says so from the work counters), and SIGTERM drains to exit 0. Seconds, no vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_fleet.devtools.gateway_testing import wait_for
+from vllm_fleet.devtools.testing import free_port, http_json, sim_engine_argv
+from vllm_fleet.host.notify import NotifyListener
+
+SERVICE = {
+    "watchdog_seconds": 6,
+    "probe_interval_seconds": 1,
+    "probe_timeout_seconds": 2,
+    "stop_kill_after_loading_seconds": 2,
+    "start_timeout_seconds": 30,
+    "load_timeout_seconds": 60,
+    "stall_timeout_seconds": 30,
+    "starved_grace_seconds": 0,
+}
+
+
+class Launched:
+    def __init__(self, workdir: Path, model: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {
+            "name": "sim", "served_model_name": "sim-served", "model_path": str(model),
+            "listen_address": "127.0.0.1", "port": self.port,
+            "command": sim_engine_argv(model, self.port, "sim-served", shutdown_timeout=10, load_seconds=3),
+            "shutdown_timeout": 10, "state_dir": str(workdir / "state"), "service": SERVICE,
+        }  # fmt: skip
+        (workdir / "instances").mkdir(parents=True)
+        (workdir / "instances" / "sim.json").write_text(json.dumps(cfg))
+        sock = str(workdir / "notify.sock")
+        self.notify = NotifyListener(sock)
+        self.log = workdir / "launcher.log"
+        self.state_file = workdir / "state" / "sim.json"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_fleet.host.launcher", "sim", "--config-dir", str(workdir)],
+            env={**os.environ, "NOTIFY_SOCKET": sock},
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.notify.close()
+
+
+@pytest.fixture
+def launched(sim_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
+    r = Launched(tmp_path, sim_model_dir)
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def test_launcher_runs_the_sim_engine(launched: Launched) -> None:
+    r = launched
+    i_ready = r.notify.wait_for("READY", "1", timeout=60)
+    statuses = [f["STATUS"] for _, f in r.notify.messages[:i_ready] if "STATUS" in f]
+    phases = {s.split(": ", 1)[1].rsplit(" (", 1)[0] for s in statuses if s.startswith("Loading")}
+    assert len(phases) >= 2, statuses  # parsed from the sim's vLLM-style log lines
+    r.notify.wait_for("WATCHDOG", "1", since=i_ready + 1, timeout=10)
+    # busy and stalled: requests running, the engine core stopped → the probe fails with "stalled"
+    body = {"model": "sim-served", "prompt": "x", "max_tokens": 500, "ignore_eos": True}
+    lanes = [
+        threading.Thread(target=http_json, args=("POST", r.url + "/v1/completions", body), daemon=True)
+        for _ in range(2)
+    ]
+    for t in lanes:
+        t.start()
+    assert wait_for(lambda: (http_json("GET", r.url + "/sim/control")[1] or {}).get("running") == 2, 10)
+    n = len(r.notify.messages)
+    assert http_json("POST", r.url + "/sim/control", {"stall": True})[0] == 200
+
+    def stalled() -> bool:
+        return any("stalled" in f.get("STATUS", "") for _, f in r.notify.messages[n:])
+
+    assert wait_for(stalled, 20), r.notify.values("STATUS")[-5:]
+    assert http_json("POST", r.url + "/sim/control", {"stall": False})[0] == 200
+    # SIGTERM: the launcher drains the two in-flight requests (they finish), then the engine exits 0
+    r.proc.send_signal(signal.SIGTERM)
+    for t in lanes:
+        t.join(30)
+    assert r.proc.wait(40) == 0, r.log.read_text()[-2000:]
+    assert "STOPPING" in {key for _, f in r.notify.messages for key in f}
