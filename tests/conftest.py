@@ -64,8 +64,9 @@ def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess:
-    """An engine with a tiny queue bound (2 running + 2 waiting; more get vLLM's own fast 503): a full instance
-    for the gateway's spill-over tests and the saturation alert (one per module that uses it)."""
+    """An engine with a tiny queue bound (``--max-num-seqs 2 --max-num-queued-reqs 2``: vLLM 0.32 caps the
+    unfinished requests, running + waiting, at 2; more get its own fast 503): a full instance for the
+    saturation alert and the engine contract's admission check (one per module that uses it)."""
     e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
     return e.wait_ready(900)
 

@@ -18,7 +18,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -441,24 +440,11 @@ def test_admission_503(bounded: EngineProcess) -> None:
     ]
 
 
-@pytest.fixture(params=KINDS)
-def drainable(request: pytest.FixtureRequest) -> Iterator[EngineProcess]:
-    """An engine of its own (it is stopped by the test), ``--shutdown-timeout 20``."""
-    if request.param == "vllm":
-        e: EngineProcess = request.getfixturevalue("engine_factory")(shutdown_timeout=20)
-        e.wait_ready(900)
-    else:
-        e = request.getfixturevalue("sim_engine_factory")(shutdown_timeout=20, token_delay=0.003)
-    try:
-        yield e
-    finally:
-        e.stop()
-
-
-def test_sigterm_drains_in_flight_requests(drainable: EngineProcess) -> None:
-    """SIGTERM with ``--shutdown-timeout``: the in-flight stream ends complete (``finish_reason: length``,
-    ``[DONE]``), a request that arrives meanwhile gets a JSON 500, the engine exits 0."""
-    e = drainable
+def test_sigterm_drains_in_flight_requests(bounded: EngineProcess) -> None:
+    """SIGTERM with ``--shutdown-timeout 20``: the in-flight stream ends complete (``finish_reason: length``,
+    ``[DONE]``), a request that arrives meanwhile gets a JSON 500, the engine exits 0. The last test of the
+    bounded engine of this module (it is stopped here: no engine load of its own)."""
+    e = bounded
     assert e.proc is not None
     c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=120)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 600, "ignore_eos": True, "stream": True}
