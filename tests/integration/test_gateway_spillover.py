@@ -27,7 +27,7 @@ from vllm_fleet.devtools.testing import EngineProcess
 def p(sim_engine_factory: Any) -> EngineProcess:
     """The full primary: 2 unfinished requests at most (vLLM 0.32's --max-num-queued-reqs counts running +
     waiting), the rest get vLLM's 503."""
-    return sim_engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[no-any-return]
+    return sim_engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"], token_delay=0.003)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
