@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import wait_for
 from vllm_fleet.devtools.testing import free_port, http_json, sim_engine_argv
+from vllm_fleet.host import probe
 from vllm_fleet.host.notify import NotifyListener
 
 SERVICE = {
@@ -101,3 +104,18 @@ def test_launcher_runs_the_sim_engine(launched: Launched) -> None:
         t.join(30)
     assert r.proc.wait(40) == 0, r.log.read_text()[-2000:]
     assert "STOPPING" in {key for _, f in r.notify.messages for key in f}
+
+
+def test_controls_make_it_hung_or_dead(sim_engine_factory: Any) -> None:
+    """``hang``: connections are accepted, nothing is answered (the probe's /metrics times out);
+    ``die``: the process exits at once with the code asked for."""
+    hung = sim_engine_factory()
+    assert hung.control(hang=True, timeout=2) == (0, None)
+    with socket.create_connection(("127.0.0.1", hung.port), timeout=2):
+        pass  # the listening socket still accepts
+    reading, answer = probe.progress("127.0.0.1", hung.port, timeout=1)
+    assert reading is None and answer.timed_out, answer
+    dead = sim_engine_factory()
+    assert dead.proc is not None
+    dead.control(die=3)
+    assert dead.proc.wait(10) == 3

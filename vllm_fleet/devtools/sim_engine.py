@@ -29,7 +29,7 @@ Controls for tests (``POST /sim/control`` with a JSON object, answered with the 
 ``{"token_delay": 0.05}`` slower decoding; ``{"stall": true}`` the engine core stops (no token, no step, the
 counters stand still; ``/health`` and ``/metrics`` still answer: a hung worker); ``{"hang": true}`` the API
 server hangs too (connections are accepted, nothing is answered, not even ``/sim/control``: undo with a
-restart); ``{"die": true}`` or ``{"die": 3}`` exits at once with 1 or that code. ``kill -STOP`` works as on
+restart); ``{"die": true}`` or ``{"die": 3}`` answers, then exits at once with 1 or that code. ``kill -STOP`` works as on
 any process.
 
 Not modelled: real text or tokenizers (tokens are words of a fixed vocabulary, counted roughly), sampling
@@ -593,9 +593,10 @@ class SimServer:
             self.engine.wake.set()
         state = {"token_delay": self.engine.token_delay, "stall": self.engine.stalled,
                  "running": len(self.engine.running), "waiting": len(self.engine.waiting)}  # fmt: skip
-        if body.get("die"):
+        if body.get("die"):  # answered first, then the process exits at once
             code = 1 if body["die"] is True else int(body["die"])
             log(f"sim: dying with exit code {code} (asked to)", "ERROR")
+            await resp.send_json(200, {**state, "die": code})
             os._exit(code)
         if body.get("hang"):
             log("sim: the API server hangs now (asked to)", "WARNING")
