@@ -692,6 +692,9 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     assert cfg["command"][cfg["command"].index("--max-num-seqs") + 1] == "8"
     status, body = fleet.chat()
     assert status == 200, body
+    # the user keeps the change in their spec file: the later day-2 changes build on it
+    fleet.spec = changed_spec
+    fleet.spec_path.write_text(yaml.safe_dump(fleet.spec, sort_keys=False))
 
 
 def test_kill_9_of_a_primary_under_traffic(fleet: Fleet) -> None:
@@ -919,7 +922,8 @@ def pending_restarts(fleet: Fleet) -> set[str]:
 
 
 def deployed_spec(fleet: Fleet, tmp_path: Path) -> Path:
-    """The spec the fleet runs since the flag-change test (tiny-b with max_num_seqs 8)."""
+    """The spec the fleet runs since the flag-change test (tiny-b with max_num_seqs 8; the spec file has it
+    when that test ran)."""
     spec = json.loads(json.dumps(fleet.spec))
     spec["models"][1]["max_num_seqs"] = 8
     path = tmp_path / "deployed.yml"
@@ -1442,9 +1446,9 @@ def _wait_status(
     return doc
 
 
-def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet) -> None:
-    """`vllm-fleet status` on the deployed fleet: every instance serving (exit 0), the spec drift of the
-    flag-change test named per host; tiny-b drained at the gateway → degraded, exit 1; h2 powered off → its
+def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet, tmp_path: Path) -> None:
+    """`vllm-fleet status` on the deployed fleet: every instance serving (exit 0); given the spec from before
+    the flag change, the drift named per host; tiny-b drained at the gateway → degraded, exit 1; h2 powered off → its
     instance down as unreachable and the host named, exit 1 (tiny-qwen3 still serves on h1). Last in the file:
     h2 stays off."""
     doc = _wait_status(fleet, lambda c, d: c == 0, "every instance serving")
@@ -1453,14 +1457,20 @@ def test_fleet_status_healthy_drained_and_a_host_powered_off(fleet: Fleet) -> No
     for r in rows.values():
         assert (r["verdict"], r["state"], r["rotation"], r["probe_ok"]) == ("serving", "ready", "in", True), r
         assert r["ready_since"] and r["running"] is not None and r["kv_cache"] is not None, r
-    # the fleet runs the spec of the last deploy above (the upgrade's and the flag change's: tiny-b's
-    # max_num_seqs 8): given the spec file, status shows the drift on every host, each naming the same
-    # deployed spec
+    # every host names the spec of the last deploy above; given the spec file, drift only where the file
+    # differs from what was deployed
     deployed = {h["deployed_spec"] for h in doc["hosts"]}
-    drift = fleet.deployed != fleet.spec_path.read_text()
+    drift = yaml.safe_load(fleet.deployed) != yaml.safe_load(fleet.spec_path.read_text())
     assert all(h["reachable"] and h["drift"] == drift for h in doc["hosts"]), (drift, doc["hosts"])
     assert len(deployed) == 1 and "" not in deployed, doc["hosts"]
     assert (doc["spec_hash"] not in deployed) == drift, doc["hosts"]
+    # given the spec from before the flag change (tiny-b without max_num_seqs 8), every host shows the drift
+    older = json.loads(json.dumps(yaml.safe_load(fleet.deployed)))
+    older["models"][1].pop("max_num_seqs", None)
+    (tmp_path / "older.yml").write_text(yaml.safe_dump(older, sort_keys=False))
+    code, doc = _status(fleet, tmp_path / "older.yml")
+    assert all(h["reachable"] and h["drift"] for h in doc["hosts"]), doc["hosts"]
+    assert doc["spec_hash"] not in {h["deployed_spec"] for h in doc["hosts"]}, doc["hosts"]
 
     gw = fleet.hosts[fleet.spec["gateway"]["host"]]
     venv = "/opt/vllm-fleet/venv/bin/vllm-fleet"
