@@ -42,9 +42,16 @@ PLAYBOOK = """
 """
 
 
+# CI renders the two that cover the most (a two-host CPU fleet; GPU primaries with a CPU fallback on a stack
+# of its own); the 4×A100 and the multi-node group in `make test-all` (each is a full Ansible run)
 @pytest.mark.parametrize(
     "example",
-    ["tiny-cpu-2hosts.yml", "seed-004-4xa100.yml", "tiny-cpu-multinode.yml", "seed-001-cpu-fallback.yml"],
+    [
+        "tiny-cpu-2hosts.yml",
+        pytest.param("seed-004-4xa100.yml", marks=pytest.mark.extended),
+        pytest.param("tiny-cpu-multinode.yml", marks=pytest.mark.extended),
+        "seed-001-cpu-fallback.yml",
+    ],
 )
 def test_ansible_renders_what_vllm_fleet_render_renders(example: str, tmp_path: Path) -> None:
     if os.geteuid() != 0:

@@ -215,7 +215,10 @@ def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
     return workers, True
 
 
-@pytest.mark.parametrize("mode", ["api-server", "all", "worker-busy"])
+# the API server alone stopped: `make test-all` (CI: every engine process stopped, and the worker while busy)
+@pytest.mark.parametrize(
+    "mode", [pytest.param("api-server", marks=pytest.mark.extended), "all", "worker-busy"]
+)
 def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     """Three hangs (issue: busy is not hung, but hung is hung): the API server alone stopped (probes time
     out), every engine process stopped, and the worker alone stopped while requests run (``/health`` stays 200,

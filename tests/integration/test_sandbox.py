@@ -148,6 +148,7 @@ def test_inventory_ssh_config_and_ansible(pair: tuple[SandboxHost, SandboxHost],
     assert pair[0].name in res.stdout and pair[1].name not in res.stdout.replace(f"{pair[0].name} |", "")
 
 
+@pytest.mark.extended  # CI: every Ansible deploy in CI installs its Debian packages through the proxy
 def test_apt_through_the_proxy(pair: tuple[SandboxHost, SandboxHost]) -> None:
     a, b = pair
     assert a.apt_proxy and "3142" in a.run("cat /etc/apt/apt.conf.d/01vllm-fleet-proxy").stdout
@@ -181,6 +182,7 @@ def test_down_leaves_nothing_behind(sandbox_factory) -> None:  # type: ignore[no
     assert not down("sandbox-t3")  # idempotent: nothing left to take down
 
 
+@pytest.mark.extended  # CI: the engine-host modules in CI (unit service, e2e) start engines from that stack
 def test_engine_host_has_the_offline_stack_and_this_checkout(sandbox_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     models = tmp_path / "models"
     (models / "m").mkdir(parents=True)
