@@ -18,6 +18,6 @@ e2e-newest-ansible: setup images
 	test -x $(NEWEST_ANSIBLE_VENV)/bin/python || $(NEWEST_ANSIBLE_PYTHON) -m venv $(NEWEST_ANSIBLE_VENV)
 	$(NEWEST_ANSIBLE_VENV)/bin/pip install -q --upgrade ansible-core
 	$(NEWEST_ANSIBLE_VENV)/bin/pip install -q -e '.[controller]'
-	$(NEWEST_ANSIBLE_VENV)/bin/ansible-playbook --version | head -1
+	$(NEWEST_ANSIBLE_VENV)/bin/ansible-playbook --version | sed -n 1p
 	VLLM_FLEET_ANSIBLE_BIN=$(abspath $(NEWEST_ANSIBLE_VENV))/bin \
 	  $(PY) -m pytest -ra tests/integration/test_ansible.py -k deploy_and_chat $(PYTEST_ARGS)
