@@ -168,6 +168,17 @@ def test_down_leaves_nothing_behind(sandbox_factory) -> None:  # type: ignore[no
     root, hdir = Path(h.root), h.dir
     veth = "vb-sandbox-t3"
     assert all(Path(f"/proc/{p}").exists() for p in pids)
+    # an SSH control master to it, as Ansible's ControlPersist leaves one behind for minutes: down stops it, so
+    # the next host given this address is never reached through it (CI: `make demo`'s host, then the e2e's)
+    sock = Path(h.dir).parent / ".t3-mux"
+    argv = h.ssh_argv("true")
+    master = subprocess.run(
+        [argv[0], "-o", "ControlMaster=yes", "-o", "ControlPersist=300", "-o", f"ControlPath={sock}", "-f", "-N",
+         *argv[1:-1]], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert master.returncode == 0 and sock.exists(), master.stderr
+    check = ["ssh", "-o", f"ControlPath={sock}", "-O", "check", h.address]
+    assert subprocess.run(check, capture_output=True).returncode == 0
     t0 = time.monotonic()
     assert down("sandbox-t3")
     took = time.monotonic() - t0
@@ -180,6 +191,12 @@ def test_down_leaves_nothing_behind(sandbox_factory) -> None:  # type: ignore[no
     assert subprocess.run(["ip", "link", "show", veth], capture_output=True).returncode != 0
     assert "sandbox-t3" not in [x.name for x in list_hosts()]
     assert not down("sandbox-t3")  # idempotent: nothing left to take down
+    deadline = time.monotonic() + 10
+    while subprocess.run(check, capture_output=True).returncode == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert subprocess.run(check, capture_output=True).returncode != 0, (
+        "the SSH control master outlived its host"
+    )
 
 
 @pytest.mark.extended  # CI: the engine-host modules in CI (unit service, e2e) start engines from that stack

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -506,6 +507,30 @@ def _remove(host: SandboxHost) -> None:
     _rm_rf(host.dir)
 
 
+def close_ssh_masters(address: str) -> list[int]:
+    """Stop the SSH control masters (ControlPersist: Ansible's ``ssh_args``) connected to ``address``. A host
+    that later gets the same address (the next test module's, after ``make demo``'s) must never be reached
+    through a master of the host that had it: Ansible names its control sockets by address, and a master
+    persists for minutes after its host is gone. Returns the PIDs stopped."""
+    try:
+        out = subprocess.run(
+            ["ss", "-Htnp", "dst", f"{address}:22"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    stopped = []
+    for pid in sorted({int(p) for p in re.findall(r"pid=(\d+)", out)}):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("ssh: ") and "[mux]" in cmd:  # a master, not a session of someone's own
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+                stopped.append(pid)
+    return stopped
+
+
 def down(name: str, timeout: float = 30.0) -> bool:
     """Power the host off cleanly (SIGTERM to systemd-nspawn), kill it if it hangs, remove its copy.
     Returns False when no such host exists."""
@@ -514,6 +539,7 @@ def down(name: str, timeout: float = 30.0) -> bool:
     except SandboxError:
         return False
     with file_lock(hosts_dir() / f".{name}.lock"):
+        close_ssh_masters(host.address)
         if host.alive:
             pid1 = None
             with contextlib.suppress(SandboxError):
