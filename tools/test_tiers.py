@@ -5,7 +5,7 @@
 
 The tier comes from the tests themselves (pytest's collection with the markers `make test` and `make test-all`
 select on: `extended` → test-all only); the times from the junit XML files of runs
-(`pytest --junitxml=FILE`; the newest file wins for a test in several). A scenario no run measured shows "-".
+(`pytest --junitxml=FILE`; for a test in several files the last one given wins). A scenario no run measured shows "-".
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def collected(marker_expr: str) -> list[str]:
 
 def times(files: list[str]) -> dict[str, tuple[float, str]]:
     got: dict[str, tuple[float, str]] = {}
-    for f in sorted(files, key=lambda p: Path(p).stat().st_mtime):
+    for f in files:
         for case in ET.parse(f).getroot().iter("testcase"):
             path = case.get("classname", "").replace(".", "/")
             node = f"{path}.py::{case.get('name')}"
