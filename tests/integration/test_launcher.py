@@ -2,6 +2,12 @@
 
 One launcher + engine (module fixture) serves the ready/watchdog/SIGSTOP/drain tests, in file order; the
 loading-time tests start engines that never finish loading (a few seconds of CPU each).
+
+Tiers: the ready/watchdog/SIGSTOP/starved/drain tests are ``extended`` (`make test-all`): CI proves the same
+behaviours one layer up, the launcher under systemd on a sandbox host with a real engine
+(test_unit_engine_service: start returns only when serving, a worker hung while busy, an idle engine starved of
+CPU, a burst deeper than the watchdog, stop during a stream), and the launcher's hang verdicts on the sim engine
+(test_sim_engine_launcher). The loading-time and bad-path tests here run in CI: no engine load.
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         r.cleanup()
 
 
+@pytest.mark.extended
 def test_ready_only_after_a_completion(run: Run) -> None:
     t_start = time.monotonic()
     i_ready = run.notify.wait_for("READY", "1", timeout=1500)
@@ -171,6 +178,7 @@ def test_ready_only_after_a_completion(run: Run) -> None:
     assert "Starting vLLM server on" in run.output() or "Application startup complete" in run.output()
 
 
+@pytest.mark.extended
 def test_watchdog_pings_repeat(run: Run) -> None:
     i = run.notify.wait_for("READY", "1", timeout=1500)
     j = run.notify.wait_for("WATCHDOG", "1", since=i + 1, timeout=15)
@@ -215,10 +223,9 @@ def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
     return workers, True
 
 
-# the API server alone stopped: `make test-all` (CI: every engine process stopped, and the worker while busy)
-@pytest.mark.parametrize(
-    "mode", [pytest.param("api-server", marks=pytest.mark.extended), "all", "worker-busy"]
-)
+# `make test-all` (CI: the worker hung while busy under systemd, test_unit_engine_service)
+@pytest.mark.extended
+@pytest.mark.parametrize("mode", ["api-server", "all", "worker-busy"])
 def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     """Three hangs (issue: busy is not hung, but hung is hung): the API server alone stopped (probes time
     out), every engine process stopped, and the worker alone stopped while requests run (``/health`` stays 200,
@@ -287,6 +294,7 @@ def _pings_between(run: Run, t0: float, t1: float) -> list[float]:
     return [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1" and t0 <= t < t1]
 
 
+@pytest.mark.extended
 def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> None:
     """Idle, but its CPUs taken (a CFS quota of 0.5 % of one CPU on every engine process: what a neighbour's
     burst does on a small host): the decode probe times out, the kernel shows the engine's threads waiting for a
@@ -325,6 +333,7 @@ def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> Non
     )
 
 
+@pytest.mark.extended
 def test_sigterm_drains_inflight_stream(run: Run) -> None:
     run.notify.wait_for("READY", "1", timeout=1500)
     pid = run.engine_pid()
