@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_fleet.devtools.sandbox import down, free_address
+from vllm_fleet.devtools.sandbox import down
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import load_spec
 
@@ -123,12 +123,11 @@ TINY = 'instance="tiny",model="tiny-qwen3",unit="vllm@tiny.service"'
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory, sandbox_factory: Any) -> Iterator[Host]:
     tmp = tmp_path_factory.mktemp("exporter")
-    address = free_address()
+    # the engine image (/opt/vllm-fleet/venv with this checkout); booted first: `up` allocates the address
+    # atomically (other pytest processes may boot hosts meanwhile)
+    h = sandbox_factory(HOST, engine=True)
     out = tmp / "rendered"
-    render_fleet(load_spec(fleet_spec(tmp, address)), out)
-    h = sandbox_factory(
-        HOST, address, engine=True
-    )  # the engine image: /opt/vllm-fleet/venv with this checkout
+    render_fleet(load_spec(fleet_spec(tmp, h.address)), out)
     r = Host(h)
     try:
         root = out / "h1"

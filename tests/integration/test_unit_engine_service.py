@@ -27,7 +27,6 @@ import pytest
 import yaml
 
 from vllm_fleet.devtools.cpu_throttle import host_pids_of_group, throttled
-from vllm_fleet.devtools.sandbox import free_address
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import load_spec
 
@@ -134,11 +133,11 @@ def host(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, sandbox_factory: Any
 ) -> Iterator[Remote]:
     tmp = tmp_path_factory.mktemp("engsvc")
-    address = free_address()
-    spec = load_spec(fleet_spec(tmp, address))
+    # booted first: `up` allocates its address atomically (other pytest processes boot hosts meanwhile)
+    h = sandbox_factory(HOST, engine=True)
+    spec = load_spec(fleet_spec(tmp, h.address))
     out = tmp / "rendered"
     render_fleet(spec, out)
-    h = sandbox_factory(HOST, address, engine=True)
     r = Remote(h)
     h.copy_to(tiny_model, f"{MODELS}/tiny")
     root = out / "h1"
