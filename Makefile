@@ -13,13 +13,15 @@ images: setup
 	$(VENV)/bin/vllm-fleet sandbox image --engine
 
 ## the test suite: unit + integration (real vLLM-CPU engines, nginx, Prometheus, Alertmanager, nspawn hosts);
-## CI runs it. Scenarios marked `extended` (further failure drills on the shared fleet) only in test-all
+## CI runs it. Scenarios marked `extended` (further drills) only in test-all. tools/run_tests.py runs the
+## Ansible e2e beside the local modules, then the modules that need the machine alone (docs/testing.md);
+## PYTEST_ARGS with test paths (or --serial) runs one plain pytest
 test: setup images
-	$(PY) -m pytest -ra --durations=20 -m "not extended" $(PYTEST_ARGS)
+	$(PY) tools/run_tests.py -ra --durations=20 -m "not extended" $(PYTEST_ARGS)
 
-## everything: the `extended` scenarios too (docs/ansible.md, "Scenarios and tiers", lists each with its time)
+## everything: the `extended` scenarios too (docs/testing.md lists each scenario with its tier and time)
 test-all: setup images
-	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS)
+	$(PY) tools/run_tests.py -ra --durations=20 $(PYTEST_ARGS)
 
 ## unit tests only (seconds; no processes started)
 test-fast:

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""`make test` / `make test-all`: the suite in two phases, using both cores of a small CI machine.
+
+    tools/run_tests.py [--serial] [pytest options ...]      e.g.  -m "not extended"
+
+Phase 1 runs two pytest processes side by side: the ``fleet`` stream (the Ansible e2e, one shared fleet of
+sandbox hosts, most of its time playbook runs and waiting on hosts; then the playbook-render parity checks) and
+the ``local`` stream (every other module: unit tests, gateways, engines, the live observability stack, the
+engine unit under systemd on a sandbox host of its own). Phase 2 then runs the modules that must have the
+machine to themselves: `sandbox down`'s "nothing left behind" checks (no other host may run) and the
+launcher's loading-time signal escalations. Each stream is one ordinary pytest run over its modules; the
+result is the worst of their exit codes. Sandbox hosts take their addresses atomically (``up`` without an
+address), so the streams' hosts never collide.
+
+Given test paths (or ``--serial``), it runs one plain pytest with the arguments as given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+INTEGRATION = "tests/integration"
+
+# phase 1, beside the local stream: the e2e fleet (its hosts have their own network namespaces), then the
+# playbook-render parity checks (ansible-playbook on the controller)
+FLEET = ["test_ansible.py", "test_ansible_render.py"]
+# phase 2, with the machine to themselves
+ALONE = [
+    "test_launcher.py",  # signals while an engine loads: SIGTERM escalating to SIGKILL after a set time
+    "test_sandbox.py",  # `sandbox down` leaves nothing behind: no other host may run meanwhile
+]
+
+
+@dataclass
+class Stream:
+    name: str
+    paths: list[str]
+    argv: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+    rc: int | None = None
+
+
+def streams(root: Path = REPO) -> tuple[list[Stream], list[Stream]]:
+    """The two phases: [fleet, local] side by side, then [alone]. Every test module is in exactly one."""
+    modules = sorted(p.name for p in (root / INTEGRATION).glob("test_*.py"))
+    missing = [m for m in FLEET + ALONE if m not in modules]
+    if missing:
+        raise SystemExit(f"run_tests.py names modules that do not exist: {missing}")
+    local = ["tests/unit"] + [f"{INTEGRATION}/{m}" for m in modules if m not in FLEET + ALONE]
+    return (
+        [Stream("fleet", [f"{INTEGRATION}/{m}" for m in FLEET]), Stream("local", local)],
+        [Stream("alone", [f"{INTEGRATION}/{m}" for m in ALONE])],
+    )
+
+
+def _start(s: Stream, args: list[str], logdir: Path | None) -> None:
+    s.argv = [sys.executable, "-m", "pytest", *args, *s.paths]
+    junit = os.environ.get("VLLM_FLEET_JUNIT_DIR")
+    if junit:
+        s.argv.insert(3, f"--junitxml={Path(junit) / (s.name + '.xml')}")
+    out = None
+    if logdir is not None:
+        s.log = logdir / f"{s.name}.log"
+        out = s.log.open("wb")
+    print(
+        f"== tests: stream {s.name}: {' '.join(s.paths)}" + (f" (log: {s.log})" if s.log else ""), flush=True
+    )
+    s.started = time.monotonic()
+    s.proc = subprocess.Popen(s.argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if out else None)
+
+
+def _wait(s: Stream) -> int:
+    assert s.proc is not None
+    rc = s.proc.wait()
+    s.seconds = time.monotonic() - s.started
+    s.rc = 0 if rc == 5 else rc  # 5: the selection left no test in this stream
+    return s.rc
+
+
+def run_phases(args: list[str]) -> int:
+    phase1, phase2 = streams()
+    logdir = Path(os.environ.get("VLLM_FLEET_TEST_LOGS", "/tmp/vllm-fleet-test-streams"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    running: list[Stream] = []
+
+    def stop(signum: int, frame: object) -> None:
+        # CI's timeout or ^C: every pytest gets it, so each tears down its hosts and engines
+        for s in running:
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    t0 = time.monotonic()
+    fleet, local = phase1
+    # the fleet's output goes to its log (printed when it ends); the local stream's to the terminal
+    for s, log in ((fleet, logdir), (local, None)):
+        _start(s, args, log)
+        running.append(s)
+    _wait(local)
+    _wait(fleet)
+    assert fleet.log is not None
+    print(f"\n== tests: stream fleet's output ({fleet.log})", flush=True)
+    sys.stdout.buffer.write(fleet.log.read_bytes())
+    sys.stdout.flush()
+    for s in phase2:
+        _start(s, args, None)
+        running.append(s)
+        _wait(s)
+    print("\n== tests: streams")
+    for s in running:
+        print(f"   {s.name:6} rc={s.rc} {s.seconds:7.0f} s  {' '.join(s.paths)}")
+    print(f"   phase 1 (fleet beside local) then phase 2: {time.monotonic() - t0:.0f} s in all", flush=True)
+    return max((s.rc or 0) for s in running)
+
+
+def main(argv: list[str]) -> int:
+    serial = "--serial" in argv
+    args = [a for a in argv if a != "--serial"]
+    paths = [a for a in args if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
+    if serial or paths:
+        return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=REPO)
+    return run_phases(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
