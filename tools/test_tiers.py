@@ -3,7 +3,8 @@
 
     .venv/bin/python tools/test_tiers.py JUNIT.xml [JUNIT.xml ...] > /tmp/tiers.md
 
-The tier comes from the tests themselves (pytest's collection with the markers `make test` and `make test-all`
+The stream is the one tools/run_tests.py runs the module in (fleet and local side by side, then alone). The
+tier comes from the tests themselves (pytest's collection with the markers `make test` and `make test-all`
 select on: `extended` → test-all only); the times from the junit XML files of runs
 (`pytest --junitxml=FILE`; for a test in several files the last one given wins). A scenario no run measured shows "-".
 """
@@ -40,11 +41,16 @@ def times(files: list[str]) -> dict[str, tuple[float, str]]:
 
 
 def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(REPO / "tools"))
+    from run_tests import streams  # the stream `make test` runs each module in (tools/run_tests.py)
+
+    phase1, phase2 = streams(REPO)
+    stream_of = {Path(p).name: s.name for s in phase1 + phase2 for p in s.paths}
     ci = set(collected("not extended"))
     every = collected("")
     measured = times(argv)
-    print("| module | scenario | tier | s |")
-    print("|---|---|---|---:|")
+    print("| module | stream | scenario | tier | s |")
+    print("|---|---|---|---|---:|")
     total = {"CI (make test)": 0.0, "test-all only": 0.0}
     for node in every:
         module, name = node.split("::", 1)
@@ -53,9 +59,11 @@ def main(argv: list[str]) -> int:
         if t:
             total[tier] += t[0]
         cell = "-" if t is None else f"{t[0]:.0f}" + ("" if t[1] == "passed" else f" ({t[1]})")
-        print(f"| {Path(module).stem} | `{name}` | {tier} | {cell} |")
+        where = stream_of.get(Path(module).name, "local")
+        print(f"| {Path(module).stem} | {where} | `{name}` | {tier} | {cell} |")
     print()
-    print(" · ".join(f"{k}: {v:.0f} s measured" for k, v in total.items()))
+    # the sum of the scenarios' own times; the streams of `make test` run side by side, so its wall time is less
+    print(" · ".join(f"{k}: {v:.0f} s of scenario time measured" for k, v in total.items()))
     return 0
 
 
