@@ -10,7 +10,9 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   (``vllm_fleet.host.worker.state_dict``), read by the host exporter (``vllm_fleet.host.exporter.read_workers``);
   in a folder of its own, so that the exporter's ``{state_dir}/*.json`` never takes a worker for an instance.
 - ``SERVICE_DEFAULTS``: the defaults of an instance's ``service`` settings: the spec's ``ServiceSettings``,
-  the base unit ``vllm@.service`` and the launcher take them from here.
+  the base unit ``vllm@.service`` and the launcher take them from here; ``probe_timing``: the watchdog timing
+  rule both the spec's validation and the launcher apply.
+- ``parse_nvidia_smi``: the GPU facts the doctor reads on a host and the planner reads on the controller.
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -50,6 +52,42 @@ class ServiceDefaults:
 
 SERVICE_DEFAULTS = ServiceDefaults()
 _D = SERVICE_DEFAULTS
+
+# The watchdog timing rule, the one place it is written. Under a watchdog of W seconds the launcher starts a
+# liveness check at least every W/3 s (a late ping still leaves one more round before systemd's deadline) and
+# gives each check at most 0.8·W s (its verdict comes before the deadline). The spec refuses settings beyond
+# these limits (fleet/spec.py, ServiceSettings); the launcher applies them to the watchdog systemd actually
+# set (WATCHDOG_USEC), which equals the spec's unless someone overrides the unit.
+PROBE_INTERVAL_PER_WATCHDOG = 1 / 3
+PROBE_TIMEOUT_PER_WATCHDOG = 0.8
+
+
+def probe_timing(watchdog_seconds: float, interval: float, timeout: float) -> tuple[float, float]:
+    """The probe interval and timeout used under a watchdog of ``watchdog_seconds`` (0: no watchdog, no limit)."""
+    if watchdog_seconds <= 0:
+        return interval, timeout
+    return (
+        min(interval, watchdog_seconds * PROBE_INTERVAL_PER_WATCHDOG),
+        min(timeout, watchdog_seconds * PROBE_TIMEOUT_PER_WATCHDOG),
+    )
+
+
+def probe_timing_problems(watchdog_seconds: float, interval: float, timeout: float) -> list[str]:
+    """What the rule refuses in a spec: settings the launcher would have to shorten."""
+    if watchdog_seconds <= 0:
+        return []
+    out = []
+    if interval > watchdog_seconds * PROBE_INTERVAL_PER_WATCHDOG:
+        out.append(
+            f"probe_interval_seconds {interval:g} must be at most a third of watchdog_seconds "
+            f"({watchdog_seconds * PROBE_INTERVAL_PER_WATCHDOG:.3g} s)"
+        )
+    if timeout > watchdog_seconds * PROBE_TIMEOUT_PER_WATCHDOG:
+        out.append(
+            f"probe_timeout_seconds {timeout:g} must be at most 0.8 × watchdog_seconds "
+            f"({watchdog_seconds * PROBE_TIMEOUT_PER_WATCHDOG:.3g} s)"
+        )
+    return out
 
 
 def _where(source: str, key: str) -> str:
@@ -343,3 +381,25 @@ def read_worker_state(path: str | Path) -> WorkerStateFile:
     except ValueError as exc:
         raise ContractError(f"{p}: not JSON ({exc})") from None
     return parse_worker_state(data, str(p))
+
+
+# GPU facts from the host to the planner: the CSV of ``nvidia-smi --query-gpu=NVSMI_FIELDS
+# --format=csv,noheader,nounits`` as the doctor reads it on the host and the play hands it to the re-plan on the
+# controller (``vllm-fleet plan --detected``); one parser for both sides.
+NVSMI_FIELDS = "index,name,uuid,driver_version,compute_cap,memory.total"
+
+
+def parse_nvidia_smi(csv_text: str) -> list[dict[str, str]]:
+    """One dict per GPU line, keyed by NVSMI_FIELDS; lines of another width are skipped."""
+    keys = NVSMI_FIELDS.split(",")
+    gpus = []
+    for line in csv_text.strip().splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) == len(keys):
+            gpus.append(dict(zip(keys, vals, strict=True)))
+    return gpus
+
+
+def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
+    """``gpus`` back as the query's CSV (what ``parse_nvidia_smi`` reads)."""
+    return "".join(", ".join(g[k] for k in NVSMI_FIELDS.split(",")) + "\n" for g in gpus)

@@ -1,5 +1,7 @@
-"""`pip install .` without extras can validate, plan and render: the wheel built from the checkout carries the
-templates, and the installed package reads them from itself, not from a checkout (no engines, no hosts)."""
+"""`pip install .` without extras can validate, plan and render: the wheel carries the templates, and the
+installed package reads them from itself, not from a checkout (no engines, no hosts). The wheel is built the way
+a release is: an sdist first (what MANIFEST.in lets in), then the wheel from that sdist alone; a template folder
+MANIFEST.in leaves out is missing from that wheel."""
 
 from __future__ import annotations
 
@@ -25,8 +27,14 @@ def test_the_wheel_carries_the_templates_and_renders_without_the_checkout(tmp_pa
     shutil.copytree(
         REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out")
     )
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")],
+        capture_output=True, text=True, timeout=300, cwd=src,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sdist,) = (tmp_path / "sdist").glob("vllm_fleet-*.tar.gz")
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w"]
-    r = subprocess.run([*argv, str(tmp_path / "whl"), str(src)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*argv, str(tmp_path / "whl"), str(sdist)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "whl").glob("vllm_fleet-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

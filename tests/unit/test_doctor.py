@@ -269,7 +269,7 @@ def test_a_model_too_big_for_the_loads_share_of_the_gpu_is_skipped(
 
 def test_the_preflight_runs_the_doctors_own_code_with_a_bare_python(tmp_path: Path) -> None:
     """What the preflight role does on a fresh host: files/run_module.py with a python3 that has no
-    vllm-fleet, fed the checkout's doctor.py and its two imports; a fake nvidia-smi lists one GPU where the
+    vllm-fleet, fed the checkout's doctor.py and its three imports (the role's list); a fake nvidia-smi lists one GPU where the
     spec says two: the gpus layer fails naming the field, with the fix; cpu-isa is skipped on gpu."""
     import os
     import shutil
@@ -281,12 +281,19 @@ def test_the_preflight_runs_the_doctors_own_code_with_a_bare_python(tmp_path: Pa
                     "8.0, 81920';; *) echo '| NVIDIA-SMI 580.65.06  Driver Version: 580.65.06  CUDA Version: 13.0 |';;"
                     " esac\n")  # fmt: skip
     fake.chmod(0o755)
-    src = REPO / "vllm_fleet" / "host"
-    names = ("cpu_features", "engine_death", "doctor")
+    import yaml
+
+    listed = yaml.safe_load((REPO / "ansible/roles/preflight/vars/main.yml").read_text())[
+        "vllm_fleet_doctor_modules"
+    ]
+    assert list(listed) == [
+        "vllm_fleet.contracts",
+        *(f"vllm_fleet.host.{n}" for n in ("cpu_features", "engine_death", "doctor")),
+    ]
     args = ["--profile", "gpu", "--layers", "cpu-isa,driver,gpus", "--json", "--min-driver", "580",
             "--expect-gpus", "2", "--host-gpus", json.dumps({"count": 2, "field": "hosts[0].gpus"})]  # fmt: skip
     job = {
-        "modules": {f"vllm_fleet.host.{n}": (src / f"{n}.py").read_text() for n in names},
+        "modules": {n: (REPO / (n.replace(".", "/") + ".py")).read_text() for n in listed},
         "main": "vllm_fleet.host.doctor",
         "args": args,
     }

@@ -13,12 +13,17 @@ from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.render import make_env, render_fleet, render_host
 from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
-from vllm_fleet.fleet.spec import load_spec
+from vllm_fleet.fleet.spec import Routing, load_spec
 from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
 needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js not installed")
+
+
+def _up(model: str, upstream: str, servers: list[dict[str, object]]) -> dict[str, object]:
+    """An upstream as context.upstreams makes it: with the model's routing (here the spec's defaults)."""
+    return {"model": model, "upstream": upstream, "servers": servers, "routing": Routing().model_dump()}
 
 
 def _servers(*specs: tuple[str, str, str]) -> list[dict[str, object]]:
@@ -29,13 +34,7 @@ def _servers(*specs: tuple[str, str, str]) -> list[dict[str, object]]:
 
 
 def test_routes_primary_backup_single_pool() -> None:
-    ups = [
-        {
-            "model": "m",
-            "upstream": "m_m",
-            "servers": _servers(("a", "primary", "default"), ("b", "backup", "default")),
-        }
-    ]
+    ups = [_up("m", "m_m", _servers(("a", "primary", "default"), ("b", "backup", "default")))]
     (rt,) = gateway_routes(ups, {"m": 1024})
     assert rt["default"] == rt["upstream"] == "m_m"
     assert rt["pools"] == {} and rt["fallback"] == ""
@@ -51,7 +50,7 @@ def test_routes_pools_and_fallback() -> None:
         ("c", "backup", "default"),
         ("d", "fallback", "cpu"),
     )
-    (rt,) = gateway_routes([{"model": "m", "upstream": "m_m", "servers": servers}], {})
+    (rt,) = gateway_routes([_up("m", "m_m", servers)], {})
     assert rt["pools"] == {"default": "m_m__default", "high": "m_m__high"}
     assert rt["default"] == "m_m__default"
     assert rt["fallback"] == "m_m__fallback"
@@ -64,8 +63,8 @@ def test_routes_pools_and_fallback() -> None:
 
 def test_routes_only_fallback_and_name_collisions() -> None:
     ups = [
-        {"model": "x.y", "upstream": "m_x_y", "servers": _servers(("a", "fallback", "default"))},
-        {"model": "x_y", "upstream": "m_x_y", "servers": _servers(("b", "primary", "default"))},
+        _up("x.y", "m_x_y", _servers(("a", "fallback", "default"))),
+        _up("x_y", "m_x_y", _servers(("b", "primary", "default"))),
     ]
     r1, r2 = gateway_routes(ups, {})
     assert r1["fallback"] == "" and r1["upstreams"][0]["servers"][0]["backup"] is False
@@ -76,11 +75,7 @@ def test_the_index_finds_each_model_and_its_summary_has_no_servers() -> None:
     """What the router reads for every request: the model's position by name and a summary whose size does
     not depend on the model's instances (the server lists stay in routes, read only while drained)."""
     ups = [
-        {
-            "model": f"m{k}",
-            "upstream": f"m_m{k}",
-            "servers": _servers(*[(f"i{k}-{j}", "primary", "default") for j in range(n)]),
-        }
+        _up(f"m{k}", f"m_m{k}", _servers(*[(f"i{k}-{j}", "primary", "default") for j in range(n)]))
         for k, n in enumerate((1, 50))
     ]
     routes = gateway_routes(ups, {"m0": 512, "m1": 512})

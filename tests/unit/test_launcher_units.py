@@ -167,6 +167,45 @@ def test_service_settings_are_validated(tmp_path: Path) -> None:
     assert "models[0].service" in e.value.render() and "probe_timeout_seconds" in e.value.render()
 
 
+@pytest.mark.parametrize(
+    ("service", "refused"),
+    [
+        ({"watchdog_seconds": 30, "probe_interval_seconds": 10, "probe_timeout_seconds": 24}, None),
+        (
+            {"watchdog_seconds": 30, "probe_interval_seconds": 12},
+            "probe_interval_seconds 12 must be at most a third",
+        ),
+        (
+            {"watchdog_seconds": 30, "probe_timeout_seconds": 25},
+            "probe_timeout_seconds 25 must be at most 0.8",
+        ),
+        ({"watchdog_seconds": 0, "probe_interval_seconds": 100, "probe_timeout_seconds": 100}, None),
+    ],
+)
+def test_one_watchdog_timing_rule_for_the_spec_and_the_launcher(
+    tmp_path: Path, service: dict[str, float], refused: str | None
+) -> None:
+    """The spec refuses exactly what the launcher would shorten (vllm_fleet.contracts.probe_timing): a spec that
+    passes runs with its own interval and timeout."""
+    from vllm_fleet.contracts import SERVICE_DEFAULTS, probe_timing
+
+    d = yaml.safe_load((REPO / "examples" / "tiny-cpu.yml").read_text())
+    d["models"][0]["service"] = service
+    p = tmp_path / "spec.yml"
+    p.write_text(yaml.safe_dump(d))
+    interval = service.get("probe_interval_seconds", SERVICE_DEFAULTS.probe_interval_seconds)
+    timeout = service.get("probe_timeout_seconds", SERVICE_DEFAULTS.probe_timeout_seconds)
+    used = probe_timing(service["watchdog_seconds"], interval, timeout)
+    if refused is None:
+        svc = load_spec(p).models[0].service
+        assert used == (svc.probe_interval_seconds, svc.probe_timeout_seconds)
+        return
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert "models[0].service" in e.value.render() and refused in e.value.render(), e.value.render()
+    assert used != (interval, timeout)
+
+
 # --------------------------------------------------------------------------- units
 
 

@@ -179,6 +179,29 @@ def test_host_code_stays_off_the_planner_and_the_renderer() -> None:
         assert jinja == [], (name, jinja)
 
 
+def test_the_controller_never_loads_host_code() -> None:
+    """fleet/ decides on the controller from the spec and what the hosts reported, through the shared leaves
+    (vllm_fleet.contracts: e.g. nvidia-smi's CSV); it never imports host/ code, lazily either ("nothing reaches
+    backwards", docs/architecture.md)."""
+    for name in _room("vllm_fleet.fleet"):
+        host = sorted(n for n in _loaded_by([name]) if n.startswith("vllm_fleet.host"))
+        assert host == [], (name, host)
+
+
+def test_host_code_takes_only_the_typed_parts_of_fleet() -> None:
+    """From fleet/, host code imports the spec's types, the engine's argv and its flags, nothing else (the
+    table in docs/architecture.md)."""
+    allowed = {
+        "vllm_fleet.fleet",
+        "vllm_fleet.fleet.spec",
+        "vllm_fleet.fleet.engine",
+        "vllm_fleet.fleet.engine_flags",
+    }
+    for name in _room("vllm_fleet.host"):
+        fleet = {t for t in _ours(IMPORTS[name]) if t.startswith("vllm_fleet.fleet")}
+        assert fleet <= allowed, (name, sorted(fleet - allowed))
+
+
 def test_the_product_does_not_import_the_harness() -> None:
     product = [
         *_room("vllm_fleet.fleet"),

@@ -25,7 +25,7 @@ from vllm_fleet.fleet.engine import (
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
-from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, spec_hash
+from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, Routing, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
 # the host exporter's system user (vllm-fleet-exporter.service)
@@ -126,7 +126,7 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
                 "model": name,
                 "upstream": "m_" + "".join(c if c.isalnum() else "_" for c in name),
                 "servers": [],
-                "routing": {"policy": "least_conn", "prefix_chars": 512, "max_conns": None},
+                "routing": Routing().model_dump(),  # the spec's defaults: written in one place
             },
         )
         if inst.get("routing"):

@@ -10,10 +10,10 @@ spec's ``shape`` block. A local copy is looked up under each ``--models-dir`` as
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_fleet.files import safetensors_bytes
 from vllm_fleet.fleet.spec import ModelInstance
 
 DTYPE_BYTES = {
@@ -85,30 +85,6 @@ def params_from_config(cfg: dict) -> int | None:
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings") else vocab * h
     return n_layers * per_layer + embed + lm_head + h
-
-
-def safetensors_bytes(model_dir: Path) -> int | None:
-    """The weights' bytes: the index's ``metadata.total_size``, else the tensors of every ``*.safetensors``."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-            return int(total) if total else None
-        except (OSError, ValueError):
-            return None
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for f in files:
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                start, end = v["data_offsets"]
-                total += end - start
-    return total
 
 
 def read_model_dir(model_dir: Path) -> ModelFacts | None:

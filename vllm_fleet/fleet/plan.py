@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.contracts import parse_nvidia_smi
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.modelinfo import (
     ModelFacts,
@@ -40,9 +41,7 @@ def apply_detected(host: Host, detected: dict[str, Any] | None) -> Host:
     update: dict[str, Any] = {}
     gpus = detected.get("gpus") or []
     if not gpus and detected.get("nvidia_smi"):
-        # nvidia-smi's CSV as the preflight read it: the query of `vllm-fleet doctor` (one parser)
-        from vllm_fleet.host.doctor import parse_nvidia_smi
-
+        # nvidia-smi's CSV as the preflight read it: the query of `vllm-fleet doctor` (one parser, a contract)
         gpus = [
             {"name": g["name"], "memory_mib": g["memory.total"], "compute_capability": g["compute_cap"]}
             for g in parse_nvidia_smi(detected["nvidia_smi"])

@@ -92,10 +92,10 @@ def gateway_routes(
         # routing.policy cache_aware: per upstream (main, pools) a twin with its primaries only, balanced by
         # `hash $vf_pkey consistent` and bounded by max_conns (nginx's hash allows no backup servers: those,
         # and every primary at its bound, are the twin's way back to the upstream itself)
-        routing = up.get("routing") or {}
+        routing = up["routing"]  # context.upstreams: the model's routing, or the spec's defaults
         ca: dict[str, str] = {}
         ca_ups: list[dict[str, Any]] = []
-        if routing.get("policy") == "cache_aware":
+        if routing["policy"] == "cache_aware":
             for u in ups:
                 if u["name"] == fallback:
                     continue
@@ -117,8 +117,8 @@ def gateway_routes(
                 "pools": pools,
                 "fallback": fallback,
                 "upstreams": ups,
-                "policy": routing.get("policy", "least_conn"),
-                "prefix_chars": int(routing.get("prefix_chars") or 512),
+                "policy": routing["policy"],
+                "prefix_chars": int(routing["prefix_chars"]),
                 "ca": ca,
                 "ca_upstreams": ca_ups,
                 "solo": solo,

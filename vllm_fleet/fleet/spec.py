@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
+from vllm_fleet.contracts import probe_timing_problems
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 Port = Annotated[int, Field(ge=1, le=65535)]  # a TCP port
@@ -181,11 +182,11 @@ class ServiceSettings(_Model):
 
     @model_validator(mode="after")
     def _watchdog_bounds(self) -> ServiceSettings:
-        if self.watchdog_seconds:
-            if self.probe_timeout_seconds >= self.watchdog_seconds:
-                raise ValueError("probe_timeout_seconds must be below watchdog_seconds")
-            if self.probe_interval_seconds * 2 > self.watchdog_seconds:
-                raise ValueError("probe_interval_seconds must be at most half of watchdog_seconds")
+        problems = probe_timing_problems(
+            self.watchdog_seconds, self.probe_interval_seconds, self.probe_timeout_seconds
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

@@ -28,10 +28,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_fleet.contracts import NVSMI_FIELDS, nvidia_smi_text, parse_nvidia_smi
 from vllm_fleet.host import cpu_features
 from vllm_fleet.host.engine_death import cause_in
 
-NVSMI_FIELDS = "index,name,uuid,driver_version,compute_cap,memory.total"
+__all__ = ["NVSMI_FIELDS", "nvidia_smi_text", "parse_nvidia_smi"]  # the host's side of that contract
+
 # every layer, bottom up; the first three need no engine stack (no torch, no vLLM)
 LAYERS = ("cpu-isa", "driver", "gpus", "cuda-runtime", "torch-gpus", "vllm-import", "tiny-load")
 STACK_FREE_LAYERS = LAYERS[:3]
@@ -76,21 +78,6 @@ def run(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None) 
     except subprocess.TimeoutExpired:
         return 124, "", f"{' '.join(cmd[:3])}: timed out after {timeout}s"
     return res.returncode, res.stdout, res.stderr
-
-
-def parse_nvidia_smi(csv_text: str) -> list[dict[str, str]]:
-    keys = NVSMI_FIELDS.split(",")
-    gpus = []
-    for line in csv_text.strip().splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) == len(keys):
-            gpus.append(dict(zip(keys, vals, strict=True)))
-    return gpus
-
-
-def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
-    """``gpus`` back as the query's CSV (what ``parse_nvidia_smi`` reads; the play hands it to the re-plan)."""
-    return "".join(", ".join(g[k] for k in NVSMI_FIELDS.split(",")) + "\n" for g in gpus)
 
 
 def nvidia_gpus() -> tuple[list[dict[str, str]], str]:

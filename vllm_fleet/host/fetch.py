@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fleet.file_lock import file_lock
-from vllm_fleet.files import read_json_object, sha256_file
+from vllm_fleet.files import read_json_object, safetensors_bytes, sha256_file
 from vllm_fleet.fleet.engine import model_path
 from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
 
@@ -273,8 +273,6 @@ def fetch_all(
 
 def model_size(root: Path) -> dict[str, Any]:
     """``config`` (the model's config.json, or None) and ``weight_bytes`` (safetensors) of a fetched folder."""
-    from vllm_fleet.fleet.modelinfo import safetensors_bytes
-
     try:
         config = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):

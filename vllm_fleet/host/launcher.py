@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.contracts import InstanceConfig, StateFile, stack_of
+from vllm_fleet.contracts import InstanceConfig, StateFile, probe_timing, stack_of
 from vllm_fleet.host.cpu_wait import CpuReading, read_group, starvation
 from vllm_fleet.host.engine_death import Death, DeathWatch
 from vllm_fleet.host.netif import with_rank_interface
@@ -201,16 +201,9 @@ class Launcher:
         wd_env = os.environ.get("WATCHDOG_USEC")
         wd = int(wd_env) / 1e6 if wd_env and wd_env.isdigit() else svc.watchdog_seconds
         self.watchdog = wd if wd > 0 else 0.0
-        # at least two probe rounds fit into one watchdog period
-        self.probe_interval = (
-            min(svc.probe_interval_seconds, self.watchdog / 3)
-            if self.watchdog
-            else (svc.probe_interval_seconds)
-        )
-        self.probe_timeout = (
-            min(svc.probe_timeout_seconds, self.watchdog * 0.8)
-            if self.watchdog
-            else (svc.probe_timeout_seconds)
+        # the watchdog timing rule (vllm_fleet.contracts, one place; the spec refuses what it would shorten)
+        self.probe_interval, self.probe_timeout = probe_timing(
+            self.watchdog, svc.probe_interval_seconds, svc.probe_timeout_seconds
         )
 
     # ------------------------------------------------------------------ state
