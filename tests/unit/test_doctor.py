@@ -269,8 +269,8 @@ def test_a_model_too_big_for_the_loads_share_of_the_gpu_is_skipped(
 
 def test_the_preflight_runs_the_doctors_own_code_with_a_bare_python(tmp_path: Path) -> None:
     """What the preflight role does on a fresh host: files/run_module.py with a python3 that has no
-    vllm-fleet, fed the checkout's doctor.py and its three imports (the role's list); a fake nvidia-smi lists one GPU where the
-    spec says two: the gpus layer fails naming the field, with the fix; cpu-isa is skipped on gpu."""
+    vllm-fleet, fed the checkout's doctor.py and its three imports (the role's list); a fake nvidia-smi lists
+    one GPU where the spec says two: the gpus layer fails naming the field, with the fix; cpu-isa is skipped on gpu."""
     import os
     import shutil
     import subprocess
