@@ -34,7 +34,9 @@ def test_the_wheel_carries_the_templates_and_renders_without_the_checkout(tmp_pa
     assert r.returncode == 0, r.stdout + r.stderr
     (sdist,) = (tmp_path / "sdist").glob("vllm_fleet-*.tar.gz")
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w"]
-    r = subprocess.run([*argv, str(tmp_path / "whl"), str(sdist)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*argv, str(tmp_path / "whl"), str(sdist)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "whl").glob("vllm_fleet-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
