@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup images test test-all test-fast lint ruff fmt typecheck ansible-lint plan-examples clean
+.PHONY: setup images test test-all test-fast lint ruff fmt typecheck ansible-lint docs-check plan-examples clean
 
 setup:
 	bash tools/setup.sh
@@ -27,7 +27,7 @@ test-all: setup images
 test-fast:
 	$(PY) -m pytest -ra tests/unit $(PYTEST_ARGS)
 
-lint: ruff typecheck ansible-lint
+lint: ruff typecheck ansible-lint docs-check
 
 ruff:
 	$(VENV)/bin/ruff check .
@@ -42,6 +42,10 @@ typecheck:
 
 ansible-lint:
 	@if [ -f site.yml ]; then PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production site.yml ansible/; fi
+
+## docs/performance.md is assembled from docs/perf/*.md: out of date fails
+docs-check:
+	$(PY) tools/assemble_performance.py --check
 
 plan-examples:
 	@for f in examples/*.yml; do echo "== $$f"; $(VENV)/bin/vllm-fleet plan $$f || exit 1; done
