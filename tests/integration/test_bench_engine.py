@@ -43,7 +43,10 @@ def test_short_run_reports_and_plots(engine: EngineProcess, tmp_path: Path) -> N
     # the engine's own view of the same window
     m = rep["engine_metrics"]
     assert m["available"] and m["generation_tokens"] >= o["output_tokens"]
-    assert m["requests_running_peak"] >= 1 and m["queue_time_mean_ms"] is not None
+    # the gauges were read during the window (their values are whatever the engine's last step reported when
+    # sampled, once a second: 0 is possible on a starved CPU, seen in CI with the e2e running beside it)
+    assert m["requests_running_peak"] is not None and m["samples"]
+    assert m["queue_time_mean_ms"] is not None
     assert rep["timeseries"] and sum(r["ok"] for r in rep["timeseries"]) == o["ok"] + rep["warmup_requests"]
     png = tmp_path / "run.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
