@@ -39,6 +39,7 @@ fmt:
 
 typecheck:
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy ansible/plugins/modules
 
 ansible-lint:
 	@if [ -f site.yml ]; then PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production site.yml ansible/; fi

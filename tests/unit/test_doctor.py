@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from vllm_fleet.host import doctor
 from vllm_fleet.host.doctor import Layer, check, parse_nvidia_smi
 
@@ -268,41 +270,41 @@ def test_a_model_too_big_for_the_loads_share_of_the_gpu_is_skipped(
 
 
 def test_the_preflight_runs_the_doctors_own_code_with_a_bare_python(tmp_path: Path) -> None:
-    """What the preflight role does on a fresh host: files/run_module.py with a python3 that has no
-    vllm-fleet, fed the checkout's doctor.py and its three imports (the role's list); a fake nvidia-smi lists
-    one GPU where the spec says two: the gpus layer fails naming the field, with the fix; cpu-isa is skipped on gpu."""
+    """What the preflight role does on a fresh host: the vllm_fleet_doctor module through Ansible, with a
+    python3 that has no vllm-fleet (the doctor's files travel as module_utils); a fake nvidia-smi lists one GPU
+    where the spec says two: the gpus layer fails naming the field, with the fix; cpu-isa is skipped on gpu."""
     import os
     import shutil
     import subprocess
+    import sys
 
+    python3 = "/usr/bin/python3"
+    ansible = Path(sys.executable).parent / "ansible"
+    if not Path(python3).exists() or not ansible.exists():
+        pytest.skip("needs /usr/bin/python3 and ansible-core")
+    bare = subprocess.run([python3, "-I", "-c", "import vllm_fleet"], capture_output=True, cwd=tmp_path)
+    assert bare.returncode != 0  # the host's python3 has no vllm-fleet
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, NVIDIA A100-SXM4-80GB, GPU-a, 580.65.06, "
                     "8.0, 81920';; *) echo '| NVIDIA-SMI 580.65.06  Driver Version: 580.65.06  CUDA Version: 13.0 |';;"
                     " esac\n")  # fmt: skip
     fake.chmod(0o755)
-    import yaml
-
-    listed = yaml.safe_load((REPO / "ansible/roles/preflight/vars/main.yml").read_text())[
-        "vllm_fleet_doctor_modules"
-    ]
-    assert list(listed) == [
-        "vllm_fleet.contracts",
-        *(f"vllm_fleet.host.{n}" for n in ("cpu_features", "engine_death", "doctor")),
-    ]
-    args = ["--profile", "gpu", "--layers", "cpu-isa,driver,gpus", "--json", "--min-driver", "580",
-            "--expect-gpus", "2", "--host-gpus", json.dumps({"count": 2, "field": "hosts[0].gpus"})]  # fmt: skip
-    job = {
-        "modules": {n: (REPO / (n.replace(".", "/") + ".py")).read_text() for n in listed},
-        "main": "vllm_fleet.host.doctor",
-        "args": args,
-    }
-    loader = (REPO / "ansible" / "roles" / "preflight" / "files" / "run_module.py").read_text()
-    python3 = shutil.which("python3", path="/usr/bin:/bin") or "python3"
-    res = subprocess.run([python3, "-I", "-c", loader], input=json.dumps(job), capture_output=True, text=True,
-                         cwd=tmp_path, env={"PATH": f"{fake.parent}:/usr/bin:/bin"}, timeout=60)  # fmt: skip
-    assert res.returncode == 1, res.stderr
-    by = {x["name"]: x for x in json.loads(res.stdout)}
+    args = {"profile": "gpu", "min_driver": 580, "expect_gpus": 2,
+            "host_gpus": {"count": 2, "field": "hosts[0].gpus"}}  # fmt: skip
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
+               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1",
+               PATH=f"{fake.parent}:{os.environ['PATH']}")  # fmt: skip
+    run = subprocess.run(
+        [str(ansible), "localhost", "-i", "localhost,", "-c", "local", "--check", "-e",
+         f"ansible_python_interpreter={python3}", "-m", "ansible.legacy.vllm_fleet_doctor", "-a", json.dumps(args)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert "localhost | SUCCESS => " in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(run.stdout.split("localhost | SUCCESS => ", 1)[1])
+    assert out["changed"] is False
+    by = {x["name"]: x for x in out["layers"]}
+    assert shutil.which("nvidia-smi", path=str(fake.parent))
     assert by["cpu-isa"]["status"] == "skip" and by["driver"]["status"] == "ok"
     assert by["driver"]["facts"]["nvidia_smi"] == "0, NVIDIA A100-SXM4-80GB, GPU-a, 580.65.06, 8.0, 81920\n"
     assert by["gpus"]["status"] == "fail" and by["gpus"]["detail"].startswith(

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import grp
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +125,8 @@ def test_web_auth_off_renders_no_auth() -> None:
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_rendered_prometheus_config_and_role_web_config_pass_promtool(tmp_path: Path) -> None:
     """The rendered prometheus.yml (basic auth from a password file) and the web config the monitoring role
-    writes (ansible/roles/monitoring/files/web_config.py: bcrypt, rewritten only when the password changes)."""
+    writes (the vllm_fleet_web_config module, ansible/plugins/modules: bcrypt, rewritten only when the password
+    changes)."""
     d: dict[str, Any] = yaml.safe_load((REPO / "examples/tiny-cpu-2hosts.yml").read_text())
     d["monitoring"].update(web_config_file=str(tmp_path / "web.yml"), web_password_file=str(tmp_path / "pw"))
     spec = parse_spec(d)
@@ -137,15 +136,17 @@ def test_rendered_prometheus_config_and_role_web_config_pass_promtool(tmp_path: 
     res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    script = REPO / "ansible/roles/monitoring/files/web_config.py"
+    import importlib.util
+
+    where = REPO / "ansible/plugins/modules/vllm_fleet_web_config.py"
+    mspec = importlib.util.spec_from_file_location("vllm_fleet_web_config", where)
+    assert mspec and mspec.loader
+    module = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(module)
     group = grp.getgrgid(os.getgid()).gr_name
-    arg = json.dumps({"path": str(tmp_path / "web.yml"), "user": "vllm-fleet", "group": group})
 
     def run(password: str, check: bool = False) -> bool:
-        a = json.dumps(dict(json.loads(arg), check=check))
-        out = subprocess.run([sys.executable, str(script), a], input=password, capture_output=True, text=True,
-                             check=True)  # fmt: skip
-        return bool(json.loads(out.stdout)["changed"])
+        return bool(module.ensure(str(tmp_path / "web.yml"), "vllm-fleet", password, group, check))
 
     assert run("s3cret-password") is True
     first = (tmp_path / "web.yml").read_text()

@@ -1,17 +1,30 @@
-"""The engine role's stack bookkeeping on a host (ansible/roles/engine/files/stacks.py): which venv a new stack
-is hard-linked from, which stacks are in use, which are pruned (never one an instance config, a rollback copy or
-a running engine names; the newest ones kept)."""
+"""The engine role's stack bookkeeping on a host (the vllm_fleet_stacks module, ansible/plugins/modules): which
+venv a new stack is hard-linked from, which stacks are in use, which are pruned (never one an instance config, a
+rollback copy or a running engine names; the newest ones kept)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "engine" / "files" / "stacks.py"
+import pytest
+
+MODULE = Path(__file__).resolve().parents[2] / "ansible" / "plugins" / "modules" / "vllm_fleet_stacks.py"
+
+
+def _load() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_fleet_stacks", MODULE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+STACKS = _load()
 
 
 def stack(root: Path, name: str, mtime: float, done: bool = True) -> Path:
@@ -28,10 +41,7 @@ def stack(root: Path, name: str, mtime: float, done: bool = True) -> Path:
 def run(root: Path, new: str | list[str], keep: int = 2) -> dict[str, Any]:
     args = {"stacks_dir": str(root / "stacks"), "new": new, "keep": keep, "config_dir": str(root / "inst"),
             "state_dir": str(root / "run"), "rollback_dir": str(root / "rb"), "legacy": str(root / "venv")}  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout)
+    return STACKS.stacks_state(args)  # type: ignore[no-any-return]
 
 
 def config(folder: Path, name: str, venv: Path) -> None:
@@ -80,29 +90,27 @@ def test_prune_keeps_the_new_the_previous_and_every_stack_in_use(tmp_path: Path)
     )
 
 
-TOOLS = SCRIPT.parent / "tools_lock.py"
-
-
 def test_the_fleet_venv_lock_is_the_named_pins_with_their_hashes(tmp_path: Path) -> None:
-    lock = tmp_path / "lock.txt"
-    lock.write_text(
+    """The vllm_fleet_tools_lock module's selection (the fleet's own venv's lock)."""
+    import importlib.util
+
+    where = MODULE.parent / "vllm_fleet_tools_lock.py"
+    mspec = importlib.util.spec_from_file_location("vllm_fleet_tools_lock", where)
+    assert mspec and mspec.loader
+    tools = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(tools)
+    lock = (
         "# vllm-fleet lock\n"
         "pydantic==2.14.4 \\\n    --hash=sha256:aaaa\n"
         "pydantic-core==2.50.5 \\\n    --hash=sha256:bbbb\n"
         "sdnotify==0.3.2 \\\n    --hash=sha256:cccc \\\n    --hash=sha256:dddd\n"
         "torch==2.13.0+cpu \\\n    --hash=sha256:eeee\n"
     )
-    out = tmp_path / "tools.txt"
-    subprocess.run(
-        [sys.executable, str(TOOLS), str(lock), str(out), "pydantic", "pydantic_core", "SDNotify"], check=True
-    )
-    lines = out.read_text().splitlines()
+    lines = tools.pins(lock, ["pydantic", "pydantic_core", "SDNotify"])
     assert [ln.split()[0] for ln in lines] == ["pydantic==2.14.4", "pydantic-core==2.50.5", "sdnotify==0.3.2"]
     assert lines[2].split()[1:] == ["--hash=sha256:cccc", "--hash=sha256:dddd"]  # every hash of a pin kept
-    bad = subprocess.run(
-        [sys.executable, str(TOOLS), str(lock), str(out), "pyyaml"], capture_output=True, text=True
-    )
-    assert bad.returncode != 0 and "no pin for pyyaml" in bad.stderr
+    with pytest.raises(ValueError, match="no pin for pyyaml"):
+        tools.pins(lock, ["pyyaml"])
 
 
 def test_a_host_with_two_stacks_seeds_each_from_its_own_profile_and_keeps_both(tmp_path: Path) -> None:
@@ -129,3 +137,15 @@ def test_a_host_with_two_stacks_seeds_each_from_its_own_profile_and_keeps_both(t
     assert not {
         str(tmp_path / "stacks" / n) for n in ("gpu-0.33.0-cccccccccccc", "cpu-0.32.0-dddddddddddd")
     } & set(out["prune"])
+
+
+def test_the_module_reads_a_stack_from_a_command_as_the_contracts_do() -> None:
+    from vllm_fleet.contracts import stack_of
+
+    for command in (
+        ["/opt/vllm-fleet/stacks/cpu-0.32.0-abc/bin/python", "-m", "x"],
+        ["/usr/bin/python3"],
+        [],
+        None,
+    ):
+        assert STACKS.stack_of(command) == stack_of(command), command

@@ -22,6 +22,7 @@ from vllm_fleet.fleet.engine import (
     model_path,
     rank_address,
 )
+from vllm_fleet.fleet.hostplan import doctor_checks
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
@@ -221,6 +222,8 @@ class HostVars:
             "exporter_address": exporter_address(spec, host),
             # what this host's firewall lets in (firewall/nftables.conf.j2)
             "firewall_rules": firewall_rules(spec, host),
+            # the arguments of the doctor's stack-free layers the preflight runs here (fleet/hostplan.py)
+            "doctor": doctor_checks(spec, host).as_vars(),
         }
 
 

@@ -11,8 +11,9 @@ layers (the play runs them as tasks, see docs/ansible.md).
 
 Run it with an engine stack's interpreter (``STACK/bin/vllm-fleet``: the layers from cuda-runtime up import
 torch and vLLM with ``sys.executable``). The layers below them (cpu-isa, driver, gpus) need only the standard
-library and this module's two imports (``cpu_features``, ``engine_death``): the preflight role runs them with
-a fresh host's ``python3``, before anything is installed (ansible/roles/preflight/files/run_module.py).
+library and this module's three imports (``contracts``, ``cpu_features``, ``engine_death``, imported relatively):
+the preflight role runs them with a fresh host's ``python3``, before anything is installed, as the Ansible
+module ``vllm_fleet_doctor`` (ansible/plugins/modules), which carries these files as module_utils.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_fleet.contracts import NVSMI_FIELDS, nvidia_smi_text, parse_nvidia_smi
-from vllm_fleet.host import cpu_features
-from vllm_fleet.host.engine_death import cause_in
+# relative imports: the same files also run as ``ansible.module_utils.vllm_fleet...`` inside the bundle's
+# vllm_fleet_doctor module on a host that has no vllm-fleet yet (ansible/plugins/module_utils)
+from ..contracts import NVSMI_FIELDS, nvidia_smi_text, parse_nvidia_smi
+from . import cpu_features
+from .engine_death import cause_in
 
 __all__ = ["NVSMI_FIELDS", "nvidia_smi_text", "parse_nvidia_smi"]  # the host's side of that contract
 
@@ -573,7 +576,7 @@ def _run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``vllm-fleet doctor ARGS`` without the rest of vllm-fleet (the preflight's run_module.py calls it)."""
+    """``vllm-fleet doctor ARGS`` (``python -m vllm_fleet.host.doctor``)."""
     p = argparse.ArgumentParser(prog="vllm-fleet doctor")
     add_args(p)
     a = p.parse_args(argv)

@@ -1,0 +1,169 @@
+"""The bundle's Ansible modules (ansible/plugins/modules): their logic as Python, then each run by Ansible
+itself (AnsiballZ, the way a play runs it on a host; here on localhost, in check mode)."""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import importlib.util
+import json
+import os
+import pwd
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODULES = REPO / "ansible" / "plugins" / "modules"
+ANSIBLE = Path(sys.executable).parent / "ansible"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, MODULES / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def me() -> tuple[str, str]:
+    return pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(os.getgid()).gr_name
+
+
+def sha1(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()  # what Ansible's copy compares
+
+
+def test_host_state_reports_what_differs_and_nothing_else(tmp_path: Path) -> None:
+    hs = load("vllm_fleet_host_state")
+    owner, group = me()
+    same, other, gone = tmp_path / "d" / "same", tmp_path / "d" / "other", tmp_path / "e" / "gone"
+    same.parent.mkdir()
+    same.write_bytes(b"a\n")
+    other.write_bytes(b"b\n")
+    same.chmod(0o644)
+    other.chmod(0o644)
+    (tmp_path / "d").chmod(0o755)
+    f = {"mode": "0644", "owner": owner, "group": group}
+    want: dict[str, Any] = {
+        "files": [
+            {**f, "path": str(same), "checksum": sha1(b"a\n")},
+            {**f, "path": str(other), "checksum": sha1(b"a\n")},  # another content
+            {**f, "path": str(gone), "checksum": sha1(b"a\n")},
+        ],
+        "file_dirs": {"mode": "0755", "owner": owner, "group": group},
+        "groups": [group, "no-such-group-vf"],
+        "users": [{"name": "no-such-user-vf", "group": group, "home": "/", "shell": "/bin/sh"}],
+        "read": [str(same), str(gone)],
+        "exists": [str(same), str(gone)],
+        "globs": {"d": str(tmp_path / "d" / "*")},
+    }
+    out = hs.host_state(want)
+    assert out["files"] == [str(other), str(gone)]
+    assert out["missing"] == [str(gone)]
+    assert out["dirs"] == [str(tmp_path / "e")]  # the parent of the missing file; d/ is as wanted
+    assert out["groups"] == ["no-such-group-vf"] and out["users"] == ["no-such-user-vf"]
+    assert out["read"] == {str(same): "a\n", str(gone): None}
+    assert out["exists"] == [str(same)]
+    assert out["globs"] == {"d": [str(other), str(same)]}
+    assert out["tree"] == [] and out["tree_dirs"] == [] and out["units"] == {}
+    # the mode alone differs: reported
+    same.chmod(0o600)
+    assert hs.host_state({"files": want["files"][:1]})["files"] == [str(same)]
+
+
+def test_host_state_tree_of_pushed_folders(tmp_path: Path) -> None:
+    hs = load("vllm_fleet_host_state")
+    owner, group = me()
+    src, dest = tmp_path / "src" / "m", tmp_path / "dest" / "m"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "a").write_bytes(b"1")
+    (dest / "a").chmod(0o644)
+    for d in (dest, dest / "sub"):
+        d.chmod(0o755)
+    tree = {
+        "roots": {str(src): str(dest)},
+        "files": [
+            {"path": f"{src}/a", "checksum": sha1(b"1")},
+            {"path": f"{src}/sub/b", "checksum": sha1(b"2")},  # not pushed yet
+            {"path": f"{src}/new/c", "checksum": sha1(b"3")},  # nor its folder
+        ],
+        "mode": "0644",
+        "dir_mode": "0755",
+        "owner": owner,
+        "group": group,
+    }
+    out = hs.host_state({"tree": tree})
+    assert out["tree"] == [f"{src}/sub/b", f"{src}/new/c"]
+    assert out["tree_dirs"] == [f"{dest}/new"]
+
+
+HOST_PYTHON = Path("/usr/bin/python3")  # what a Debian host runs modules with
+
+
+@pytest.mark.skipif(
+    not ANSIBLE.exists() or not HOST_PYTHON.exists(), reason="needs ansible-core and /usr/bin/python3"
+)
+def test_host_state_runs_as_an_ansible_module_in_check_mode(tmp_path: Path) -> None:
+    """Through Ansible (AnsiballZ, the system's python3 as on a host; the module found through ansible.cfg's
+    library): the arguments as a task passes them, the result as a task registers it, check mode, no change."""
+    there = tmp_path / "there"
+    there.write_text("x\n")
+    args = {"exists": [str(there), str(tmp_path / "nope")], "read": [str(there)], "units": []}
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
+               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
+    r = subprocess.run(
+        [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
+         "-e", f"ansible_python_interpreter={HOST_PYTHON}",
+         "-m", "ansible.legacy.vllm_fleet_host_state", "-a", json.dumps(args)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "localhost | SUCCESS => " in r.stdout, r.stdout
+    res = json.loads(r.stdout.split("localhost | SUCCESS => ", 1)[1])
+    assert res["changed"] is False and "failed" not in res, res
+    assert res["exists"] == [str(there)] and res["read"] == {str(there): "x\n"}
+    assert res["files"] == [] and res["units"] == {}
+
+
+def test_ports_in_use_names_the_listener_and_not_a_free_port() -> None:
+    import socket
+
+    pim = load("vllm_fleet_ports_in_use")
+    with socket.socket() as s, socket.socket() as free:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        free.bind(("127.0.0.1", 0))  # bound, not listening
+        port, other = s.getsockname()[1], free.getsockname()[1]
+        got = pim.listeners({port, other})
+    assert set(got) == {port}
+    assert got[port]["pid"] == os.getpid() and got[port]["comm"]
+
+
+@pytest.mark.skipif(not ANSIBLE.exists(), reason="needs ansible-core")
+def test_every_module_documents_exactly_its_options() -> None:
+    """ansible-doc reads every module's DOCUMENTATION; its options are the module's argument_spec."""
+    import ast
+
+    names = sorted(p.stem for p in MODULES.glob("vllm_fleet_*.py"))
+    assert len(names) >= 6, names
+    r = subprocess.run([str(ANSIBLE) + "-doc", "-t", "module", "-M", str(MODULES), "--json", *names],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    docs = json.loads(r.stdout)
+    for name in names:
+        documented = set(docs[name]["doc"].get("options") or {})
+        tree = ast.parse((MODULES / f"{name}.py").read_text())
+        spec_keys: set[str] = set()
+        for node in ast.walk(tree):  # the argument_spec dict literal (ARGUMENT_SPEC, or inline)
+            if isinstance(node, ast.Dict) and all(isinstance(v, ast.Dict) for v in node.values) and node.keys:
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                if any(isinstance(v, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "type"
+                                                       for k in v.keys) for v in node.values):  # fmt: skip
+                    spec_keys |= keys
+        assert documented == spec_keys, (name, documented ^ spec_keys)
+        assert docs[name]["doc"]["short_description"] and docs[name]["examples"], name

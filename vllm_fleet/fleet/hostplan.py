@@ -1,0 +1,145 @@
+"""What the play does on one host, decided here once, in Python, from the spec (and later the host's facts):
+typed, so that the roles only print and copy its values (docs/architecture.md, "Decide in Python").
+
+Today: the arguments of the doctor's stack-free layers that the preflight runs on a host (``DoctorChecks``), and
+each engine stack the engine role installs on a host: its lock, wheelhouse, id and venv (``stack_installs``,
+through the role's ``vllm_fleet_host_stacks`` lookup).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
+
+
+@dataclass(frozen=True)
+class DoctorChecks:
+    """The arguments of ``vllm-fleet doctor``'s stack-free layers on one host (the preflight's
+    vllm_fleet_doctor task): ``profile`` ``gpu``, ``cpu`` or ``gpu+cpu`` (a host whose instances run stacks of
+    both profiles: its CPU checked for the cpu one, its driver and GPUs for the gpu one); ``min_driver`` the
+    highest of its gpu stacks' ``min_driver``; ``expect_gpus`` how many GPUs its gpu-profile instances use
+    (the highest index + 1); ``host_gpus`` its ``hosts[].gpus`` with the field path errors name."""
+
+    profile: str
+    min_driver: int
+    expect_gpus: int
+    host_gpus: dict[str, Any]
+
+    def as_vars(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def doctor_checks(spec: FleetSpec, host: str) -> DoctorChecks:
+    stacks = [spec.named_stack(n) for n in spec.stacks_on(host)] or [spec.stack]
+    profiles = sorted({s.profile for s in stacks})
+    gpu_stacks = [s for s in stacks if s.profile == "gpu"]
+    used = [g for m in spec.models_on(host) if spec.stack_of(m).profile == "gpu" for g in m.gpus]
+    index = [h.name for h in spec.hosts].index(host)
+    return DoctorChecks(
+        profile="gpu+cpu" if len(profiles) > 1 else profiles[0],
+        min_driver=max((s.min_driver for s in gpu_stacks), default=spec.stack.min_driver),
+        expect_gpus=max(used, default=-1) + 1,
+        host_gpus={**spec.hosts[index].gpus.model_dump(mode="json"), "field": f"hosts[{index}].gpus"},
+    )
+
+
+@dataclass(frozen=True)
+class StackSources:
+    """Where the play installs engine stacks from, as the engine role knows it on the controller: ``lock_dir``
+    (locks/PROFILE-VERSION.txt), ``install_lock`` (the fleet stack's lock: its wheelhouse's lock.txt, else the
+    lock of its profile and release), ``stack_install_locks`` (a lock per named stack, given by the user),
+    ``wheelhouse`` (the fleet's wheelhouse on the controller, '' = none) and ``host_wheelhouse`` (where the play
+    puts it on a host), ``wheel_sha1`` (vllm-fleet's own wheel), ``prefix`` and ``stacks_dir`` on the host,
+    ``cpu_exclude`` (the torch add-ons a cpu stack must not hold)."""
+
+    prefix: str
+    stacks_dir: str
+    lock_dir: str
+    install_lock: str
+    stack_install_locks: dict[str, str]
+    wheelhouse: str
+    host_wheelhouse: str
+    wheel_sha1: str
+    cpu_exclude: tuple[str, ...]
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()  # what Ansible's copy compares
+
+
+def stack_installs(
+    host_stacks: list[dict[str, Any]],
+    fleet_stack: dict[str, Any],
+    src: StackSources,
+    read: Callable[[str], str] = lambda p: Path(p).read_text(),
+) -> list[dict[str, Any]]:
+    """Every stack this host runs (``vf.host_stacks``), each with what the engine role installs: its lock on
+    the controller (``install_lock``: the fleet's stack → ``src.install_lock``; a named one →
+    ``stack_install_locks[NAME]``, else its own wheelhouse's lock.txt, else the fleet's install lock when it is
+    the fleet's profile and release on the fleet's wheelhouse, else locks/PROFILE-VERSION.txt), the wheel
+    folder pip reads on the host, its id PROFILE-VERSION-HASH12 (the lock and vllm-fleet's wheel) and venv, its
+    lock copy on the host, its install record (``wanted``) and the files and globs the role compares."""
+    out = []
+    for s in host_stacks:
+        name, profile, version = s["name"], s["profile"], s["vllm_version"]
+        default = name == DEFAULT_STACK
+        lock_file = f"{src.lock_dir}/{profile}-{version}.txt"
+        # a named stack's own wheelhouse (pushed to PREFIX/wheelhouse-NAME); '' = none or the fleet's
+        own = "" if default or s.get("wheelhouse", "") in ("", src.wheelhouse) else str(s["wheelhouse"])
+        fleets = default or (profile == fleet_stack["profile"] and own == "")
+        host_wheelhouse = (
+            f"{src.prefix}/wheelhouse-{name}" if own else (src.host_wheelhouse if fleets else "")
+        )
+        if default:
+            install_lock = src.install_lock
+        else:
+            install_lock = src.stack_install_locks.get(name) or (
+                f"{own}/lock.txt"
+                if own
+                else (src.install_lock if fleets and version == fleet_stack["vllm_version"] else lock_file)
+            )
+        text = read(install_lock.strip())
+        host_lock = f"{src.prefix}/lock.txt" if default else f"{src.prefix}/lock-{name}.txt"
+        # the id hashes the lock, a backslash and an "n" (two characters: what the Jinja expression this
+        # replaced hashed) and the wheel's sha1: deployed stacks keep their ids (tests/unit/test_hostplan.py)
+        seed = text + "\\n" + src.wheel_sha1
+        sid = f"{profile}-{version}-" + hashlib.sha256(seed.encode()).hexdigest()[:12]
+        venv = f"{src.stacks_dir}/{sid}"
+        wanted = {
+            "lock_sha1": _sha1(text.rstrip()),
+            "wheel": src.wheel_sha1,
+            "wheelhouse": host_wheelhouse.strip(),
+        }
+        marker = f"{venv}/.vllm-fleet-installed.json"
+        # the install record as the role writes it (ansible's to_nice_json and a newline)
+        record = json.dumps(wanted, indent=4, sort_keys=True, separators=(",", ": ")) + "\n"
+        root = {"mode": "0644", "owner": "root", "group": "root"}
+        files = [] if default else [{"path": host_lock, "checksum": _sha1(text), **root}]
+        files.append({"path": marker, "checksum": _sha1(record), **root})
+        site = f"{venv}/lib/python3*/site-packages"
+        out.append(
+            {
+                **{k: s.get(k) for k in ("name", "profile", "vllm_version", "torch_index_url")},
+                "lock_file": lock_file,
+                "install_lock": install_lock,
+                "wheelhouse": own,
+                "host_wheelhouse": host_wheelhouse,
+                "host_lock": host_lock,
+                "id": sid,
+                "venv": venv,
+                "install_marker": marker,
+                "doctor_marker": f"{venv}/.vllm-fleet-doctor",
+                "wanted": wanted,
+                "files": files,
+                "globs": {f"{name}/{p}": f"{site}/{p}-*.dist-info" for p in src.cpu_exclude}
+                if profile == "cpu"
+                else {},
+            }
+        )
+    return out
