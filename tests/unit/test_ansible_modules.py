@@ -119,7 +119,7 @@ def test_host_state_runs_as_an_ansible_module_in_check_mode(tmp_path: Path) -> N
     r = subprocess.run(
         [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
          "-e", f"ansible_python_interpreter={HOST_PYTHON}",
-         "-m", "ansible.legacy.vllm_fleet_host_state", "-a", json.dumps(args)],
+         "-m", "vllm_fleet_host_state", "-a", json.dumps(args)],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -297,7 +297,7 @@ def test_the_preflight_runs_the_doctors_own_code_with_a_bare_python(tmp_path: Pa
                PATH=f"{fake.parent}:{os.environ['PATH']}")  # fmt: skip
     run = subprocess.run(
         [str(ansible), "localhost", "-i", "localhost,", "-c", "local", "--check", "-e",
-         f"ansible_python_interpreter={python3}", "-m", "ansible.legacy.vllm_fleet_doctor", "-a", json.dumps(args)],
+         f"ansible_python_interpreter={python3}", "-m", "vllm_fleet_doctor", "-a", json.dumps(args)],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )  # fmt: skip
     assert "localhost | SUCCESS => " in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

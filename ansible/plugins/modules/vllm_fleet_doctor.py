@@ -34,7 +34,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Run the doctor's stack-free layers
-  ansible.legacy.vllm_fleet_doctor:
+  vllm_fleet_doctor:
     profile: gpu
     min_driver: 580
     expect_gpus: 2

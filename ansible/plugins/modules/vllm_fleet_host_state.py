@@ -67,7 +67,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Compare the rendered files with the host
-  ansible.legacy.vllm_fleet_host_state:
+  vllm_fleet_host_state:
     files:
       - {path: /etc/vllm-fleet/instances/a.json, checksum: "{{ sha1 }}", mode: "0644", owner: root, group: root}
     file_dirs: {mode: "0755", owner: root, group: root}

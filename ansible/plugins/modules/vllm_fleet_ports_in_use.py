@@ -18,7 +18,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Find listeners on the planned ports
-  ansible.legacy.vllm_fleet_ports_in_use:
+  vllm_fleet_ports_in_use:
     ports: [8000, 8101]
   register: ports
 """

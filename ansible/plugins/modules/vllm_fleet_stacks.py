@@ -29,7 +29,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Read the engine stacks of this host
-  ansible.legacy.vllm_fleet_stacks:
+  vllm_fleet_stacks:
     stacks_dir: /opt/vllm-fleet/stacks
     new: [cpu-0.32.0-0123456789ab]
     keep: 2

@@ -20,7 +20,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Pick the lock's pins of what vllm-fleet needs
-  ansible.legacy.vllm_fleet_tools_lock:
+  vllm_fleet_tools_lock:
     lock: /opt/vllm-fleet/lock.txt
     dest: /opt/vllm-fleet/venv/tools-lock.txt
     packages: [pydantic, pyyaml]

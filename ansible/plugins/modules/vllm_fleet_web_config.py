@@ -23,7 +23,7 @@ author: vllm-fleet
 
 EXAMPLES = r"""
 - name: Keep the web config in step with the password
-  ansible.legacy.vllm_fleet_web_config:
+  vllm_fleet_web_config:
     path: /etc/prometheus/web-config.yml
     user: vllm-fleet
     password: "{{ secret }}"
