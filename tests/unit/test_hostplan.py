@@ -87,7 +87,17 @@ def test_stack_ids_stay_what_deployed_fleets_have(tmp_path: Path) -> None:
 
 
 def test_the_install_record_checksum_is_what_the_role_writes(tmp_path: Path) -> None:
-    from ansible.plugins.filter.core import to_nice_json
+    import json
+    import subprocess
+    import sys
+
+    def to_nice_json(value: Any) -> str:  # Ansible's own filter, in a subprocess: no ansible import here
+        code = (
+            "import json, sys; from ansible.plugins.filter.core import to_nice_json as f; "
+            "print(f(json.load(sys.stdin)), end='')"
+        )
+        return subprocess.run([sys.executable, "-c", code], input=json.dumps(value), capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
 
     _locks(tmp_path)
     (gpu,) = stack_installs([GPU], GPU, _src(tmp_path))

@@ -10,21 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-MODULE = Path(__file__).resolve().parents[2] / "ansible" / "plugins" / "modules" / "vllm_fleet_stacks.py"
-
-
-def _load() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vllm_fleet_stacks", MODULE)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from ansible_module_loader import load as load_module  # no ansible import in-process
 
 
-STACKS = _load()
+
+STACKS = load_module("vllm_fleet_stacks")
 
 
 def stack(root: Path, name: str, mtime: float, done: bool = True) -> Path:
@@ -92,13 +82,7 @@ def test_prune_keeps_the_new_the_previous_and_every_stack_in_use(tmp_path: Path)
 
 def test_the_fleet_venv_lock_is_the_named_pins_with_their_hashes(tmp_path: Path) -> None:
     """The vllm_fleet_tools_lock module's selection (the fleet's own venv's lock)."""
-    import importlib.util
-
-    where = MODULE.parent / "vllm_fleet_tools_lock.py"
-    mspec = importlib.util.spec_from_file_location("vllm_fleet_tools_lock", where)
-    assert mspec and mspec.loader
-    tools = importlib.util.module_from_spec(mspec)
-    mspec.loader.exec_module(tools)
+    tools = load_module("vllm_fleet_tools_lock")
     lock = (
         "# vllm-fleet lock\n"
         "pydantic==2.14.4 \\\n    --hash=sha256:aaaa\n"
