@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 from ansible_module_loader import load as load_module  # no ansible import in-process
 
-
-
 STACKS = load_module("vllm_fleet_stacks")
 
 
