@@ -3,8 +3,9 @@
 ansible-core must not be imported into the test process: importing ``ansible.module_utils.basic`` patches
 ``sys.intern`` for the whole interpreter, and torch (the tiny model the engine tests build) refuses it later in
 the same process. So the module is loaded with a stand-in ``ansible.module_utils.basic`` (the tests call the
-module's functions, never ``main()``); the modules run through real Ansible in a subprocess elsewhere
-(tests/unit/test_ansible_modules.py)."""
+module's functions, never ``main()``) and ``ansible.module_utils.vllm_fleet`` as the package itself (what
+ansible/plugins/module_utils/vllm_fleet links to); the modules run through real Ansible in a subprocess
+elsewhere (tests/unit/test_ansible_modules.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def load(name: str) -> Any:
         "ansible.module_utils.basic": types.ModuleType("ansible.module_utils.basic"),
     }
     stand_ins["ansible.module_utils.basic"].AnsibleModule = _NoAnsibleModule  # type: ignore[attr-defined]
+    import vllm_fleet
+    import vllm_fleet.contracts
+
+    stand_ins["ansible.module_utils.vllm_fleet"] = vllm_fleet
+    stand_ins["ansible.module_utils.vllm_fleet.contracts"] = vllm_fleet.contracts
     saved = {k: sys.modules.get(k) for k in stand_ins}
     sys.modules.update(stand_ins)
     try:

@@ -61,13 +61,8 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 
-
-def stack_of(command: list[str] | None) -> str:
-    """The stack folder a command's interpreter lives in (``.../STACK/bin/python``); the rule of
-    ``vllm_fleet.contracts.stack_of``, which hosts without vllm-fleet installed cannot import
-    (tests/unit/test_stacks.py checks that both agree)."""
-    parts = (command or [""])[0].rstrip("/").split("/")
-    return parts[-3] if len(parts) >= 3 and parts[-2] == "bin" else ""
+# the contract's own rule (vllm_fleet/contracts.py, shipped to the host as module_utils like the doctor's files)
+from ansible.module_utils.vllm_fleet.contracts import stack_of
 
 
 def named(folder: str, key: str) -> set[str]:
