@@ -155,12 +155,9 @@ def units(module: AnsibleModule | None, names: list[str]) -> dict[str, dict[str,
         return {}
     props = ["Id", "ActiveState", "SubState", "UnitFileState"]
     argv = ["systemctl", "show", "--property=" + ",".join(props), "--", *names]
-    if module is None:  # unit tests
-        import subprocess
-
-        out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True).stdout
-    else:
-        _rc, out, _err = module.run_command(argv, check_rc=True)
+    if module is None:
+        raise ValueError("reading units needs the module (systemctl through run_command)")
+    _rc, out, _err = module.run_command(argv, check_rc=True)
     found = {}
     for block in out.strip().split("\n\n"):
         kv = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
