@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_fleet.fleet.engine import model_path
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
 
@@ -69,6 +70,8 @@ class HostStack(BaseModel):
     wheelhouse: str
     min_driver: int
     expect_gpus: int
+    # the model the doctor's tiny-load layer loads with this stack: its first instance's (or rank's) here
+    load_model: str
 
 
 class HostDeployPlan(BaseModel):
@@ -95,8 +98,9 @@ class HostDeployPlan(BaseModel):
     weight_bytes: int
     # the ports the plan gives this host -> the spec field that sets each (the preflight's listener check)
     ports: dict[str, str]
-    # its instances whose source is ModelScope (the hosts' stack has no modelscope package)
-    modelscope_instances: list[str]
+    # the sources of its instances that are on ModelScope (``models[NAME].source.modelscope``: the hosts' stack
+    # has no modelscope package)
+    modelscope_sources: list[str]
     is_gateway: bool
     is_monitoring: bool
     exporter_address: str
@@ -113,9 +117,13 @@ def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
 def host_stacks(spec: FleetSpec, host: str) -> list[HostStack]:
     """The distinct stacks ``host`` runs (its instances' and its headless ranks'), each once: what the engine
     role installs there (one venv each) and the doctor checks."""
+    ms = [*spec.models_on(host), *(m for m, _ in spec.workers_on(host))]
     return [
         HostStack(
-            name=n, expect_gpus=stack_gpus(spec, host, n), **spec.named_stack(n).model_dump(mode="json")
+            name=n,
+            expect_gpus=stack_gpus(spec, host, n),
+            load_model=next(model_path(spec, m) for m in ms if spec.stack_name(m) == n),
+            **spec.named_stack(n).model_dump(mode="json"),
         )
         for n in spec.stacks_on(host)
     ]
@@ -146,7 +154,9 @@ def host_deploy_plan(
         model_paths=list(dict.fromkeys(i["model_path"] for i in instances + workers)),
         weight_bytes=weight_bytes,
         ports=ports,
-        modelscope_instances=[i["name"] for i in instances if i["source_kind"] == "modelscope"],
+        modelscope_sources=[
+            f"models[{i['name']}].source.modelscope" for i in instances if i["source_kind"] == "modelscope"
+        ],
         is_gateway=spec.gateway.enabled and spec.gateway_host == host,
         is_monitoring=spec.monitoring.enabled and spec.monitoring_host == host,
         exporter_address=exporter_address,
@@ -231,7 +241,17 @@ def stack_installs(
         site = f"{venv}/lib/python3*/site-packages"
         out.append(
             {
-                **{k: s.get(k) for k in ("name", "profile", "vllm_version", "torch_index_url")},
+                **{
+                    k: s.get(k)
+                    for k in (
+                        "name",
+                        "profile",
+                        "vllm_version",
+                        "torch_index_url",
+                        "expect_gpus",
+                        "load_model",
+                    )
+                },
                 "lock_file": lock_file,
                 "install_lock": install_lock,
                 "wheelhouse": own,
