@@ -27,8 +27,19 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
-from vllm_fleet.host.exporter import AccessLogTail, FleetCollector, Nvml, add_args, build_registry
+from vllm_fleet.host.exporter import (
+    AccessLogTail,
+    Deployment,
+    FleetCollector,
+    Nvml,
+    StateFiles,
+    SystemdRestarts,
+    add_args,
+    build_registry,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 DURATION = re.compile(r"^(vllm_fleet_exporter_scrape_duration_seconds) \S+$", re.MULTILINE)
@@ -266,3 +277,53 @@ def test_the_exposition_of_the_clis_arguments_is_unchanged(
          "--no-nvml", "--access-log", "", "--drain-state", "", "--manifest", ""]
     )  # fmt: skip
     check("exporter_bare.prom", render(build_registry(bare)))
+
+
+def _families(*collectors: Collector) -> dict[str, list[Any]]:
+    registry = CollectorRegistry()
+    for c in collectors:
+        registry.register(c)
+    text = DURATION.sub(r"\1 0", generate_latest(registry).decode())
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_each_collector_owns_its_series(
+    host: dict[str, Path], nvml: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each collector registered on its own exports its own series and nobody else's; together they export
+    what the exporter's composition does (less the scrape duration, the composition's own)."""
+    monkeypatch.setattr(subprocess, "run", FakeSystemctl())
+    gpu = Nvml()
+    _xid_thread_done()
+    states = StateFiles(host["state"], host["config"], host["workers"])
+    parts = {
+        "states": _families(states),
+        "systemd": _families(SystemdRestarts(states)),
+        "access_log": _families(AccessLogTail(host["log"], from_start=True)),
+        "deployment": _families(Deployment(host["manifest"], host["drained"])),
+        "nvml": _families(gpu),
+    }
+    whole = _families(
+        FleetCollector(
+            host["state"],
+            host["config"],
+            AccessLogTail(host["log"], from_start=True),
+            gpu,
+            use_systemd=True,
+            drain_state=host["drained"],
+            manifest=host["manifest"],
+            worker_config_dir=host["workers"],
+        )
+    )
+    assert whole.pop("vllm_fleet_exporter_scrape_duration_seconds")
+    names = [n for fams in parts.values() for n in fams]
+    assert len(names) == len(set(names))  # no series in two collectors
+    assert {n: s for fams in parts.values() for n, s in fams.items()} == whole
+    assert "vllm_fleet_exporter_read_errors" in parts["states"]
+    assert "vllm_fleet_exporter_systemd_errors" in parts["systemd"]
+    assert set(parts["deployment"]) == {"vllm_fleet_deployed_info", "vllm_fleet_gateway_drained"}
+    assert all(n.startswith("vllm_fleet_gateway_") for n in parts["access_log"])
+    assert all(n.startswith("vllm_fleet_gpu_") for n in parts["nvml"])
+    # a host without GPUs: the NVML collector exports nothing
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert _families(Nvml()) == {}
