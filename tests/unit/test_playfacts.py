@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -13,6 +14,11 @@ from vllm_fleet.fleet import playfacts as pf
 
 REPO = Path(__file__).resolve().parents[2]
 
+FILTERS = (
+    "layer_verdict", "engine_packages", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
+    "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
+    "model_tree", "model_pushes",
+)  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
     {"name": "b", "unit": "vllm@b.service", "model_path": "/m/b"},
@@ -123,29 +129,104 @@ def test_the_roles_filters_are_these_functions(tmp_path: Path) -> None:
         "print(sorted(fs)); print(fs['vllm_fleet_missing_packages'](['a', 'b'], ['a installed']))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "ansible/plugins/filter/vllm_fleet.py")],
+        [sys.executable, "-c", code, str(REPO / "ansible/plugins/filter/vllm_fleet_filters.py")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.splitlines()
     assert out[1] == "['b']"
-    assert out[0] == str(
-        sorted(
-            f"vllm_fleet_{n}"
-            for n in (
-                "layer_verdict",
-                "engine_packages",
-                "missing_packages",
-                "foreign_listeners",
-                "unit_actions",
-                "restarts",
-                "rolling_restarts",
-            )
-        )
-    )
+    names = ast.literal_eval(out[0])
+    assert names == sorted(f"vllm_fleet_{n}" for n in FILTERS)
+    for n in FILTERS:  # each a public function of playfacts
+        assert callable(getattr(pf, n)) and not n.startswith("_")
 
 
 @pytest.mark.parametrize("role", ["engine", "preflight"])
 def test_no_role_parses_the_doctors_output_in_jinja(role: str) -> None:
     text = (REPO / "ansible/roles" / role / "vars/main.yml").read_text()
     assert "from_json" not in text and "vllm_fleet_layer_verdict" not in text
+
+
+ARTIFACTS = [
+    {"component": "engine", "dest": "/etc/systemd/system/vllm@.service", "instance_name": None},
+    {"component": "engine", "dest": "/etc/vllm-fleet/instances/a.json", "instance_name": "a"},
+    {"component": "gateway", "dest": "/etc/nginx/conf.d/vllm-fleet.conf", "instance_name": None},
+]
+
+
+def test_the_artifacts_role_picks_renders_compares_and_reports() -> None:
+    assert [a["dest"] for a in pf.artifact_items(ARTIFACTS, "engine")] == [
+        "/etc/systemd/system/vllm@.service",
+        "/etc/vllm-fleet/instances/a.json",
+    ]
+    assert [a["instance_name"] for a in pf.artifact_items(ARTIFACTS, "engine", "instance")] == ["a"]
+    assert [a["dest"] for a in pf.artifact_items(ARTIFACTS, "engine", "shared")] == [
+        "/etc/systemd/system/vllm@.service"
+    ]
+    wanted = [
+        {**a, "path": "/stage" + a["dest"], "checksum": f"c{n}", "mode": "0644", "content": "x"}
+        for n, a in enumerate(ARTIFACTS[:2])
+    ]
+    assert pf.host_files(wanted)[1] == {
+        "path": "/stage/etc/vllm-fleet/instances/a.json",
+        "checksum": "c1",
+        "mode": "0644",
+        "owner": "root",
+        "group": "root",
+    }
+    written = [{"changed": False, "item": wanted[0]}, {"changed": True, "item": wanted[1]}]
+    out = pf.artifacts_outcome(written, wanted, ["/stage/etc/vllm-fleet/instances/a.json"])
+    assert out["changed"] == [
+        {
+            "component": "engine",
+            "dest": "/etc/vllm-fleet/instances/a.json",
+            "instance_name": "a",
+            "mode": "0644",
+        }
+    ]
+    assert out["missing"] == ["/etc/vllm-fleet/instances/a.json"] and out["units_changed"] is False
+    written[0]["changed"] = True
+    assert pf.artifacts_outcome(written, wanted, [])["units_changed"] is True
+
+
+def test_what_the_models_step_changed_and_what_a_host_tells_the_second_plan() -> None:
+    report = {
+        "changed": True,
+        "models": [
+            {"instance": "a", "path": "/m/a", "changed": True, "weight_bytes": 10},
+            {"instance": "b", "path": "/m/b", "changed": False, "weight_bytes": 20},
+        ],
+    }
+    got = pf.fetched({"stdout": json.dumps(report)}, [])
+    assert got["changed"] == ["/m/a"] and got["models"]["b"]["weight_bytes"] == 20
+    pushed = [
+        {"changed": True, "item": {"model_path": "/m/c"}},
+        {"changed": False, "item": {"model_path": "/m/d"}},
+    ]
+    assert pf.fetched({"skipped": True}, pushed) == {"changed": ["/m/c"], "models": {}}
+    assert pf.host_detected(got, "2048", "0, H200, 143771", gpu_host=False) == {
+        "memory_mib": 2048,
+        "nvidia_smi": "",
+        "models": got["models"],
+    }
+    assert pf.host_detected(got, 0, "0, H200", gpu_host=True)["nvidia_smi"] == "0, H200"
+
+
+def test_model_folders_pushed_from_the_controller() -> None:
+    local = [
+        {"item": "/var/lib/vllm-fleet/models/tiny", "files": [
+            {"path": "/src/tiny/config.json", "checksum": "a"},
+            {"path": "/src/tiny/sub/model.safetensors", "checksum": "b"},
+        ]},
+    ]  # fmt: skip
+    tree = pf.model_tree(local, "/src")
+    assert tree["roots"] == {"/src/tiny": "/var/lib/vllm-fleet/models/tiny"}
+    assert tree["files"] == [{"path": "/src/tiny/config.json", "checksum": "a"},
+                             {"path": "/src/tiny/sub/model.safetensors", "checksum": "b"}]  # fmt: skip
+    assert pf.model_pushes(local, "/src")[1] == {
+        "src": "/src/tiny/sub/model.safetensors",
+        "dest": "/var/lib/vllm-fleet/models/tiny/sub/model.safetensors",
+        "model_path": "/var/lib/vllm-fleet/models/tiny",
+    }
+    assert pf.model_tree([{"item": "/m", "skipped": True}], "") == {}
+    assert pf.model_pushes([{"item": "/m", "skipped": True}], "") == []

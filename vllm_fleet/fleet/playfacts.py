@@ -1,5 +1,5 @@
 """What the play decides from the hosts' answers, in Python: the roles call these through their ``vllm_fleet``
-filters (ansible/plugins/filter/vllm_fleet.py) and only print the results (docs/architecture.md, "Decide in
+filters (ansible/plugins/filter/vllm_fleet_filters.py) and only print the results (docs/architecture.md, "Decide in
 Python"). What follows from the spec alone is decided earlier, once per deploy: ``fleet/hostplan.py``.
 
 Each function takes what a task registered (a module's or a command's result, as Ansible holds it) and returns
@@ -148,3 +148,106 @@ def rolling_restarts(
     started fresh with their new files."""
     wanted, up = set(restart), set(running)
     return [str(i["name"]) for i in instances if i["name"] in wanted and i["unit"] in up]
+
+
+def artifact_items(
+    artifacts: list[Mapping[str, Any]], component: str, which: str = "all"
+) -> list[dict[str, Any]]:
+    """The artifacts of ``component`` (``vf.artifacts``) the artifacts role renders: ``instance`` the
+    per-instance files, ``shared`` the others, ``all`` both."""
+    mine = [dict(a) for a in artifacts if a.get("component") == component]
+    if which == "instance":
+        return [a for a in mine if a.get("instance_name")]
+    if which == "shared":
+        return [a for a in mine if not a.get("instance_name")]
+    return mine
+
+
+def host_files(
+    wanted: list[Mapping[str, Any]], owner: str = "root", group: str = "root"
+) -> list[dict[str, Any]]:
+    """What the vllm_fleet_host_state module compares for rendered artifacts: path, checksum, mode, owner."""
+    return [
+        {"path": w["path"], "checksum": w["checksum"], "mode": w["mode"], "owner": owner, "group": group}
+        for w in wanted
+    ]
+
+
+def artifacts_outcome(
+    written: list[Mapping[str, Any]], wanted: list[Mapping[str, Any]], missing: Iterable[str]
+) -> dict[str, Any]:
+    """What the artifacts role reports from its copy results (``written``): ``changed`` the written items
+    (without their content), ``missing`` the destinations that were not on the host (check mode: a unit this
+    run would create cannot be enabled yet), ``units_changed`` whether a systemd unit changed (a daemon
+    reload)."""
+    changed = [
+        {k: v for k, v in r["item"].items() if k not in ("content", "checksum", "path")}
+        for r in written
+        if r.get("changed")
+    ]
+    gone = set(missing)
+    return {
+        "changed": changed,
+        "missing": [w["dest"] for w in wanted if w["path"] in gone],
+        "units_changed": any(str(c.get("dest", "")).startswith("/etc/systemd/") for c in changed),
+    }
+
+
+def fetched(fetch: Mapping[str, Any], pushed: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the models step changed, from ``vllm-fleet fetch --json`` (``fetch``, skipped when the models
+    were pushed from the controller) and the push's copy results (``pushed``): ``changed`` the model folders
+    whose files changed (their instances restart), ``models`` each fetched instance's report (its config.json
+    and weight bytes: the plan after the fetch reads them)."""
+    report: dict[str, Any] = {}
+    if not fetch.get("skipped") and str(fetch.get("stdout") or "").strip():
+        report = json.loads(fetch["stdout"])
+    models = list(report.get("models") or [])
+    changed = [str(m["path"]) for m in models if m.get("changed")]
+    changed += [str(r["item"]["model_path"]) for r in pushed if r.get("changed")]
+    return {"changed": list(dict.fromkeys(changed)), "models": {m["instance"]: m for m in models}}
+
+
+def host_detected(
+    fetched: Mapping[str, Any], memory_mib: Any, nvidia_smi: str, gpu_host: bool
+) -> dict[str, Any]:
+    """What one host tells the plan after the fetch (``vllm-fleet plan --detected``): its memory, the GPUs
+    nvidia-smi listed (the preflight's driver layer; none on a host without a gpu stack) and the fetched
+    models' reports (``fetched``'s ``models``)."""
+    return {
+        "memory_mib": int(memory_mib or 0),
+        "nvidia_smi": nvidia_smi if gpu_host else "",
+        "models": dict(fetched.get("models") or {}),
+    }
+
+
+def _local_files(local: list[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(model_path, found file) of each file ``ansible.builtin.find`` listed under a model folder on the
+    controller (its loop item: the model_path on the host)."""
+    return [(str(r["item"]), f) for r in local if not r.get("skipped") for f in r.get("files") or []]
+
+
+def model_tree(local: list[Mapping[str, Any]], models_src: str) -> dict[str, Any]:
+    """The ``tree`` argument of the vllm_fleet_host_state module for model folders pushed from the controller
+    (``-e vllm_fleet_models_src=DIR``: DIR/BASENAME -> the model_path on the host), from the find results
+    (``local``, with checksums); {} when nothing is pushed."""
+    if not local or all(r.get("skipped") for r in local):
+        return {}
+    roots = {f"{models_src}/{str(r['item']).rsplit('/', 1)[-1]}": str(r["item"]) for r in local}
+    return {
+        "roots": roots,
+        "files": [{"path": f["path"], "checksum": f["checksum"]} for _, f in _local_files(local)],
+        "mode": "0644",
+        "dir_mode": "0755",
+        "owner": "root",
+        "group": "root",
+    }
+
+
+def model_pushes(local: list[Mapping[str, Any]], models_src: str) -> list[dict[str, str]]:
+    """Each file to push from the controller: ``src`` (DIR/BASENAME/REL), ``dest`` (model_path/REL) and
+    ``model_path`` (whose instances restart when it changed)."""
+    out = []
+    for model_path, f in _local_files(local):
+        root = f"{models_src}/{model_path.rsplit('/', 1)[-1]}"
+        out.append({"src": f["path"], "dest": model_path + f["path"][len(root) :], "model_path": model_path})
+    return out

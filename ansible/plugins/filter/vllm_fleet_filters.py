@@ -26,8 +26,7 @@ def _call(name: str) -> Callable[..., Any]:
 
 
 class FilterModule:
-    """vllm_fleet_layer_verdict, vllm_fleet_engine_packages, vllm_fleet_missing_packages,
-    vllm_fleet_foreign_listeners, vllm_fleet_unit_actions, vllm_fleet_restarts, vllm_fleet_rolling_restarts."""
+    """``vllm_fleet_NAME`` for each NAME: the function of vllm_fleet.fleet.playfacts of that name."""
 
     NAMES = (
         "layer_verdict",
@@ -37,6 +36,13 @@ class FilterModule:
         "unit_actions",
         "restarts",
         "rolling_restarts",
+        "artifact_items",
+        "host_files",
+        "artifacts_outcome",
+        "fetched",
+        "host_detected",
+        "model_tree",
+        "model_pushes",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:
