@@ -164,3 +164,51 @@ def test_every_module_documents_exactly_its_options() -> None:
                     spec_keys |= keys
         assert documented == spec_keys, (name, documented ^ spec_keys)
         assert docs[name]["doc"]["short_description"] and docs[name]["examples"], name
+
+
+def test_venv_sync_removes_what_the_lock_does_not_pin_and_what_must_be_absent() -> None:
+    vs = load("vllm_fleet_venv_sync")
+    lock = "numpy==2.1.0 \\\n    --hash=sha256:aa\nTorch_Vision==0.20 \\\n    --hash=sha256:bb\n# pip==1\n"
+    assert vs.locked(lock) == {"numpy", "torch-vision"}
+    installed = {"numpy", "torch-vision", "left-over", "pip", "vllm-fleet"}
+    keep = ["pip", "setuptools", "wheel", "vllm-fleet"]
+    assert vs.to_remove(installed, lock, True, keep, []) == ["left-over"]
+    assert vs.to_remove(installed, lock, True, keep, ["torch_vision", "triton"]) == [
+        "left-over",
+        "torch-vision",
+    ]
+    assert vs.to_remove(installed, lock, False, keep, ["torch_vision"]) == ["torch-vision"]
+
+
+@pytest.mark.skipif(not ANSIBLE.exists(), reason="needs ansible-core")
+def test_venv_sync_runs_with_the_venvs_own_interpreter(tmp_path: Path) -> None:
+    """Through Ansible with the venv's python as the interpreter: check mode reports, a real run uninstalls."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for name in ("left_over", "kept"):  # two installed distributions, by their dist-info alone
+        d = site / f"{name}-1.0.dist-info"
+        d.mkdir()
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 1.0\n")
+        (d / "RECORD").write_text(f"{name}-1.0.dist-info/METADATA,,\n{name}-1.0.dist-info/RECORD,,\n")
+    lock = tmp_path / "lock.txt"
+    lock.write_text("kept==1.0 \\\n    --hash=sha256:aa\n")
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
+               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
+
+    def run(*extra: str) -> dict[str, object]:
+        r = subprocess.run(
+            [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", *extra,
+             "-e", f"ansible_python_interpreter={venv}/bin/python",
+             "-m", "vllm_fleet_venv_sync", "-a", json.dumps({"lock": str(lock)})],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        )  # fmt: skip
+        assert "localhost | CHANGED => " in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads(r.stdout.split(" => ", 1)[1])  # type: ignore[no-any-return]
+
+    checked = run("--check")
+    assert checked["changed"] is True and checked["removed"] == ["left-over"]
+    assert (site / "left_over-1.0.dist-info").exists()  # check mode removes nothing
+    done = run()
+    assert done["removed"] == ["left-over"]
+    assert not (site / "left_over-1.0.dist-info").exists() and (site / "kept-1.0.dist-info").exists()

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 FILTERS = (
     "layer_verdict", "engine_packages", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
-    "model_tree", "model_pushes",
+    "model_tree", "model_pushes", "found_in_stack",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -230,3 +230,10 @@ def test_model_folders_pushed_from_the_controller() -> None:
     }
     assert pf.model_tree([{"item": "/m", "skipped": True}], "") == {}
     assert pf.model_pushes([{"item": "/m", "skipped": True}], "") == []
+
+
+def test_torch_add_ons_found_in_one_stack() -> None:
+    globs = {"cpu-a/triton": ["/s/a/lib/python3.12/site-packages/triton-3.dist-info"], "cpu-a/torchvision": [],
+             "cpu-b/triton": ["/s/b/triton-3.dist-info"], "pending": ["/var/lib/vllm-fleet/restart-pending/x"]}  # fmt: skip
+    assert pf.found_in_stack(globs, "cpu-a") == ["triton"]
+    assert pf.found_in_stack(globs, "default") == []

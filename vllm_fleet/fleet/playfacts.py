@@ -251,3 +251,9 @@ def model_pushes(local: list[Mapping[str, Any]], models_src: str) -> list[dict[s
         root = f"{models_src}/{model_path.rsplit('/', 1)[-1]}"
         out.append({"src": f["path"], "dest": model_path + f["path"][len(root) :], "model_path": model_path})
     return out
+
+
+def found_in_stack(globs: Mapping[str, list[str]], stack: str) -> list[str]:
+    """The packages whose dist-info the host's state read found in ``stack``'s venv (its ``STACK/PACKAGE``
+    glob keys with a match)."""
+    return [k.split("/", 1)[1] for k, hits in globs.items() if hits and k.startswith(f"{stack}/")]

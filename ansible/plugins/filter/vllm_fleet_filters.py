@@ -43,6 +43,7 @@ class FilterModule:
         "host_detected",
         "model_tree",
         "model_pushes",
+        "found_in_stack",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:
