@@ -3,7 +3,8 @@
 ``vf``: the normalised fleet spec (plain dicts) plus derived facts: ``vf.host`` (the host being rendered),
 ``vf.instances`` (instances on that host, each with its engine command, env, listen address, unit name),
 ``vf.all_instances`` (every instance in the fleet), ``vf.upstreams`` (gateway pools per served model),
-``vf.plan`` (the capacity plan). Per-instance templates also get ``instance``.
+``vf.plan`` (the capacity plan), ``vf.host_contract`` (the host's contract: ``{config_dir}/host.json``).
+Per-instance templates also get ``instance``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm_fleet.fleet.engine import (
     model_path,
     rank_address,
 )
+from vllm_fleet.fleet.host_contract import HostContracts
 from vllm_fleet.fleet.hostplan import doctor_checks
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
@@ -201,6 +203,7 @@ class HostVars:
         self.instances: dict[str, list[dict[str, Any]]] = {}
         for i in fleet["all_instances"]:
             self.instances.setdefault(i["host"], []).append(i)
+        self.contracts = HostContracts(spec, fleet["spec_hash"])
 
     def __call__(self, host: str) -> dict[str, Any]:
         spec = self.spec
@@ -224,6 +227,8 @@ class HostVars:
             "firewall_rules": firewall_rules(spec, host),
             # the arguments of the doctor's stack-free layers the preflight runs here (fleet/hostplan.py)
             "doctor": doctor_checks(spec, host).as_vars(),
+            # what fetch, manifest and doctor read on this host ({config_dir}/host.json; vllm_fleet/contracts.py)
+            "host_contract": self.contracts(host).to_dict(),
         }
 
 
