@@ -39,7 +39,7 @@ fmt:
 
 typecheck:
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy ansible/plugins/modules
+	$(VENV)/bin/mypy ansible/plugins/modules ansible/plugins/filter
 
 ansible-lint:
 	@if [ -f site.yml ]; then PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production site.yml ansible/; fi

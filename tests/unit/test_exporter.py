@@ -157,7 +157,7 @@ def test_a_failing_systemd_read_is_counted_and_logged(
         out = "" if answer["rc"] else "\n\n".join(f"Id={u}\nNRestarts=3" for u in units)
         return subprocess.CompletedProcess(cmd, answer["rc"], out, answer["err"])
 
-    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    monkeypatch.setattr(exporter.systemd.subprocess, "run", fake_run)
     with pytest.raises(exporter.SystemdReadError, match="Transport endpoint is not connected"):
         unit_restarts(["qwen3"])
     (tmp_path / "qwen3.json").write_text(json.dumps(STATE))
@@ -173,13 +173,15 @@ def test_a_failing_systemd_read_is_counted_and_logged(
     assert "vllm_fleet_instance_restarts_total" in warnings[0]
     # systemctl missing: another reason, logged again
     monkeypatch.setattr(
-        exporter.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("systemctl"))
+        exporter.systemd.subprocess,
+        "run",
+        lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("systemctl")),
     )
     m = scrape(c)
     assert m[("vllm_fleet_exporter_systemd_errors_total", ())] == 4
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2
     # the reads work again: the series is back, the counter keeps its count, the recovery is logged
-    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    monkeypatch.setattr(exporter.systemd.subprocess, "run", fake_run)
     answer.update(rc=0, err="")
     m = scrape(c)
     key = lbl(instance="qwen3", model="qwen3-8b", unit="vllm@qwen3.service")
@@ -317,7 +319,7 @@ def test_worker_unit_restarts_come_from_systemctl(tmp_path: Path, monkeypatch: p
         out = "\n\n".join(f"Id={u}\nNRestarts={n + 4}" for n, u in enumerate(units))
         return subprocess.CompletedProcess(cmd, 0, out, "")
 
-    monkeypatch.setattr(exporter.subprocess, "run", fake_run)
+    monkeypatch.setattr(exporter.systemd.subprocess, "run", fake_run)
     (tmp_path / "workers").mkdir()
     (tmp_path / "workers" / "big.json").write_text(json.dumps(WORKER))
     m = scrape(FleetCollector(tmp_path, None, use_systemd=True))

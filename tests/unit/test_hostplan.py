@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from vllm_fleet.fleet.context import build_context
-from vllm_fleet.fleet.hostplan import StackSources, doctor_checks, stack_installs
+from vllm_fleet.fleet.hostplan import HostDeployPlan, StackSources, doctor_checks, stack_installs
 from vllm_fleet.fleet.spec import load_spec, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -41,6 +41,40 @@ def test_the_context_hands_the_roles_the_decided_values() -> None:
     vf = build_context(spec, host)["vf"]
     assert vf["doctor"] == doctor_checks(spec, host).as_vars()
     assert vf["doctor"]["profile"] == "gpu" and vf["doctor"]["expect_gpus"] == 4
+
+
+def test_a_hosts_plan_holds_what_its_roles_act_on() -> None:
+    """seed-001-cpu-fallback's h100-a: two stacks (GPU primaries, a CPU fallback), three instances."""
+    spec = load_spec(EXAMPLES / "seed-001-cpu-fallback.yml")
+    vf = build_context(spec, "h100-a")["vf"]
+    assert HostDeployPlan.model_validate({k: vf[k] for k in HostDeployPlan.model_fields})  # typed, complete
+    assert vf["units"] == [f"vllm@{m.name}.service" for m in spec.models_on("h100-a")]
+    assert vf["profiles"] == ["gpu", "cpu"]
+    stacks = {s["name"]: s for s in vf["host_stacks"]}
+    assert stacks["default"]["expect_gpus"] == 2 and stacks["cpu-fallback"]["expect_gpus"] == 0
+    cpu = next(i for i in vf["instances"] if i["stack_name"] == "cpu-fallback")
+    assert stacks["cpu-fallback"]["load_model"] == cpu["model_path"]
+    assert vf["model_paths"] == list(dict.fromkeys(i["model_path"] for i in vf["instances"]))
+    planned = next(h for h in vf["plan"]["hosts"] if h["name"] == "h100-a")
+    assert (
+        vf["ports"] == {str(p): o for p, o in planned["ports"].items()}
+        and vf["ports"]["8000"] == "gateway.port"
+    )
+    weights = [i["weight_bytes"] for i in vf["plan"]["instances"] if i["host"] == "h100-a"]
+    assert vf["weight_bytes"] == sum(weights) > 0
+    assert vf["modelscope_sources"] == []
+    # the units' systemd folders and the engine's executable: decided here, the templates print them
+    assert vf["unit_dirs"] == {"runtime": "vllm-fleet", "state": "vllm-fleet/cache"}
+    gpu = next(i for i in vf["instances"] if i["stack_name"] == "default")
+    assert (gpu["engine_exe"], gpu["engine_args"][0]) == ("bin/vllm", "serve")
+    assert cpu["engine_exe"] == "bin/python" and gpu["command"][1:] == gpu["engine_args"]
+
+
+def test_state_and_cache_folders_outside_systemds_own_get_no_unit_folder() -> None:
+    raw = yaml.safe_load((EXAMPLES / "tiny-cpu.yml").read_text())
+    raw.setdefault("paths", {}).update(state_dir="/srv/vf/state", cache_dir="/srv/vf/cache")
+    vf = build_context(parse_spec(raw), "h1")["vf"]
+    assert vf["unit_dirs"] == {"runtime": "", "state": ""}
 
 
 def _src(tmp: Path, **kw: Any) -> StackSources:

@@ -148,6 +148,15 @@ def test_the_spec_is_the_leaf() -> None:
     assert _ours(IMPORTS["vllm_fleet.fleet.spec"]) <= {"vllm_fleet.contracts"}
 
 
+def test_the_plan_checks_sit_below_the_plan() -> None:
+    """fleet/plan_checks.py holds pure checks returning findings: it never loads the plan that composes them
+    (nor what renders a plan), lazily either."""
+    above = {"vllm_fleet.fleet.plan", "vllm_fleet.fleet.context", "vllm_fleet.fleet.render"}
+    assert not {t for t, _ in IMPORTS["vllm_fleet.fleet.plan_checks"]} & above
+    assert not _loaded_by(["vllm_fleet.fleet.plan_checks"]) & above
+    assert "vllm_fleet.fleet.plan_checks" in _ours(IMPORTS["vllm_fleet.fleet.plan"])
+
+
 def test_the_shared_leaves_use_the_standard_library_only() -> None:
     """vllm_fleet.contracts (the files one side writes and the other reads) and vllm_fleet.files (checksum,
     JSON reader) are shared by the controller and the hosts: they import none of ours and nothing outside the
@@ -168,7 +177,12 @@ def test_one_copy_of_the_file_helpers() -> None:
 
 
 def test_host_code_stays_off_the_planner_and_the_renderer() -> None:
-    banned = {"vllm_fleet.fleet.plan", "vllm_fleet.fleet.render", "vllm_fleet.fleet.context"}
+    banned = {
+        "vllm_fleet.fleet.plan",
+        "vllm_fleet.fleet.plan_checks",
+        "vllm_fleet.fleet.render",
+        "vllm_fleet.fleet.context",
+    }
     host = _room("vllm_fleet.host")
     for name in host:
         direct = {t for t, _ in IMPORTS[name]}

@@ -38,3 +38,20 @@ def test_the_renderers_imports_are_core_dependencies() -> None:
     assert {"pydantic", "pyyaml", "jinja2", "grafanalib"} <= core
     for extra in project.get("optional-dependencies", {}).values():
         assert not any(d.lower().startswith("grafanalib") for d in extra)
+
+
+def test_the_wheel_gets_every_subpackage() -> None:
+    """pyproject's package discovery (``[tool.setuptools.packages.find]``) finds every package folder under
+    vllm_fleet/ (e.g. ``vllm_fleet.host.exporter``, a package of its own): a missed one installs a CLI whose
+    command fails to import."""
+    from setuptools import find_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(str(REPO), include=find["include"], exclude=find.get("exclude", ())))
+    folders = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "vllm_fleet").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert "vllm_fleet.host.exporter" in folders
+    assert folders <= found, sorted(folders - found)

@@ -24,7 +24,7 @@ from vllm_fleet.fleet.engine import (
     rank_address,
 )
 from vllm_fleet.fleet.host_contract import HostContracts
-from vllm_fleet.fleet.hostplan import doctor_checks
+from vllm_fleet.fleet.hostplan import host_deploy_plan
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
@@ -35,7 +35,7 @@ ANSIBLE_MANAGED = "Ansible managed"
 EXPORTER_USER = "vllm-fleet-exporter"
 
 
-def stack_ctx(spec: FleetSpec, m: ModelInstance) -> dict[str, Any]:
+def stack_ctx(spec: FleetSpec, m: ModelInstance, command: list[str]) -> dict[str, Any]:
     """The stack an instance (or its rank) runs: ``stack_name`` (``default``: the fleet's ``stack``), its
     profile and release, and ``stack_venv``, the venv `vllm-fleet render` shows in its command: paths.venv for
     the fleet's stack, PREFIX/stacks/NAME for a named one (the engine role puts the venv it installed:
@@ -43,17 +43,15 @@ def stack_ctx(spec: FleetSpec, m: ModelInstance) -> dict[str, Any]:
     name = spec.stack_name(m)
     st = spec.stack_of(m)
     return {
+        # the engine's executable inside its venv and its arguments: the instance config prints the venv the
+        # engine role installed (or stack_venv) before it
+        "engine_exe": command[0].removeprefix(spec.paths.venv + "/"),
+        "engine_args": command[1:],
         "stack_name": name,
         "stack_profile": st.profile,
         "stack_vllm_version": st.vllm_version,
         "stack_venv": spec.paths.venv if name == DEFAULT_STACK else f"{spec.paths.prefix}/stacks/{name}",
     }
-
-
-def host_stacks(spec: FleetSpec, host: str) -> list[dict[str, Any]]:
-    """The distinct stacks ``host`` runs (its instances' and its headless ranks'), each once: what the engine
-    role installs there (one venv each) and the doctor checks."""
-    return [{"name": name, **spec.named_stack(name).model_dump(mode="json")} for name in spec.stacks_on(host)]
 
 
 def instance_ctx(
@@ -67,19 +65,20 @@ def instance_ctx(
     d = m.model_dump(mode="json")
     ip = ip or plan.instance(m.name)
     host = host or spec.host(m.host)
+    command = engine_command(spec, m)
     d.update(
         unit=f"vllm@{m.name}.service",
         model_path=model_path(spec, m),
         listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,
-        command=engine_command(spec, m),
+        command=command,
         environment=engine_env(spec, m),
         start_after_units=[f"vllm@{n}.service" for n in ip.start_after],
         plan=ip.__dict__,
         source_kind=m.source.kind,
         source_repo=m.source.repo,
         source_revision=m.source.revision,
-        **stack_ctx(spec, m),
+        **stack_ctx(spec, m, command),
     )
     return d
 
@@ -103,17 +102,18 @@ def _max_conns(inst: dict[str, Any]) -> int:
 def worker_ctx(spec: FleetSpec, m: ModelInstance, rank: int) -> dict[str, Any]:
     """One headless rank > 0 of a multi-node instance (``vllm-worker@NAME.service``, docs/multi-node.md)."""
     d = m.model_dump(mode="json")
+    command = engine_command(spec, m, rank)
     d.update(
         unit=f"vllm-worker@{m.name}.service",
         rank=rank,
         nnodes=len(m.placement),
         gpus=list(m.placement[rank].gpus),
         model_path=model_path(spec, m),
-        command=engine_command(spec, m, rank),
+        command=command,
         environment=engine_env(spec, m, rank),
         master_addr=rank_address(spec, m, 0),
         master_port=master_port(m),
-        **stack_ctx(spec, m),
+        **stack_ctx(spec, m, command),
     )
     return d
 
@@ -182,6 +182,16 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     # the host exporter's static system user (monitoring/vllm-fleet-exporter.sysusers.conf.j2, the monitoring
     # role): not DynamicUser=, whose uid the system bus cannot resolve without nss-systemd (Debian 12's default)
     vf["exporter_user"] = EXPORTER_USER
+    # the units' RuntimeDirectory= (paths.state_dir under /run) and StateDirectory= (paths.cache_dir under
+    # /var/lib), relative as systemd wants them; '' = elsewhere (the units then allow writing there)
+    vf["unit_dirs"] = {
+        "runtime": spec.paths.state_dir.removeprefix("/run/")
+        if spec.paths.state_dir.startswith("/run/")
+        else "",
+        "state": spec.paths.cache_dir.removeprefix("/var/lib/")
+        if spec.paths.cache_dir.startswith("/var/lib/")
+        else "",
+    }
     vf["spec_hash"] = spec_hash(spec)
     vf["vllm_fleet_version"] = __version__
     vf["plan"] = plan.to_dict()
@@ -200,36 +210,37 @@ class HostVars:
         self.dumped: dict[str, dict[str, Any]] = {}
         for h, d in zip(spec.hosts, fleet["hosts"], strict=True):
             self.dumped.setdefault(h.name, d)
+        self.ports: dict[str, dict[str, str]] = {}
+        for hp in fleet["plan"]["hosts"]:
+            self.ports.setdefault(hp["name"], {str(p): o for p, o in hp["ports"].items()})
+        self.weights: dict[str, int] = {}
+        for ip in fleet["plan"]["instances"]:
+            self.weights[ip["host"]] = self.weights.get(ip["host"], 0) + int(ip.get("weight_bytes") or 0)
         self.instances: dict[str, list[dict[str, Any]]] = {}
         for i in fleet["all_instances"]:
             self.instances.setdefault(i["host"], []).append(i)
         self.contracts = HostContracts(spec, fleet["spec_hash"])
 
     def __call__(self, host: str) -> dict[str, Any]:
+        """``host``'s part of ``vf``: its typed plan (``HostDeployPlan``, fleet/hostplan.py), dumped."""
         spec = self.spec
         if host not in self.hosts:
             raise KeyError(host)
-        stacks = host_stacks(spec, host)
-        return {
-            "host": self.dumped[host],
-            # the engine stacks this host runs (one venv each) and whether one is on the gpu profile (the
-            # base units then open the NVIDIA nodes; its cpu-profile instances get no device)
-            "host_stacks": stacks,
-            "gpu_host": any(s["profile"] == "gpu" for s in stacks),
-            "instances": list(self.instances.get(host, [])),
-            # headless ranks > 0 of multi-node instances on this host (vllm-worker@NAME)
-            "workers": [worker_ctx(spec, m, r) for m, r in spec.workers_on(host)],
-            "is_gateway": spec.gateway.enabled and spec.gateway_host == host,
-            "is_monitoring": spec.monitoring.enabled and spec.monitoring_host == host,
-            # where this host's exporters listen (loopback on the monitoring host, else the internal address)
-            "exporter_address": exporter_address(spec, host),
+        return host_deploy_plan(
+            spec,
+            host,
+            self.dumped[host],
+            ports=self.ports.get(host, {}),
+            weight_bytes=self.weights.get(host, 0),
+            instances=list(self.instances.get(host, [])),
+            workers=[worker_ctx(spec, m, r) for m, r in spec.workers_on(host)],
             # what this host's firewall lets in (firewall/nftables.conf.j2)
-            "firewall_rules": firewall_rules(spec, host),
-            # the arguments of the doctor's stack-free layers the preflight runs here (fleet/hostplan.py)
-            "doctor": doctor_checks(spec, host).as_vars(),
+            firewall=firewall_rules(spec, host),
+            # where this host's exporters listen (loopback on the monitoring host, else the internal address)
+            exporter_address=exporter_address(spec, host),
             # what fetch, manifest and doctor read on this host ({config_dir}/host.json; vllm_fleet/contracts.py)
-            "host_contract": self.contracts(host).to_dict(),
-        }
+            host_contract=self.contracts(host),
+        ).model_dump(mode="json")
 
 
 def host_context(fleet: dict[str, Any], host_part: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,9 +1,13 @@
-"""What the play does on one host, decided here once, in Python, from the spec (and later the host's facts):
-typed, so that the roles only print and copy its values (docs/architecture.md, "Decide in Python").
+"""What the play does on one host, decided here once, in Python, from the spec: typed, so that the roles only
+print and copy its values (docs/architecture.md, "Decide in Python").
 
-Today: the arguments of the doctor's stack-free layers that the preflight runs on a host (``DoctorChecks``), and
-each engine stack the engine role installs on a host: its lock, wheelhouse, id and venv (``stack_installs``,
-through the role's ``vllm_fleet_host_stacks`` lookup).
+``HostDeployPlan``: a host's part of ``vf`` (``vllm-fleet context``, the Ansible fact ``vf``): its instances and
+headless ranks, the stacks it runs (each with the GPUs its doctor expects), the doctor's arguments
+(``DoctorChecks``), the units, model folders, weight bytes, ports and firewall rules the roles act on. Each
+engine stack's lock, wheelhouse, id and venv depend on files of the controller (the lock, vllm-fleet's wheel):
+``stack_installs``, through the engine role's ``vllm_fleet_host_stacks`` lookup. What the hosts answer during
+the play (which units run, which packages are missing, a doctor layer's verdict, which instances restart) is
+decided by ``vllm_fleet.fleet.playfacts`` (the roles' ``vllm_fleet`` filters).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
+from vllm_fleet.contracts import HostContract
+from vllm_fleet.fleet.engine import model_path
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
 
@@ -46,6 +54,120 @@ def doctor_checks(spec: FleetSpec, host: str) -> DoctorChecks:
         min_driver=max((s.min_driver for s in gpu_stacks), default=spec.stack.min_driver),
         expect_gpus=max(used, default=-1) + 1,
         host_gpus={**spec.hosts[index].gpus.model_dump(mode="json"), "field": f"hosts[{index}].gpus"},
+    )
+
+
+class HostStack(BaseModel):
+    """One engine stack a host runs (``vf.host_stacks``): the spec's ``stack`` (named ``default``) or one of its
+    ``stacks``, with ``expect_gpus``, how many GPUs the host's instances on it use (the highest index + 1; the
+    engine role's doctor checks torch sees them with this stack's interpreter)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    profile: str
+    vllm_version: str
+    torch_index_url: str
+    wheelhouse: str
+    min_driver: int
+    expect_gpus: int
+    # the model the doctor's tiny-load layer loads with this stack: its first instance's (or rank's) here
+    load_model: str
+
+
+class HostDeployPlan(BaseModel):
+    """A host's part of ``vf``, decided once per deploy from the spec and the plan; the roles print its values.
+
+    ``instances`` and ``workers`` are the template variables of each instance and headless rank (their
+    commands, environments, paths, units: ``vllm_fleet/fleet/context.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: dict[str, Any]
+    host_stacks: list[HostStack]
+    # a stack of this host is on the gpu profile: the base units open the NVIDIA nodes
+    gpu_host: bool
+    # the profiles of its stacks, each once (the Debian packages the engine role installs are per profile)
+    profiles: list[str]
+    instances: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    # every vllm@ and vllm-worker@ unit of this host (its instances', then its workers')
+    units: list[str]
+    # every model folder this host needs (its instances' and its ranks': a rank loads from its own copy)
+    model_paths: list[str]
+    # the weights its instances load (the preflight's free-space check adds vllm_fleet_min_free_gib)
+    weight_bytes: int
+    # the ports the plan gives this host -> the spec field that sets each (the preflight's listener check)
+    ports: dict[str, str]
+    # the sources of its instances that are on ModelScope (``models[NAME].source.modelscope``: the hosts' stack
+    # has no modelscope package)
+    modelscope_sources: list[str]
+    is_gateway: bool
+    is_monitoring: bool
+    exporter_address: str
+    firewall_rules: list[dict[str, Any]]
+    doctor: dict[str, Any]
+    # the host's contract ({config_dir}/host.json, vllm_fleet/contracts.py HostContract): what fetch, manifest
+    # and the doctor read on the host instead of the spec (the engine artifact host.json is its text)
+    host_contract: dict[str, Any]
+
+
+def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
+    """How many GPUs the instances of ``host`` that run stack ``name`` use: the highest index + 1."""
+    used = [g for m in spec.models_on(host) if spec.stack_name(m) == name for g in m.gpus]
+    return max(used, default=-1) + 1
+
+
+def host_stacks(spec: FleetSpec, host: str) -> list[HostStack]:
+    """The distinct stacks ``host`` runs (its instances' and its headless ranks'), each once: what the engine
+    role installs there (one venv each) and the doctor checks."""
+    ms = [*spec.models_on(host), *(m for m, _ in spec.workers_on(host))]
+    return [
+        HostStack(
+            name=n,
+            expect_gpus=stack_gpus(spec, host, n),
+            load_model=next(model_path(spec, m) for m in ms if spec.stack_name(m) == n),
+            **spec.named_stack(n).model_dump(mode="json"),
+        )
+        for n in spec.stacks_on(host)
+    ]
+
+
+def host_deploy_plan(
+    spec: FleetSpec,
+    host: str,
+    dumped: dict[str, Any],
+    ports: dict[str, str],
+    weight_bytes: int,
+    instances: list[dict[str, Any]],
+    workers: list[dict[str, Any]],
+    firewall: list[dict[str, Any]],
+    exporter_address: str,
+    host_contract: HostContract,
+) -> HostDeployPlan:
+    """``host``'s plan from the spec, its ``hosts[]`` entry (``dumped``) and what the capacity plan gives it:
+    its ``ports`` (port -> spec field) and the ``weight_bytes`` of its instances."""
+    stacks = host_stacks(spec, host)
+    return HostDeployPlan(
+        host=dumped,
+        host_stacks=stacks,
+        gpu_host=any(s.profile == "gpu" for s in stacks),
+        profiles=list(dict.fromkeys(s.profile for s in stacks)) or [spec.stack.profile],
+        instances=instances,
+        workers=workers,
+        units=[i["unit"] for i in instances + workers],
+        model_paths=list(dict.fromkeys(i["model_path"] for i in instances + workers)),
+        weight_bytes=weight_bytes,
+        ports=ports,
+        modelscope_sources=[
+            f"models[{i['name']}].source.modelscope" for i in instances if i["source_kind"] == "modelscope"
+        ],
+        is_gateway=spec.gateway.enabled and spec.gateway_host == host,
+        is_monitoring=spec.monitoring.enabled and spec.monitoring_host == host,
+        exporter_address=exporter_address,
+        firewall_rules=firewall,
+        doctor=doctor_checks(spec, host).as_vars(),
+        host_contract=host_contract.to_dict(),
     )
 
 
@@ -125,7 +247,17 @@ def stack_installs(
         site = f"{venv}/lib/python3*/site-packages"
         out.append(
             {
-                **{k: s.get(k) for k in ("name", "profile", "vllm_version", "torch_index_url")},
+                **{
+                    k: s.get(k)
+                    for k in (
+                        "name",
+                        "profile",
+                        "vllm_version",
+                        "torch_index_url",
+                        "expect_gpus",
+                        "load_model",
+                    )
+                },
                 "lock_file": lock_file,
                 "install_lock": install_lock,
                 "wheelhouse": own,

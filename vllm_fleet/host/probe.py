@@ -143,28 +143,48 @@ def progress(host: str, port: int, timeout: float = 3.0) -> tuple[Progress | Non
     return Progress(vals["num_requests_running"], vals["num_requests_waiting"], work, t0), Answer(True)
 
 
-def liveness(
-    host: str, port: int, model: str, timeout: float, prev: Progress | None
-) -> tuple[ProbeResult, Progress | None]:
-    """Is the engine alive? Busy is not hung: while requests run or wait, the engine is alive when its work
-    counters advanced since ``prev`` (a decode probe would only queue behind them); when idle, a 1-token
-    decode must succeed (an admission 503 counts as alive and full). Returns the verdict and the reading to
-    pass as ``prev`` next time."""
+def sample(host: str, port: int, model: str, timeout: float) -> tuple[Progress | None, ProbeResult | None]:
+    """What one liveness check reads: the engine's work counters and, when it is idle, a 1-token decode (an
+    admission 503 counts as alive and full). Returns the reading (None when ``/metrics`` did not answer) and
+    the decode's result, or the ``/metrics`` failure; None while the engine is busy: then its counters are the
+    evidence (``judge``), and a decode probe would only queue behind its requests."""
     t0 = time.monotonic()
     now, got = progress(host, port, min(timeout, 5.0))
     if now is None:
-        return ProbeResult(False, time.monotonic() - t0, got.error, "metrics", got.timed_out), prev
+        return None, ProbeResult(False, time.monotonic() - t0, got.error, "metrics", got.timed_out)
     if now.busy:
-        if prev is not None and now.work > prev.work:
-            return ProbeResult(True, time.monotonic() - t0, "", "progress"), now
-        if prev is None:  # nothing to compare with yet: judge at the next reading
-            return ProbeResult(True, time.monotonic() - t0, "", "baseline"), now
-        still = (
-            f"{now.running:g} running, {now.waiting:g} waiting, no token or step for {now.at - prev.at:.0f}s"
-        )
-        return ProbeResult(False, time.monotonic() - t0, f"stalled: {still}", "stalled"), prev
+        return now, None
     res = probe(host, port, model, max(0.5, timeout - (time.monotonic() - t0)))
-    return ProbeResult(res.ok, time.monotonic() - t0, res.error, res.stage, res.timed_out), now
+    return now, ProbeResult(res.ok, time.monotonic() - t0, res.error, res.stage, res.timed_out)
+
+
+def judge(
+    prev: Progress | None, now: Progress | None, answer: ProbeResult | None, latency: float
+) -> tuple[ProbeResult, Progress | None]:
+    """The verdict on one ``sample`` (no I/O). Busy is not hung: while requests run or wait, the engine is
+    alive when its work counters advanced since ``prev``; otherwise ``answer`` (the idle engine's decode, or
+    the ``/metrics`` failure) is the verdict. Returns it and the reading to pass as ``prev`` next time (a stall
+    is measured from the last reading that showed progress)."""
+    if now is None or not now.busy or answer is not None:
+        if answer is None:
+            answer = ProbeResult(False, latency, "/metrics: no reading", "metrics")
+        return answer, prev if now is None else now
+    if prev is not None and now.work > prev.work:
+        return ProbeResult(True, latency, "", "progress"), now
+    if prev is None:  # nothing to compare with yet: judge at the next reading
+        return ProbeResult(True, latency, "", "baseline"), now
+    still = f"{now.running:g} running, {now.waiting:g} waiting, no token or step for {now.at - prev.at:.0f}s"
+    return ProbeResult(False, latency, f"stalled: {still}", "stalled"), prev
+
+
+def liveness(
+    host: str, port: int, model: str, timeout: float, prev: Progress | None
+) -> tuple[ProbeResult, Progress | None]:
+    """Is the engine alive? ``sample`` then ``judge``. Returns the verdict and the reading to pass as ``prev``
+    next time."""
+    t0 = time.monotonic()
+    now, answer = sample(host, port, model, timeout)
+    return judge(prev, now, answer, time.monotonic() - t0)
 
 
 def inflight(host: str, port: int, timeout: float = 3.0) -> int | None:

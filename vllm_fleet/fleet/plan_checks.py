@@ -1,0 +1,633 @@
+"""The planner's checks and sizes as pure functions: each takes the spec (and what an earlier step computed) and
+returns a small typed result or its ``Finding``s; nothing here writes into a plan. ``fleet/plan.py`` composes
+them and builds the ``Plan`` once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from vllm_fleet.fleet import engine_flags
+from vllm_fleet.fleet.modelinfo import ModelFacts, kv_bytes_per_token, kv_dtype_bytes, weight_bytes
+from vllm_fleet.fleet.spec import COMMIT_RE, DEFAULT_STACK, FleetSpec, Host, ModelInstance
+
+GIB = 1024**3
+# Memory vLLM needs besides weights and KV cache on each GPU: CUDA context, activations during the
+# profile run, NCCL buffers, CUDA graphs. Conservative figures; the real value is logged by vLLM at start.
+OVERHEAD_PER_GPU_BYTES = int(2.0 * GIB)
+OVERHEAD_EAGER_PER_GPU_BYTES = int(1.25 * GIB)
+# on the cpu profile, vLLM's own process overhead besides weights and KV (API server + engine core)
+CPU_OVERHEAD_BYTES = int(2.0 * GIB)
+MAX_SUGGESTED_SEQS = 512
+FP8_MIN_CC = (8, 9)
+BF16_MIN_CC = (8, 0)
+
+Severity = Literal["problem", "warning", "note"]
+Placed = list[tuple[int, ModelInstance]]  # a host's instances with their index in spec.models
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a check found about the spec field ``path``. ``problem``: refuses the plan (printed
+    ``path: message``); ``warning`` (told with the plan) and ``note`` (told with its instance) are
+    informational, their ``message`` is the whole line as printed."""
+
+    path: str
+    message: str
+    severity: Severity = "problem"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.severity == "problem" else self.message
+
+
+def _problem(path: str, message: str) -> Finding:
+    return Finding(path, message, "problem")
+
+
+def _warning(path: str, message: str) -> Finding:
+    return Finding(path, message, "warning")
+
+
+def _note(path: str, message: str) -> Finding:
+    return Finding(path, message, "note")
+
+
+# --------------------------------------------------------------------------- layout: ports and devices per host
+
+
+class HostLayout(NamedTuple):
+    ports: dict[int, str]  # port → owner, sorted
+    gpu_map: dict[int, list[str]]  # GPU → the instances on it, sorted
+    findings: list[Finding]
+
+
+def host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
+    """(port, field) of each of our other services on this host, in spec order (a port may repeat)."""
+    ports: list[tuple[int, str]] = []
+    gateway_here = spec.gateway.enabled and spec.gateway_host == host
+    if gateway_here:
+        ports.append((spec.gateway.port, "gateway.port"))
+        ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
+        if spec.gateway.tls:
+            ports.append((spec.gateway.tls.port, "gateway.tls.port"))
+    if spec.monitoring.enabled and spec.monitoring_host == host:
+        ports.append((spec.monitoring.prometheus_port, "monitoring.prometheus_port"))
+        ports.append((spec.monitoring.alertmanager_port, "monitoring.alertmanager_port"))
+    if spec.monitoring.enabled:
+        ports.append((spec.monitoring.node_exporter_port, "monitoring.node_exporter_port"))
+        ports.append((spec.monitoring.exporter_port, "monitoring.exporter_port"))
+        if gateway_here:
+            ports.append((spec.monitoring.nginx_exporter_port, "monitoring.nginx_exporter_port"))
+    return ports
+
+
+def check_port(host: Host, path: str, port: int, ports: Mapping[int, str]) -> list[Finding]:
+    """``path`` (a service's field or ``models[i].port``) may take ``port`` unless an earlier owner has it."""
+    if port in ports:
+        return [_problem(path, f"port {port} on {host.name} is already used by {ports[port]}")]
+    return []
+
+
+def check_gpus(
+    spec: FleetSpec, host: Host, i: int, m: ModelInstance, gpu_owner: Mapping[int, int]
+) -> list[Finding]:
+    """One instance on the gpu profile: tensor parallel size = its GPUs, the GPUs exist and are its own
+    (unless both share them). ``gpu_owner``: GPU → index of the first instance on it so far."""
+    path = f"models[{i}]"
+    found: list[Finding] = []
+    if m.tensor_parallel_size != len(m.gpus):
+        found.append(
+            _problem(
+                f"{path}.tensor_parallel_size",
+                f"tensor_parallel_size {m.tensor_parallel_size} != {len(m.gpus)} GPU(s) in gpus {m.gpus}",
+            )
+        )
+    bad = [g for g in m.gpus if g >= host.gpus.count] if not host.gpus.detect and host.gpus.count else []
+    if bad:
+        found.append(
+            _problem(f"{path}.gpus", f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)")
+        )
+    for g in m.gpus:
+        j = gpu_owner.get(g)
+        if j is not None and not (m.share_gpus and spec.models[j].share_gpus):
+            other = spec.models[j].name
+            found.append(
+                _problem(f"{path}.gpus", f"GPU {g} on {host.name} is already used by models[{j}] ({other})")
+            )
+    return found
+
+
+def check_cpu_devices(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
+    """The cpu profile runs tensor_parallel_size 1 on no GPUs (an instance beside gpu ones must not take or
+    hide their devices)."""
+    found: list[Finding] = []
+    if m.tensor_parallel_size != 1:
+        found.append(
+            _problem(f"models[{i}].tensor_parallel_size", "the cpu profile runs tensor_parallel_size 1")
+        )
+    if m.gpus:
+        found.append(
+            _problem(
+                f"models[{i}].gpus",
+                f"the cpu profile uses no GPUs (stack {spec.stack_name(m)!r}): leave gpus empty",
+            )
+        )
+    return found
+
+
+def check_shared_gpus(spec: FleetSpec, host: Host, gpu_map: Mapping[int, list[str]]) -> list[Finding]:
+    """Instances sharing a GPU: their gpu_memory_utilization must add up to 0.95 at most."""
+    found: list[Finding] = []
+    for g, names in gpu_map.items():
+        if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
+            total = sum(spec.model(n).gpu_memory_utilization for n in names)
+            if total > 0.95:
+                found.append(
+                    _problem(
+                        f"models[{spec.models.index(spec.model(names[-1]))}].gpu_memory_utilization",
+                        f"instances sharing GPU {g} on {host.name} ({', '.join(names)}) ask for "
+                        f"{total:.2f} of its memory in total (max 0.95)",
+                    )
+                )
+    return found
+
+
+def host_layout(spec: FleetSpec, host: Host, on_host: Placed) -> HostLayout:
+    """The ports (services, then instances in spec order) and GPUs of ``host`` (``on_host``: its instances)."""
+    ports: dict[int, str] = {}
+    found: list[Finding] = []
+    for port, owner in host_service_ports(spec, host.name):
+        taken = check_port(host, owner, port, ports)
+        found += taken
+        ports.setdefault(port, owner)
+    gpu_map: dict[int, list[str]] = {}
+    gpu_owner: dict[int, int] = {}
+    for i, m in on_host:
+        taken = check_port(host, f"models[{i}].port", m.port, ports)
+        found += taken
+        ports.setdefault(m.port, f"models[{i}] ({m.name})")
+        if m.placement:
+            continue  # devices over several hosts: fleet/multinode.py
+        if spec.stack_of(m).profile != "gpu":
+            found += check_cpu_devices(spec, i, m)
+            continue
+        found += check_gpus(spec, host, i, m, gpu_owner)
+        for g in m.gpus:
+            gpu_owner.setdefault(g, i)
+            gpu_map.setdefault(g, []).append(m.name)
+    found += check_shared_gpus(spec, host, gpu_map)
+    return HostLayout(dict(sorted(ports.items())), dict(sorted(gpu_map.items())), found)
+
+
+def start_order(spec: FleetSpec, by_host: Mapping[str, Placed]) -> dict[str, list[str]]:
+    """Instance name → the instances it starts after: those sharing a GPU start one after another, in spec
+    order."""
+    after: dict[str, list[str]] = {}
+    for host in spec.hosts:
+        previous: dict[int, str] = {}
+        for _, m in by_host[host.name]:
+            after[m.name] = sorted({previous[g] for g in m.gpus if g in previous})
+            for g in m.gpus:
+                previous[g] = m.name
+    return after
+
+
+# --------------------------------------------------------------------------- per instance: dtypes, flags, source
+
+
+def check_dtypes(host: Host, i: int, m: ModelInstance, facts: ModelFacts, detected: bool) -> list[Finding]:
+    """bf16 needs compute capability 8.0, FP8 (weights or KV cache, declared or the checkpoint's) 8.9."""
+    cc = host.gpus.cc_tuple()
+    if cc is None:
+        return []
+    path = f"models[{i}]"
+    gpus = f"{host.gpus.model or 'GPUs'} with compute capability {host.gpus.compute_capability}"
+    gpus += " (detected)" if detected else ""
+    if m.quantization == "fp8":
+        fp8_field = "quantization"
+    elif m.kv_cache_dtype.startswith("fp8"):
+        fp8_field = "kv_cache_dtype"
+    elif not m.quantization and facts.quant_method == "fp8":
+        fp8_field = "source"  # an FP8 checkpoint (its config.json says so)
+    else:
+        fp8_field = ""
+    found: list[Finding] = []
+    if fp8_field and cc < FP8_MIN_CC:
+        what = "an FP8 checkpoint (config.json quantization_config)" if fp8_field == "source" else "FP8"
+        found.append(
+            _problem(f"{path}.{fp8_field}", f"{what} needs compute capability >= 8.9; {host.name} has {gpus}")
+        )
+    if m.dtype == "bfloat16" and cc < BF16_MIN_CC:
+        found.append(
+            _problem(
+                f"{path}.dtype",
+                f"bfloat16 needs compute capability >= 8.0; {host.name} has {gpus}: use dtype float16",
+            )
+        )
+    return found
+
+
+def check_extra_args(
+    spec: FleetSpec, i: int, m: ModelInstance, known: frozenset[str] | None, allow_unchecked: bool
+) -> list[Finding]:
+    """Unknown and managed flags in ``extra_args`` on every profile. Without a captured argument list for the
+    pinned release, extra_args are refused unless ``allow_unchecked`` (then managed flags still are)."""
+    if not m.extra_args:
+        return []
+    stack = spec.stack_of(m)
+    found: list[Finding] = []
+    if known is None:
+        if not allow_unchecked:
+            found.append(
+                _problem(
+                    f"models[{i}].extra_args",
+                    f"no captured argument list for {stack.profile} vLLM {stack.vllm_version}, so "
+                    "these flags cannot be checked: capture it (`vllm-fleet lock args --profile "
+                    f"{stack.profile} --vllm-version {stack.vllm_version}`) or plan with "
+                    "--allow-unchecked-flags",
+                )
+            )
+        # managed flags are refused with or without the list: any option name passes as "known"
+        known = frozenset(
+            n for a in m.extra_args if (n := engine_flags.option_name(a)) and n not in engine_flags.MANAGED
+        )
+    found += [
+        _problem(f"models[{i}].extra_args[{j}]", r) for j, r in engine_flags.check_args(m.extra_args, known)
+    ]
+    return found
+
+
+def check_revision(i: int, m: ModelInstance) -> list[Finding]:
+    """A hub source should pin the exact commit (a tag or another name may move)."""
+    if m.source.kind == "path" or COMMIT_RE.fullmatch(m.source.revision):
+        return []
+    path = f"models[{i}].source.{m.source.kind}.revision"
+    return [
+        _warning(
+            path, f"{path} {m.source.revision!r} is not a commit hash: pin the exact commit you validated"
+        )
+    ]
+
+
+class QueuePlan(NamedTuple):
+    bound: int | None  # requests in flight before the engine answers 503 (--max-num-queued-reqs)
+    findings: list[Finding]
+
+
+def plan_queue(spec: FleetSpec, i: int, m: ModelInstance, suggested_max_num_seqs: int | None) -> QueuePlan:
+    """The engine's admission bound: past it, requests get a fast 503 (the gateway tries another instance)."""
+    path = f"models[{i}]"
+    stack = spec.stack_of(m)
+    if not engine_flags.release_has("--max-num-queued-reqs", stack.profile, stack.vllm_version):
+        if not m.max_num_queued_reqs:
+            return QueuePlan(None, [])
+        message = (
+            f"{path}.max_num_queued_reqs: vLLM {stack.vllm_version} has no --max-num-queued-reqs; "
+            "its queue stays unbounded"
+        )
+        return QueuePlan(None, [_warning(f"{path}.max_num_queued_reqs", message)])
+    if m.queue_bound is not None or m.max_num_queued_reqs == 0:
+        return QueuePlan(m.queue_bound, [])
+    hint = f" (suggested {suggested_max_num_seqs})" if suggested_max_num_seqs else ""
+    message = (
+        f"{path}: unbounded request queue — set max_num_seqs{hint} (the queue bound defaults to twice it) "
+        "or max_num_queued_reqs"
+    )
+    return QueuePlan(None, [_warning(f"{path}.max_num_queued_reqs", message)])
+
+
+# --------------------------------------------------------------------------- memory: weights, KV cache, fit
+
+
+class ModelSize(NamedTuple):
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+
+class KvBudget(NamedTuple):
+    budget_bytes: int  # the instance's memory: GPUs × utilisation (gpu), weights + KV + overhead (cpu)
+    kv_cache_bytes: int
+
+
+class KvCapacity(NamedTuple):
+    tokens: int
+    concurrent_at_max_len: int
+    suggested_max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the memory steps computed for one instance (None: not computed, a finding says why)."""
+
+    facts_source: str
+    size: ModelSize | None = None
+    budget: KvBudget | None = None
+    capacity: KvCapacity | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+
+def suggest_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:
+    """A max_num_seqs that the KV cache can hold without preemption storms.
+
+    Assumes an average live sequence uses a quarter of max_model_len (chat traffic is mostly short) but never
+    more sequences than KV for 2,048-token sequences; capped at 512 (vLLM's scheduler gains little past it)."""
+    typical = max(1, min(max_model_len // 4, 2048))
+    n = kv_tokens // typical
+    n = max(1, min(MAX_SUGGESTED_SEQS, n))
+    if n >= 16:
+        n -= n % 8
+    return n
+
+
+def check_facts_known(
+    spec: FleetSpec,
+    i: int,
+    m: ModelInstance,
+    facts: ModelFacts,
+    search_dirs: list[Path],
+    fit_after_fetch: bool,
+) -> list[Finding]:
+    """The model's size must be known (config.json or ``shape``): a refusal on the gpu profile (a note on the
+    cpu profile, or before the play has fetched the model)."""
+    missing = facts.missing()
+    if not missing:
+        return []
+    path = f"models[{i}]"
+    where = ", ".join(str(d) for d in search_dirs) or "no --models-dir given"
+    text = f"size of {m.source.repo} unknown: no config.json found ({where}) and shape lacks {', '.join(missing)}"
+    if spec.stack_of(m).profile == "gpu" and not fit_after_fetch:
+        fix = f"give {path}.shape or plan with --models-dir DIR (a folder holding the model, or a Hugging Face cache)"
+        return [_problem(f"{path}.shape", f"{text}: {fix}")]
+    later = " yet (the play plans again after the fetch)" if fit_after_fetch else f" (set {path}.shape)"
+    return [_note(f"{path}.shape", f"{text}: memory not estimated{later}")]
+
+
+def model_size(m: ModelInstance, facts: ModelFacts) -> ModelSize:
+    """Weights, KV cache bytes per token and the context length of a model whose facts are known."""
+    assert facts.params is not None and facts.num_layers and facts.num_kv_heads and facts.head_dim
+    kvb = kv_bytes_per_token(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_dtype_bytes(m, facts))
+    max_len = m.max_model_len or facts.max_position_embeddings or 4096
+    return ModelSize(facts.params, weight_bytes(m, facts), kvb, max_len)
+
+
+def check_max_model_len(i: int, m: ModelInstance, facts: ModelFacts) -> list[Finding]:
+    limit = facts.max_position_embeddings
+    if limit and m.max_model_len and m.max_model_len > limit:
+        return [
+            _problem(
+                f"models[{i}].max_model_len",
+                f"{m.max_model_len} exceeds the model's max_position_embeddings {limit}",
+            )
+        ]
+    return []
+
+
+def check_gpu_memory_known(
+    spec: FleetSpec, i: int, m: ModelInstance, host: Host, fit_after_fetch: bool
+) -> list[Finding]:
+    """The fit needs the GPUs' memory: a refusal, or a note before the play has detected the GPUs."""
+    if not (host.gpus.detect or not host.gpus.memory_gib):
+        return []
+    host_path = f"hosts[{[h.name for h in spec.hosts].index(host.name)}].gpus"
+    why = f"GPU memory of {host.name} unknown ({'detect: true' if host.gpus.detect else 'no memory_gib'})"
+    if fit_after_fetch:
+        return [_note(host_path, f"{why}: fit checked when the play plans again with the detected GPUs")]
+    return [
+        _problem(
+            host_path,
+            f"{why}, so models[{i}] ({m.name}) cannot be checked to fit: give {host_path}.memory_gib "
+            "and compute_capability, or deploy with the play (it plans again with the GPUs it detects)",
+        )
+    ]
+
+
+def gpu_kv_budget(m: ModelInstance, host: Host, weights: int) -> KvBudget:
+    """GPUs × memory × utilisation; the KV cache is what weights and overhead leave (or the spec's size)."""
+    n_gpu = max(1, sum(len(n.gpus) for n in m.nodes))  # weights ÷ TP·PP over every host
+    budget = int(n_gpu * host.gpus.memory_gib * GIB * m.gpu_memory_utilization)
+    overhead = n_gpu * (OVERHEAD_EAGER_PER_GPU_BYTES if m.enforce_eager else OVERHEAD_PER_GPU_BYTES)
+    return KvBudget(budget, m.kv_cache_memory_bytes or budget - weights - overhead)
+
+
+def check_cpu_kv_explicit(i: int, m: ModelInstance) -> list[Finding]:
+    if m.kv_cache_memory_bytes:
+        return []
+    return [
+        _problem(
+            f"models[{i}].kv_cache_memory_bytes",
+            "the cpu profile needs an explicit KV cache size (otherwise vLLM takes most of the RAM)",
+        )
+    ]
+
+
+def cpu_kv_budget(m: ModelInstance, weights: int) -> KvBudget:
+    """The cpu profile: weights + the spec's KV cache + the process overhead, in host RAM."""
+    kv = m.kv_cache_memory_bytes or 0
+    return KvBudget(weights + kv + CPU_OVERHEAD_BYTES, kv)
+
+
+def check_host_memory(
+    spec: FleetSpec, host: Host, i: int, m: ModelInstance, on_host: Placed, weights: Mapping[str, int]
+) -> list[Finding]:
+    """The host's cpu-profile instances up to ``models[i]`` (weights where known: ``weights``, KV cache and
+    overhead) fit its RAM; refused at the instance that tips it over (an instance on a gpu stack beside
+    them holds its weights and KV cache on its GPUs)."""
+
+    def need(x: ModelInstance) -> int:
+        return weights.get(x.name, 0) + (x.kv_cache_memory_bytes or 0) + CPU_OVERHEAD_BYTES
+
+    used = sum(need(x) for j, x in on_host if j <= i and spec.stack_of(x).profile == "cpu")
+    if not (host.memory_gib and used > host.memory_gib * GIB >= used - need(m)):
+        return []
+    return [
+        _problem(
+            f"models[{i}].kv_cache_memory_bytes",
+            f"instances on {host.name} need ≈{used / GIB:.1f} GiB (weights, KV cache, "
+            f"{CPU_OVERHEAD_BYTES / GIB:.0f} GiB overhead each), host has {host.memory_gib:g} GiB",
+        )
+    ]
+
+
+def check_fit(
+    spec: FleetSpec, i: int, m: ModelInstance, host: Host, weights: int, kv: KvBudget
+) -> list[Finding]:
+    """The verdict: weights and overhead must leave room for a KV cache."""
+    if kv.kv_cache_bytes > 0:
+        return []
+    where = "gpus" if spec.stack_of(m).profile == "gpu" else "kv_cache_memory_bytes"
+    return [
+        _problem(
+            f"models[{i}].{where}",
+            f"model does not fit: weights ≈{weights / GIB:.1f} GiB + overhead exceed the "
+            f"{kv.budget_bytes / GIB:.1f} GiB budget ({len(m.gpus)} GPU(s) × {host.gpus.memory_gib} GiB × "
+            f"gpu_memory_utilization {m.gpu_memory_utilization})",
+        )
+    ]
+
+
+def kv_capacity(kv_cache_bytes: int, kv_per_token: int, max_model_len: int) -> KvCapacity:
+    tokens = kv_cache_bytes // kv_per_token
+    return KvCapacity(tokens, tokens // max_model_len, suggest_max_num_seqs(tokens, max_model_len))
+
+
+def check_kv_capacity(i: int, m: ModelInstance, max_model_len: int, cap: KvCapacity) -> list[Finding]:
+    """One sequence of max_model_len must fit the KV cache; a max_num_seqs far above the suggestion is a note."""
+    found: list[Finding] = []
+    if cap.tokens < max_model_len:
+        found.append(
+            _problem(
+                f"models[{i}].max_model_len",
+                f"KV cache holds {cap.tokens} tokens, less than one sequence of max_model_len {max_model_len}",
+            )
+        )
+    if m.max_num_seqs and m.max_num_seqs > 4 * cap.suggested_max_num_seqs:
+        found.append(
+            _note(
+                f"models[{i}].max_num_seqs",
+                f"max_num_seqs {m.max_num_seqs} is far above the suggested {cap.suggested_max_num_seqs}: "
+                "expect preemptions",
+            )
+        )
+    return found
+
+
+def plan_memory(
+    spec: FleetSpec,
+    i: int,
+    m: ModelInstance,
+    facts: ModelFacts,
+    host: Host,
+    on_host: Placed,
+    cpu_weights: Mapping[str, int],
+    search_dirs: list[Path],
+    fit_after_fetch: bool,
+) -> MemoryPlan:
+    """``models[i]``'s memory: its size, KV budget and capacity, each step stopping at its refusal.
+    ``cpu_weights``: weights of the cpu-profile instances planned before it (name → bytes)."""
+    found = check_facts_known(spec, i, m, facts, search_dirs, fit_after_fetch)
+    if found:
+        return MemoryPlan(facts.source, findings=found)
+    size = model_size(m, facts)
+    found = check_max_model_len(i, m, facts)
+    if spec.stack_of(m).profile == "gpu":
+        stop = check_gpu_memory_known(spec, i, m, host, fit_after_fetch)
+        if stop:
+            return MemoryPlan(facts.source, size, findings=found + stop)
+        budget = gpu_kv_budget(m, host, size.weight_bytes)
+    else:
+        stop = check_cpu_kv_explicit(i, m)
+        if stop:
+            return MemoryPlan(facts.source, size, findings=found + stop)
+        budget = cpu_kv_budget(m, size.weight_bytes)
+        found += check_host_memory(spec, host, i, m, on_host, {**cpu_weights, m.name: size.weight_bytes})
+    stop = check_fit(spec, i, m, host, size.weight_bytes, budget)
+    if stop:
+        return MemoryPlan(facts.source, size, budget, findings=found + stop)
+    cap = kv_capacity(budget.kv_cache_bytes, size.kv_bytes_per_token, size.max_model_len)
+    return MemoryPlan(
+        facts.source, size, budget, cap, found + check_kv_capacity(i, m, size.max_model_len, cap)
+    )
+
+
+# --------------------------------------------------------------------------- fleet-wide
+
+
+class StackTable(NamedTuple):
+    stacks: dict[str, dict[str, Any]]  # name → {profile, vllm_version, instances}
+    findings: list[Finding]
+
+
+def stack_path(name: str) -> str:
+    """The spec field of a stack: ``stack`` (the fleet's) or ``stacks.NAME``."""
+    return "stack" if name == DEFAULT_STACK else f"stacks.{name}"
+
+
+def plan_stacks(spec: FleetSpec, lock_dir: Path | None) -> StackTable:
+    """Every stack an instance runs (name → profile, release, instances), each with its lock in ``lock_dir``
+    (``locks/PROFILE-VERSION.txt``; not checked without one); a named stack no instance runs is a warning."""
+    used: dict[str, list[int]] = {}
+    for i, m in enumerate(spec.models):
+        used.setdefault(spec.stack_name(m), []).append(i)
+    out: dict[str, dict[str, Any]] = {}
+    found: list[Finding] = []
+    for name, idx in used.items():
+        st = spec.named_stack(name)
+        out[name] = {
+            "profile": st.profile,
+            "vllm_version": st.vllm_version,
+            "instances": [spec.models[i].name for i in idx],
+        }
+        lock = lock_dir / f"{st.profile}-{st.vllm_version}.txt" if lock_dir is not None else None
+        if lock is not None and not lock.is_file():
+            users = ", ".join(f"models[{i}] ({spec.models[i].name})" for i in idx)
+            found.append(
+                _problem(
+                    f"{stack_path(name)}.vllm_version",
+                    f"no lock {lock} for {st.profile} vLLM {st.vllm_version} (stack {name!r} of {users}): "
+                    f"run `vllm-fleet lock --profile {st.profile} --vllm-version {st.vllm_version}`",
+                )
+            )
+    found += [
+        _warning(f"stacks.{n}", f"stacks.{n}: no instance runs it (models[].stack)")
+        for n in spec.stacks
+        if n not in used
+    ]
+    return StackTable(out, found)
+
+
+class FlagTables(NamedTuple):
+    known: dict[str, frozenset[str] | None]  # stack → its release's captured argument list (None: none)
+    findings: list[Finding]
+
+
+def load_flag_tables(
+    spec: FleetSpec, stacks: Mapping[str, dict[str, Any]], allow_unchecked: bool
+) -> FlagTables:
+    """Each stack's captured argument list; a stack without one whose instances have extra_args is a warning
+    when they may go unchecked."""
+    known: dict[str, frozenset[str] | None] = {}
+    found: list[Finding] = []
+    for name, st in stacks.items():
+        known[name] = engine_flags.load(st["profile"], st["vllm_version"])
+        if (
+            known[name] is None
+            and allow_unchecked
+            and any(m.extra_args for m in spec.models if spec.stack_name(m) == name)
+        ):
+            message = (
+                f"no captured argument list for {st['profile']} vLLM {st['vllm_version']}: extra_args "
+                "checked for managed flags only (--allow-unchecked-flags)"
+            )
+            found.append(_warning(stack_path(name), message))
+    return FlagTables(known, found)
+
+
+def check_alerts(spec: FleetSpec) -> list[Finding]:
+    """Alert thresholds that cannot work (e.g. a TTFT SLO that is not a histogram bucket bound)."""
+    from vllm_fleet.fleet.observability.thresholds import check_alert_thresholds
+
+    return [_problem(path, reason) for path, reason in check_alert_thresholds(spec)]
+
+
+def check_primaries(spec: FleetSpec) -> list[Finding]:
+    """Every served model needs a primary instance somewhere."""
+    found: list[Finding] = []
+    for name in sorted({m.served_model_name for m in spec.models}):
+        if "primary" not in {m.role for m in spec.models if m.served_model_name == name}:
+            idx = next(i for i, m in enumerate(spec.models) if m.served_model_name == name)
+            found.append(_problem(f"models[{idx}].role", f"model {name!r} has no primary instance"))
+    return found
+
+
+def check_gateway_auth(spec: FleetSpec) -> list[Finding]:
+    if not (spec.gateway.enabled and spec.gateway.auth == "none"):
+        return []
+    message = (
+        f"gateway.auth: none: the gateway on {spec.gateway_host}:{spec.gateway.port} serves anyone who reaches "
+        "it, without an API key (docs/security.md)"
+    )
+    return [_warning("gateway.auth", message)]

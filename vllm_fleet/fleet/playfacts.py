@@ -1,0 +1,253 @@
+"""What the play decides from the hosts' answers, in Python: the roles call these through their ``vllm_fleet``
+filters (ansible/plugins/filter/vllm_fleet_filters.py) and only print the results (docs/architecture.md, "Decide in
+Python"). What follows from the spec alone is decided earlier, once per deploy: ``fleet/hostplan.py``.
+
+Each function takes what a task registered (a module's or a command's result, as Ansible holds it) and returns
+plain JSON values, so that the same function is unit-tested without Ansible (tests/unit/test_playfacts.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# what the doctor's verdict of a layer is when the doctor gave none (it crashed, or printed no JSON)
+_NO_ANSWER_FIX = "run vllm-fleet doctor on the host by hand to see why (docs/ansible.md)"
+# units a listener on a planned port may belong to: vllm-fleet's own (a redeploy finds its services running)
+OWN_UNITS = re.compile(r"^(vllm@.*|vllm-fleet.*|nginx|prometheus.*)\.service$")
+# systemctl's UnitFileState values Ansible's systemd_service counts as enabled (`is-enabled` exits 0)
+ENABLED_STATES = frozenset({"enabled", "enabled-runtime", "static", "generated", "transient"})
+_INSTANCE_UNIT = re.compile(r"^vllm(-worker)?@.+[.]service$")
+
+
+def _doctor_layers(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The layers of a doctor run: the vllm_fleet_doctor module's ``layers``, else the JSON list a
+    ``vllm-fleet doctor --json`` command printed; [] when it printed none."""
+    if isinstance(run.get("layers"), list):
+        return list(run["layers"])
+    out = str(run.get("stdout") or "")
+    if out.lstrip().startswith("["):
+        try:
+            got = json.loads(out)
+        except ValueError:
+            return []
+        return got if isinstance(got, list) else []
+    return []
+
+
+def layer_verdict(run: Mapping[str, Any], layer: str, host: str) -> dict[str, Any]:
+    """The doctor's verdict of ``layer`` in ``run`` with the message its "Doctor layer: NAME" task shows:
+    ``HOST LAYER: STATUS detail - fix: what to do``. A doctor that gave no verdict is a failure that says how it
+    ended (its exit code and the last line of its error output)."""
+    by_name = {v.get("name"): v for v in _doctor_layers(run)}
+    v = by_name.get(layer)
+    if v is None:
+        err = str(run.get("stderr") or run.get("msg") or "").strip().splitlines()[-1:]
+        v = {
+            "status": "fail",
+            "fix": _NO_ANSWER_FIX,
+            "detail": f"the doctor did not answer (exit {run.get('rc', '?')}: {''.join(err)})",
+        }
+    status = str(v.get("status", "fail"))
+    fix = str(v.get("fix") or "")
+    msg = f"{host} {layer}: {status.upper()} {v.get('detail', '')}" + (f" - fix: {fix}" if fix else "")
+    return {
+        "status": status,
+        "detail": v.get("detail", ""),
+        "fix": fix,
+        "failed": status == "fail",
+        "msg": msg,
+        "facts": v.get("facts") or {},
+    }
+
+
+def engine_packages(by_profile: Mapping[str, list[str]], profiles: Iterable[str]) -> list[str]:
+    """The Debian packages the engines of a host need: those of each profile it runs (``vf.profiles``), each
+    once, in order."""
+    return list(dict.fromkeys(p for profile in profiles for p in by_profile.get(profile, [])))
+
+
+def missing_packages(wanted: Iterable[str], dpkg_lines: Iterable[str]) -> list[str]:
+    """``wanted`` minus what ``dpkg-query --show --showformat='${Package} ${db:Status-Status}\\n'`` lists as
+    installed (dpkg-query names an unknown package on stderr only)."""
+    installed = {line.split(" ", 1)[0] for line in dpkg_lines if line.rstrip().endswith(" installed")}
+    return [p for p in wanted if p not in installed]
+
+
+def foreign_listeners(listeners: Mapping[str, Mapping[str, Any]], owners: Mapping[str, str]) -> list[str]:
+    """The planned ports another program listens on (not a vllm-fleet unit), each as ``PORT (FIELD) by COMM
+    pid PID unit UNIT``: the preflight refuses the host with these."""
+    out = []
+    for port, p in listeners.items():
+        if OWN_UNITS.match(str(p.get("unit") or "")):
+            continue
+        owner = owners.get(str(port), "?")
+        out.append(f"{port} ({owner}) by {p.get('comm')} pid {p.get('pid')} unit {p.get('unit') or '-'}")
+    return out
+
+
+def unit_actions(
+    planned: list[str],
+    units: Mapping[str, Mapping[str, str]],
+    enabled_links: Iterable[str],
+    new_files: Iterable[str] = (),
+    check_mode: bool = False,
+) -> dict[str, Any]:
+    """What the engine role does with the host's units, from what systemd answered (the vllm_fleet_host_state
+    module's ``units``, and the ``*.wants/`` links of enabled instances): ``running`` the planned units already
+    running (those restart rolling, not start), ``enabled`` the units systemd counts as enabled (a link, or a
+    state ``is-enabled`` accepts), ``to_enable`` the planned units not enabled yet, ``stale`` the instances and
+    workers on the host that the spec no longer has (stopped and disabled), ``enable_target`` whether
+    vllm-fleet.target is to be enabled. In check mode a unit whose template file this run would create
+    (``new_files``, not on the host yet) cannot be enabled, so it is left out."""
+    links = [str(x).rsplit("/", 1)[-1] for x in enabled_links]
+    enabled = [u for u, s in units.items() if s.get("UnitFileState") in ENABLED_STATES]
+    running = {u for u, s in units.items() if s.get("SubState") == "running"}
+    known = list(dict.fromkeys([*units, *links]))
+    new = [str(f).rsplit("/", 1)[-1] for f in new_files] if check_mode else []
+    to_enable = [u for u in planned if u not in enabled and f"{u.split('@', 1)[0]}@.service" not in new]
+    return {
+        "running": [u for u in planned if u in running],
+        "enabled": enabled,
+        "to_enable": to_enable,
+        "enable_target": "vllm-fleet.target" not in enabled and "vllm-fleet.target" not in new,
+        "stale": [u for u in known if _INSTANCE_UNIT.match(u) and u not in planned],
+    }
+
+
+def restarts(
+    instances: list[Mapping[str, Any]],
+    changed: list[Mapping[str, Any]],
+    model_changed: Iterable[str],
+    launcher_changed: bool,
+    pending: Iterable[str] = (),
+) -> list[str]:
+    """The instances of a host to restart, by name: every one when the launcher (vllm-fleet in the fleet's own
+    venv) or the shared unit ``vllm@.service`` changed; else those whose own artifacts changed (``changed``:
+    the artifacts role's written items, ``instance_name`` set for per-instance files) or whose model folder
+    changed; plus the restarts an earlier, failed run left ``pending``."""
+    names = [str(i["name"]) for i in instances]
+    shared_unit = any(
+        not a.get("instance_name") and str(a.get("dest", "")).endswith("vllm@.service") for a in changed
+    )
+    if launcher_changed or shared_unit:
+        out = names
+    else:
+        models = set(model_changed)
+        out = [str(a["instance_name"]) for a in changed if a.get("instance_name")]
+        out += [str(i["name"]) for i in instances if i.get("model_path") in models]
+    return list(dict.fromkeys([*out, *(str(p).rsplit("/", 1)[-1] for p in pending)]))
+
+
+def rolling_restarts(
+    instances: list[Mapping[str, Any]], restart: Iterable[str], running: Iterable[str]
+) -> list[str]:
+    """Of ``restart``, the instances whose unit was running before this run (in spec order): the others just
+    started fresh with their new files."""
+    wanted, up = set(restart), set(running)
+    return [str(i["name"]) for i in instances if i["name"] in wanted and i["unit"] in up]
+
+
+def artifact_items(
+    artifacts: list[Mapping[str, Any]], component: str, which: str = "all"
+) -> list[dict[str, Any]]:
+    """The artifacts of ``component`` (``vf.artifacts``) the artifacts role renders: ``instance`` the
+    per-instance files, ``shared`` the others, ``all`` both."""
+    mine = [dict(a) for a in artifacts if a.get("component") == component]
+    if which == "instance":
+        return [a for a in mine if a.get("instance_name")]
+    if which == "shared":
+        return [a for a in mine if not a.get("instance_name")]
+    return mine
+
+
+def host_files(
+    wanted: list[Mapping[str, Any]], owner: str = "root", group: str = "root"
+) -> list[dict[str, Any]]:
+    """What the vllm_fleet_host_state module compares for rendered artifacts: path, checksum, mode, owner."""
+    return [
+        {"path": w["path"], "checksum": w["checksum"], "mode": w["mode"], "owner": owner, "group": group}
+        for w in wanted
+    ]
+
+
+def artifacts_outcome(
+    written: list[Mapping[str, Any]], wanted: list[Mapping[str, Any]], missing: Iterable[str]
+) -> dict[str, Any]:
+    """What the artifacts role reports from its copy results (``written``): ``changed`` the written items
+    (without their content), ``missing`` the destinations that were not on the host (check mode: a unit this
+    run would create cannot be enabled yet), ``units_changed`` whether a systemd unit changed (a daemon
+    reload)."""
+    changed = [
+        {k: v for k, v in r["item"].items() if k not in ("content", "checksum", "path")}
+        for r in written
+        if r.get("changed")
+    ]
+    gone = set(missing)
+    return {
+        "changed": changed,
+        "missing": [w["dest"] for w in wanted if w["path"] in gone],
+        "units_changed": any(str(c.get("dest", "")).startswith("/etc/systemd/") for c in changed),
+    }
+
+
+def fetched(fetch: Mapping[str, Any], pushed: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the models step changed, from ``vllm-fleet fetch --json`` (``fetch``, skipped when the models
+    were pushed from the controller) and the push's copy results (``pushed``): ``changed`` the model folders
+    whose files changed (their instances restart), ``models`` each fetched instance's report (its config.json
+    and weight bytes: the plan after the fetch reads them)."""
+    report: dict[str, Any] = {}
+    if not fetch.get("skipped") and str(fetch.get("stdout") or "").strip():
+        report = json.loads(fetch["stdout"])
+    models = list(report.get("models") or [])
+    changed = [str(m["path"]) for m in models if m.get("changed")]
+    changed += [str(r["item"]["model_path"]) for r in pushed if r.get("changed")]
+    return {"changed": list(dict.fromkeys(changed)), "models": {m["instance"]: m for m in models}}
+
+
+def host_detected(
+    fetched: Mapping[str, Any], memory_mib: Any, nvidia_smi: str, gpu_host: bool
+) -> dict[str, Any]:
+    """What one host tells the plan after the fetch (``vllm-fleet plan --detected``): its memory, the GPUs
+    nvidia-smi listed (the preflight's driver layer; none on a host without a gpu stack) and the fetched
+    models' reports (``fetched``'s ``models``)."""
+    return {
+        "memory_mib": int(memory_mib or 0),
+        "nvidia_smi": nvidia_smi if gpu_host else "",
+        "models": dict(fetched.get("models") or {}),
+    }
+
+
+def _local_files(local: list[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(model_path, found file) of each file ``ansible.builtin.find`` listed under a model folder on the
+    controller (its loop item: the model_path on the host)."""
+    return [(str(r["item"]), f) for r in local if not r.get("skipped") for f in r.get("files") or []]
+
+
+def model_tree(local: list[Mapping[str, Any]], models_src: str) -> dict[str, Any]:
+    """The ``tree`` argument of the vllm_fleet_host_state module for model folders pushed from the controller
+    (``-e vllm_fleet_models_src=DIR``: DIR/BASENAME -> the model_path on the host), from the find results
+    (``local``, with checksums); {} when nothing is pushed."""
+    if not local or all(r.get("skipped") for r in local):
+        return {}
+    roots = {f"{models_src}/{str(r['item']).rsplit('/', 1)[-1]}": str(r["item"]) for r in local}
+    return {
+        "roots": roots,
+        "files": [{"path": f["path"], "checksum": f["checksum"]} for _, f in _local_files(local)],
+        "mode": "0644",
+        "dir_mode": "0755",
+        "owner": "root",
+        "group": "root",
+    }
+
+
+def model_pushes(local: list[Mapping[str, Any]], models_src: str) -> list[dict[str, str]]:
+    """Each file to push from the controller: ``src`` (DIR/BASENAME/REL), ``dest`` (model_path/REL) and
+    ``model_path`` (whose instances restart when it changed)."""
+    out = []
+    for model_path, f in _local_files(local):
+        root = f"{models_src}/{model_path.rsplit('/', 1)[-1]}"
+        out.append({"src": f["path"], "dest": model_path + f["path"][len(root) :], "model_path": model_path})
+    return out

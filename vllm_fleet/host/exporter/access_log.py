@@ -1,0 +1,124 @@
+"""The gateway's requests by model and HTTP status, upstream retries and request time, from its JSON access log
+(the nginx exporter has no status codes): tailed incrementally at each scrape, counters kept for the exporter's
+lifetime."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vllm_fleet.host.exporter.common import PREFIX
+
+# gateway request duration buckets (seconds): interactive up to long generations
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class _ModelStats:
+    codes: dict[str, int] = field(default_factory=dict)
+    retried: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
+    count: int = 0
+    total_seconds: float = 0.0
+
+
+class AccessLogTail(Collector):
+    """Follows the gateway's JSON access log (one object per line: status, model, upstream_addr,
+    request_time — nginx/vllm-fleet.conf.j2's ``vf_json``). Counts what is written after it was created, survives
+    rotation (new inode or truncation), keeps counters for the exporter's lifetime."""
+
+    def __init__(self, path: Path, from_start: bool = False) -> None:
+        self.path = path
+        self._buf = b""
+        self.stats: dict[str, _ModelStats] = {}
+        self.bad_lines = 0
+        self._lock = threading.Lock()
+        # lines written from now on count; a file that appears later is read from its start
+        try:
+            st = path.stat()
+            self._inode, self._pos = st.st_ino, 0 if from_start else st.st_size
+        except OSError:
+            self._inode, self._pos = -1, 0
+
+    def poll(self) -> None:
+        with self._lock:
+            try:
+                st = self.path.stat()
+            except OSError:
+                return
+            if st.st_ino != self._inode or st.st_size < self._pos:
+                self._inode, self._pos, self._buf = st.st_ino, 0, b""
+            if st.st_size == self._pos:
+                return
+            with self.path.open("rb") as f:
+                f.seek(self._pos)
+                data = f.read(st.st_size - self._pos)
+            self._pos += len(data)
+            lines = (self._buf + data).split(b"\n")
+            self._buf = lines.pop()
+            for line in lines:
+                if line.strip():
+                    self._count(line)
+
+    def _count(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+            code = str(int(rec["status"]))
+        except (ValueError, KeyError, TypeError):
+            self.bad_lines += 1
+            return
+        model = str(rec.get("model") or "") or "none"
+        s = self.stats.setdefault(model, _ModelStats())
+        s.codes[code] = s.codes.get(code, 0) + 1
+        if "," in str(rec.get("upstream_addr") or ""):
+            s.retried += 1
+        try:
+            seconds = float(rec.get("request_time", 0.0))
+        except (TypeError, ValueError):
+            seconds = 0.0
+        s.count += 1
+        s.total_seconds += seconds
+        for n, bound in enumerate(DURATION_BUCKETS):
+            if seconds <= bound:
+                s.buckets[n] += 1
+
+    def metrics(self) -> Iterator[Metric]:
+        self.poll()
+        req = CounterMetricFamily(
+            PREFIX + "gateway_requests",
+            "Gateway requests by model and HTTP status (access log)",
+            labels=["model", "code"],
+        )
+        retried = CounterMetricFamily(
+            PREFIX + "gateway_upstream_retries",
+            "Gateway requests that tried more than one upstream server (failover before the first byte)",
+            labels=["model"],
+        )
+        dur = HistogramMetricFamily(
+            PREFIX + "gateway_request_duration_seconds", "Gateway request time (access log)", labels=["model"]
+        )
+        with self._lock:
+            for model, s in sorted(self.stats.items()):
+                for code, n in sorted(s.codes.items()):
+                    req.add_metric([model, code], n)
+                retried.add_metric([model], s.retried)
+                cum = [(str(b), float(c)) for b, c in zip(DURATION_BUCKETS, s.buckets, strict=True)] + [
+                    ("+Inf", float(s.count))
+                ]
+                dur.add_metric([model], cum, s.total_seconds)
+            bad = self.bad_lines
+        yield req
+        yield retried
+        yield dur
+        yield CounterMetricFamily(
+            PREFIX + "gateway_log_bad_lines", "Access log lines that were not JSON", value=bad
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        return self.metrics()

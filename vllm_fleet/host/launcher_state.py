@@ -1,0 +1,492 @@
+"""The launcher's decisions, without I/O: ``Supervisor`` takes events and returns actions.
+
+Events are method calls, each with the monotonic time ``now`` (the caller's clock: the launcher passes
+``time.monotonic()``, the tests plain numbers): the engine started, printed a line, a probe or a liveness check
+finished (with what it read: the work counters, the decode's answer, the CPU figures), a stop was requested,
+the drain wait counted in-flight requests, systemd's watchdog fired, the engine exited, and ``tick`` (the
+launcher calls it every 0.25 s). Each returns the actions the launcher performs in order: sd_notify fields
+(READY=1, WATCHDOG=1, STATUS=, STOPPING=1, EXTEND_TIMEOUT_USEC=), a log line, the state file's write, a probe
+or an in-flight count to start, SIGTERM or SIGKILL to the engine, the launcher's exit. No threads, sockets,
+clocks or sleeps here: ``vllm_fleet.host.launcher`` does all of that.
+
+Hung is judged by withholding WATCHDOG=1: a liveness check that fails sends no ping, and systemd's watchdog
+kills the unit ``WatchdogSec`` after the last one (``watchdog_deadline``; then ``watchdog_fired``). The probe
+interval and timeout follow the one watchdog timing rule (``vllm_fleet.contracts.probe_timing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_fleet.contracts import InstanceConfig, StateFile, probe_timing, stack_of
+from vllm_fleet.host.cpu_wait import CpuReading, starvation
+from vllm_fleet.host.engine_death import Death
+from vllm_fleet.host.probe import ProbeResult, Progress, judge
+
+EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
+EXIT_ENGINE_DIED = 1
+EXIT_LOAD_TIMEOUT = 3
+EXIT_WATCHDOG = 134  # 128 + SIGABRT
+STATUS_EVERY = 2.0  # while loading: STATUS= and EXTEND_TIMEOUT_USEC= this often
+FIRST_PROBE_AFTER = 1.0  # the first readiness probe, after the engine started
+READY_RETRY = 0.5  # the next readiness probe after one failed
+PROBE_STUCK_AFTER = 5.0  # a check still running this long past its timeout counts as failed
+DRAIN_POLL = 0.5  # the drain wait counts in-flight requests this often
+DRAIN_IDLE_POLLS = 2  # ... and is over after this many counts of 0 in a row
+KILL_AFTER_DRAIN = 10.0  # SIGKILL when the engine outlives SIGTERM by shutdown_timeout + this
+
+
+def exit_code_of(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# ---------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Notify:
+    """Send these ``KEY=VALUE`` fields to systemd as one message."""
+
+    fields: tuple[str, ...]
+
+
+def status(text: str) -> Notify:
+    return Notify((f"STATUS={text}",))
+
+
+@dataclass(frozen=True)
+class Log:
+    message: str
+    level: int = 6  # syslog priority
+
+
+@dataclass(frozen=True)
+class Save:
+    """Write the state file (``Supervisor.state_file``)."""
+
+
+@dataclass(frozen=True)
+class StartProbe:
+    """Start a probe: the readiness probe (``first``: /health, then a 1-token decode; answer with
+    ``ready_probe_done``) or a liveness check (``probe.sample`` and the CPU figures; answer with ``check_done``)."""
+
+    first: bool
+
+
+@dataclass(frozen=True)
+class PollInflight:
+    """Count the requests the engine runs or queues (``probe.inflight``; answer with ``drain_progress``)."""
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """SIGTERM to the engine's API server (vLLM drains with ``--shutdown-timeout``)."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL to the engine's process group; ``wait``: then reap the API server."""
+
+    wait: bool
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+
+
+Action = Notify | Log | Save | StartProbe | PollInflight | Terminate | Kill | Exit
+
+
+@dataclass(frozen=True)
+class Check:
+    """What one liveness check read: its time, the work counters (None when ``/metrics`` did not answer), the
+    idle engine's decode or the ``/metrics`` failure (None while busy), and the engine's CPU figures before and
+    after (``cpu_wait.read_group``)."""
+
+    latency: float
+    cpu_before: CpuReading
+    cpu_after: CpuReading
+    reading: Progress | None = None
+    answer: ProbeResult | None = None
+
+
+# ---------------------------------------------------------------------------------------------- parts
+@dataclass
+class ProbeStats:
+    """The probe figures the state file carries."""
+
+    total: int = 0
+    failures: int = 0
+    starved: int = 0  # checks that timed out while the engine was starved of CPU (alive)
+    consecutive_failures: int = 0
+    last_at: float | None = None
+    last_ok: bool | None = None
+    last_latency: float | None = None
+    last_kind: str = ""  # how the last check passed or failed (ProbeResult.stage)
+
+    def record(self, now: float, res: ProbeResult) -> None:
+        self.total += 1
+        self.last_at, self.last_ok, self.last_latency = now, res.ok, round(res.latency, 4)
+        self.last_kind = res.stage
+        self.starved += res.stage == "starved"
+        if res.ok:
+            self.consecutive_failures = 0
+        else:
+            self.failures += 1
+            self.consecutive_failures += 1
+
+
+@dataclass
+class Liveness:
+    """The verdict on each liveness check. Busy is not hung: while requests run or wait, the work counters
+    must advance (``probe.judge``). Starved is not hung: a check that failed for want of an answer in time
+    while the engine's threads waited for a CPU passes as ``starved``, for at most ``grace`` seconds after the
+    engine last passed on its own answer (a hang on a starved host is still caught after that)."""
+
+    grace: float  # starved_grace_seconds
+    alive_at: float  # the last check that passed on the engine's own answer
+    progress: Progress | None = None  # the work counters the next check compares with
+    cpu_at_check: CpuReading | None = None  # the CPU figures when the last check began
+
+    def judge(self, now: float, c: Check) -> ProbeResult:
+        previous, self.cpu_at_check = self.cpu_at_check, c.cpu_before
+        res, self.progress = judge(self.progress, c.reading, c.answer, c.latency)
+        if res.ok:
+            self.alive_at = now
+            return res
+        if not (res.timed_out or res.stage == "stalled"):
+            return res  # an error answer is no starvation
+        # a stall spans the time since the previous reading of the counters; a timeout this check
+        since = previous if res.stage == "stalled" and previous is not None else c.cpu_before
+        verdict = starvation(since, c.cpu_after)
+        late = now - self.alive_at
+        if verdict.starved and late <= self.grace:
+            return ProbeResult(True, res.latency, f"{verdict.why}; {res.error}", "starved")
+        why = verdict.why
+        if verdict.starved:
+            why += f", but no answer of its own for {late:.0f}s (> starved_grace_seconds {self.grace:g})"
+        return ProbeResult(False, res.latency, f"{res.error} ({why})", res.stage, res.timed_out)
+
+
+@dataclass
+class Drain:
+    """A stop. Serving: wait until the engine runs and queues nothing (twice in a row; vLLM's own drain can cut
+    streams whose last chunks the API server has not sent yet), at most ``timeout`` (shutdown_timeout), then
+    SIGTERM (vLLM drains whatever arrived meanwhile). Loading: SIGTERM at once. SIGKILL to the group when the
+    engine outlives SIGTERM by ``kill_after``."""
+
+    stop_at: float
+    timeout: float
+    kill_after: float
+    loading: bool  # stopped while loading
+    term_at: float | None = None  # SIGTERM sent to the engine
+    killed: bool = False
+    polling: bool = False
+    next_poll: float = 0.0
+    idle_polls: int = 0
+    result: str = ""  # why the wait ended
+
+    def start(self) -> list[Action]:
+        if self.loading:
+            return [
+                Log("stop requested while loading: SIGTERM to the engine"),
+                *self._terminate(self.stop_at),
+            ]
+        self.next_poll = self.stop_at
+        log = Log("stop requested: waiting for in-flight requests, then SIGTERM to the engine")
+        return [log, *self.tick(self.stop_at)]
+
+    def again(self, now: float) -> list[Action]:
+        """A second stop request: no more waiting."""
+        return self._over(now, "second stop request") if self.term_at is None else []
+
+    def counted(self, now: float, inflight: int | None) -> list[Action]:
+        """The drain wait's count of requests running or waiting (None: ``/metrics`` did not answer)."""
+        self.polling = False
+        if self.term_at is not None:
+            return []
+        if inflight is None:
+            return self._over(now, "no answer from /metrics")
+        self.idle_polls = self.idle_polls + 1 if inflight == 0 else 0
+        if self.idle_polls >= DRAIN_IDLE_POLLS:
+            return self._over(now, "idle")
+        self.next_poll = now + DRAIN_POLL
+        return [status(f"Stopping: waiting for {inflight} in-flight request(s)")]
+
+    def tick(self, now: float) -> list[Action]:
+        if self.term_at is None:
+            if now >= self.stop_at + self.timeout:
+                return self._over(now, f"still busy after {self.timeout:g}s")
+            if not self.polling and now >= self.next_poll:
+                self.polling = True
+                return [PollInflight()]
+            return []
+        if now - self.term_at > self.kill_after and not self.killed:
+            self.killed = True
+            msg = f"engine still running {now - self.term_at:.0f}s after SIGTERM: SIGKILL to its group"
+            return [Log(msg, 4), Kill(wait=False)]
+        return []
+
+    def _over(self, now: float, why: str) -> list[Action]:
+        self.result = why
+        return [
+            Log(f"drain wait over after {now - self.stop_at:.1f}s ({why}): SIGTERM to the engine"),
+            *self._terminate(now),
+        ]
+
+    def _terminate(self, now: float) -> list[Action]:
+        self.term_at = now
+        return [Terminate()]
+
+
+# ---------------------------------------------------------------------------------------------- machine
+class Supervisor:
+    """One engine's life: loading → ready → draining → stopped, or failed (``state``, as the state file
+    says)."""
+
+    def __init__(self, cfg: InstanceConfig, watchdog: float, now: float, started_at: float = 0.0) -> None:
+        self.cfg, self.svc = cfg, cfg.service
+        self.watchdog = watchdog if watchdog > 0 else 0.0
+        self.probe_interval, self.probe_timeout = probe_timing(
+            self.watchdog, self.svc.probe_interval_seconds, self.svc.probe_timeout_seconds
+        )
+        self.t0, self.started_at = now, started_at  # the same moment, monotonic and wall clock
+        self.state, self.phase = "loading", "starting"
+        self.engine_pid: int | None = None
+        self.failure: Death | None = None
+        self.failure_reason = ""
+        self.last_output = now
+        self.ready_at: float | None = None
+        self.load_duration: float | None = None
+        self.next_probe = now + FIRST_PROBE_AFTER
+        self.next_status = now
+        self.probing = False
+        self.probe_started = now
+        self.probes = ProbeStats()
+        self.liveness = Liveness(self.svc.starved_grace_seconds, now)
+        self.was_starved = False  # the last check passed as starved (the status says so)
+        self.last_ping: float | None = None
+        self.stop: Drain | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop is not None
+
+    @property
+    def watchdog_deadline(self) -> float | None:
+        """When systemd's watchdog kills the unit unless another WATCHDOG=1 comes first."""
+        return self.last_ping + self.watchdog if self.watchdog and self.last_ping is not None else None
+
+    # ------------------------------------------------------------------ start, output, failure
+    def engine_started(self, now: float, pid: int) -> list[Action]:
+        self.engine_pid = pid
+        self.next_probe = now + FIRST_PROBE_AFTER
+        msg = f"engine pid {pid}; watchdog {self.watchdog:g}s, probe every {self.probe_interval:g}s"
+        return [Log(msg), Save()]
+
+    def engine_output(self, at: float, phases: list[str]) -> None:
+        """The engine printed a line at ``at``; ``phases``: the loading phases its lines announced since."""
+        self.last_output = max(self.last_output, at)
+        if phases and self.state == "loading":
+            self.phase = phases[-1]
+
+    def config_error(self, why: str) -> list[Action]:
+        self.phase = "configuration error"
+        return self.fail(EXIT_CONFIG, f"{why}; not starting the engine (fix the config, then restart)")
+
+    def fail(self, code: int, why: str) -> list[Action]:
+        self.state, self.failure_reason = "failed", why
+        return [status(f"Failed: {why}"), Log(why, 3), Save(), Exit(code)]
+
+    def watchdog_fired(self, now: float) -> list[Action]:
+        """SIGABRT, systemd's WatchdogSignal: the engine is hung and cannot drain."""
+        msg = "watchdog timeout: no successful probe in time; engine killed"
+        return [Kill(wait=True), *self.fail(EXIT_WATCHDOG, msg)]
+
+    def engine_exited(
+        self, now: float, rc: int | None, death: Death | None, last_error: str = ""
+    ) -> list[Action]:
+        """The API server exited with ``rc``, or (``rc`` None) a worker died (``death``) while it still runs.
+        ``death``: what the engine's log says died; ``last_error``: its last error line."""
+        if rc is not None and self.stop is not None:
+            self.state = "stopped"
+            took = now - self.stop.stop_at
+            code = 0 if self.stop.loading else exit_code_of(rc)
+            return [
+                Kill(wait=False),  # leftovers of the group
+                status(f"Stopped (engine exit {exit_code_of(rc)} after {took:.1f}s)"),
+                Log(f"engine exited with {rc} {took:.1f}s after the stop request"),
+                Save(),
+                Exit(code),
+            ]
+        if rc is None and (death is None or self.stop is not None):
+            return []  # still running; a worker's death during a stop is the stop's business
+        was, api = self.state, f"; the API server exited with {rc}" if rc is not None else ""
+        if death is None or (rc is not None and rc < 0):
+            # the API server itself was killed (its workers die after it, by our SIGKILL), or it exited with
+            # nothing else to blame
+            pid = self.engine_pid if self.engine_pid is not None else "?"
+            death, api = Death(f"engine API server (pid {pid})", rc), ""
+        self.failure = death
+        why = f"engine exited unexpectedly: {death.describe()} while {was}{api}"
+        kill: list[Action] = [Kill(wait=rc is None)]
+        if death.is_config_error:
+            self.phase = "configuration error"
+            return kill + self.fail(EXIT_CONFIG, f"{why}; not restarting (a restart would die the same way)")
+        if death.signal is None and last_error:
+            why += f"; last error: {last_error}"
+        sig = death.signal
+        return kill + self.fail(128 + sig.value if sig else (exit_code_of(rc or 0) or EXIT_ENGINE_DIED), why)
+
+    # ------------------------------------------------------------------ the clock
+    def tick(self, now: float) -> list[Action]:
+        if self.state in ("failed", "stopped"):
+            return []
+        if self.stop is not None:
+            return self.stop.tick(now)
+        if self.state == "loading":
+            return self._loading_tick(now)
+        out: list[Action] = []
+        if self.probing and now - self.probe_started > self.probe_timeout + PROBE_STUCK_AFTER:
+            # the check is stuck beyond its own timeout: count it and keep not pinging
+            self.probes.record(now, ProbeResult(False, now - self.probe_started, "probe stuck", "decode"))
+            self.probe_started = now
+            out += [status(f"Probe failing ({self.probes.consecutive_failures}x): probe stuck"), Save()]
+        if not self.probing and now >= self.next_probe:
+            out.append(self._start_probe(now, first=False))
+        return out
+
+    def _loading_tick(self, now: float) -> list[Action]:
+        """STATUS= and EXTEND_TIMEOUT_USEC= every 2 s while the engine prints; the load and stall timeouts."""
+        out: list[Action] = []
+        if now >= self.next_status:
+            self.next_status = now + STATUS_EVERY
+            svc = self.svc
+            stalled = now - self.last_output > svc.stall_timeout_seconds
+            if now - self.t0 > svc.load_timeout_seconds or stalled:
+                why = "no engine output" if stalled else "loading"
+                limit = svc.stall_timeout_seconds if stalled else svc.load_timeout_seconds
+                why = f"load timeout: {why} for more than {limit:g}s"
+                return [Kill(wait=True), *self.fail(EXIT_LOAD_TIMEOUT, why)]
+            # alive and still making progress: push systemd's start timeout forward
+            extend = f"EXTEND_TIMEOUT_USEC={int(max(30.0, svc.start_timeout_seconds) * 1e6)}"
+            out += [Notify((f"STATUS={self.loading_status(now)}", extend)), Save()]
+        if not self.probing and now >= self.next_probe:
+            out.append(self._start_probe(now, first=True))
+        return out
+
+    def loading_status(self, now: float) -> str:
+        return f"Loading {self.cfg.served_model_name}: {self.phase} ({now - self.t0:.0f}s elapsed)"
+
+    def _start_probe(self, now: float, first: bool) -> StartProbe:
+        self.probing, self.probe_started = True, now
+        return StartProbe(first)
+
+    # ------------------------------------------------------------------ probes
+    def ready_probe_done(self, now: float, res: ProbeResult) -> list[Action]:
+        """READY=1 after the first probe that got a real decode (health 200, then 1 token)."""
+        self.probing = False
+        if self.state != "loading" or self.stop is not None:
+            return []
+        if res.ok and res.stage == "full":  # READY needs a real decode, not an admission 503
+            res = ProbeResult(False, res.latency, "admission 503 before the first decode", "decode")
+        if not res.ok:
+            if res.stage == "decode":
+                self.phase = "waiting for the first decode"
+            self.next_probe = now + READY_RETRY
+            return []
+        self.probes.record(now, res)
+        self.state, self.phase = "ready", "serving"
+        self.ready_at = self.liveness.alive_at = now
+        self.load_duration = round(now - self.t0, 3)
+        self.next_probe = now + self.probe_interval
+        return [
+            Save(),  # the state file is current before anyone hears READY
+            Notify(("READY=1", f"STATUS={self._serving()} (ready in {self.load_duration:.1f}s)")),
+            *self._ping(now),
+            Log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)"),
+        ]
+
+    def check_done(self, now: float, check: Check) -> list[Action]:
+        """A periodic liveness check finished: WATCHDOG=1 when it passed, none while checks fail."""
+        self.probing = False
+        if self.state != "ready" or self.stop is not None:
+            return []
+        res = self.liveness.judge(now, check)
+        was_failing = self.probes.consecutive_failures > 0
+        self.probes.record(now, res)  # state stays "ready": last_probe_ok carries the outcome
+        self.next_probe = self.probe_started + self.probe_interval
+        out: list[Action] = [Save()]  # the state file is current before the notification
+        if not res.ok:
+            msg = f"Probe failing ({self.probes.consecutive_failures}x): {res.error}"
+            return [*out, status(msg), Log(msg, 4)]
+        out += self._ping(now)
+        if res.stage == "starved":
+            self.was_starved = True
+            name = self.cfg.served_model_name
+            out += [
+                status(f"Serving {name} slowly: starved of CPU"),
+                Log(f"Probe late, engine alive: {res.error}", 4),
+            ]
+        elif was_failing or self.was_starved:
+            self.was_starved = False
+            out += [Log("probes succeed again"), status(self._serving())]
+        return out
+
+    def _serving(self) -> str:
+        return f"Serving {self.cfg.served_model_name} on {self.cfg.probe_host}:{self.cfg.port}"
+
+    def _ping(self, now: float) -> list[Action]:
+        if not self.watchdog:
+            return []
+        self.last_ping = now
+        return [Notify(("WATCHDOG=1",))]
+
+    # ------------------------------------------------------------------ stop
+    def stop_requested(self, now: float) -> list[Action]:
+        """SIGTERM/SIGINT (``Drain``); a second one ends the drain wait."""
+        if self.state in ("failed", "stopped"):
+            return []
+        if self.stop is not None:
+            return self.stop.again(now)
+        loading, timeout = self.state == "loading", self.cfg.shutdown_timeout
+        kill_after = self.svc.stop_kill_after_loading_seconds if loading else timeout + KILL_AFTER_DRAIN
+        self.stop = Drain(now, timeout, kill_after, loading)
+        self.state = "draining"
+        notify = Notify(("STOPPING=1", f"STATUS=Stopping: draining (up to {timeout:g}s)"))
+        return [notify, Save(), *self.stop.start()]
+
+    def drain_progress(self, now: float, inflight: int | None) -> list[Action]:
+        return [] if self.stop is None else self.stop.counted(now, inflight)
+
+
+def state_file(sm: Supervisor, launcher_pid: int, updated_at: float) -> StateFile:
+    """The state file's content (its contract: ``vllm_fleet.contracts.StateFile``); times on the wall clock."""
+
+    def wall(t: float | None) -> float | None:
+        return None if t is None else sm.started_at + (t - sm.t0)
+
+    cfg, failure, p = sm.cfg, sm.failure, sm.probes
+    return {
+        "instance": cfg.name,
+        "served_model_name": cfg.served_model_name,
+        "stack": stack_of(cfg.command),
+        "port": cfg.port,
+        "state": sm.state,
+        "launcher_pid": launcher_pid,
+        "engine_pid": sm.engine_pid,
+        "started_at": sm.started_at,
+        "ready_at": wall(sm.ready_at),
+        "load_duration_seconds": sm.load_duration,
+        "phase": sm.phase,
+        "last_probe_at": wall(p.last_at),
+        "last_probe_ok": p.last_ok,
+        "last_probe_latency_seconds": p.last_latency,
+        "last_probe_kind": p.last_kind or None,
+        "probes_total": p.total,
+        "probe_failures_total": p.failures,
+        "probes_starved_total": p.starved,
+        "failure_reason": sm.failure_reason or None,
+        "failure_process": (failure.process or None) if failure else None,
+        "failure_signal": sig.name if failure and (sig := failure.signal) else None,
+        "updated_at": updated_at,
+    }
