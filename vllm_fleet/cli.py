@@ -238,7 +238,7 @@ PLUGINS: dict[str, Plugin] = {
         "load-test an OpenAI/Anthropic-compatible endpoint (profiles, compare, scenarios)",
     ),
     "doctor": Plugin(
-        "vllm_fleet.host.doctor:add_args",
+        "vllm_fleet.host_commands:add_doctor_args",
         "check the engine stack layer by layer (driver, CUDA, torch, vLLM, tiny load)",
     ),
     "drain": Plugin(
@@ -250,7 +250,7 @@ PLUGINS: dict[str, Plugin] = {
         "host exporter: launcher states, probes, restarts, NVML GPU metrics, gateway log (Prometheus)",
     ),
     "fetch": Plugin(
-        "vllm_fleet.host.fetch:add_args",
+        "vllm_fleet.host_commands:add_fetch_args",
         "download models (HF / ModelScope / local path), verify sha256 checksums",
     ),
     "launch": Plugin(
@@ -262,7 +262,7 @@ PLUGINS: dict[str, Plugin] = {
         "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse",
     ),
     "manifest": Plugin(
-        "vllm_fleet.host.manifest:add_args",
+        "vllm_fleet.host_commands:add_manifest_args",
         "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)",
     ),
     "sandbox": Plugin(

@@ -13,6 +13,9 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   the base unit ``vllm@.service`` and the launcher take them from here; ``probe_timing``: the watchdog timing
   rule both the spec's validation and the launcher apply.
 - ``parse_nvidia_smi``: the GPU facts the doctor reads on a host and the planner reads on the controller.
+- ``HostContract``: ``{config_dir}/host.json``, a host's contract: what its commands (``vllm-fleet fetch``,
+  ``manifest``, ``doctor``) need of the fleet spec, built on the controller (``vllm_fleet.fleet.host_contract``,
+  rendered as an engine artifact by ``vllm-fleet render`` and the roles); a host reads it, never the spec.
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -21,9 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from types import UnionType
+from typing import Any, TypedDict, TypeVar
+
+# a pinned hub revision that cannot move: a full commit hash (the spec's check, the fetch's resolution)
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 
 # the deployment manifest of a host (``vllm-fleet manifest`` writes it, the host exporter reads its spec hash)
 MANIFEST_PATH = "/var/lib/vllm-fleet/manifest.json"
@@ -403,3 +412,223 @@ def parse_nvidia_smi(csv_text: str) -> list[dict[str, str]]:
 def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
     """``gpus`` back as the query's CSV (what ``parse_nvidia_smi`` reads)."""
     return "".join(", ".join(g[k] for k in NVSMI_FIELDS.split(",")) + "\n" for g in gpus)
+
+
+# ------------------------------------------------------------------------- a host's contract: host.json
+
+HOST_CONTRACT_FILE = "host.json"  # in the spec's paths.config_dir
+HOST_CONTRACT_SCHEMA = 1  # raised when a field changes meaning; a host refuses a schema it does not know
+
+
+@dataclass(frozen=True)
+class HostModelSource:
+    """Where a model comes from: ``kind`` hf | modelscope | path, ``repo`` (the hub repository, or the path),
+    ``revision`` (the pinned tag or commit; ``local`` for a path), ``checksums`` (relative path → expected
+    sha256, verified after the fetch)."""
+
+    kind: str
+    repo: str
+    revision: str
+    checksums: dict[str, str]
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """A model folder the host needs (for an instance it runs, or a headless rank's share of one): what
+    ``vllm-fleet fetch`` downloads or verifies; ``name`` is the instance's."""
+
+    name: str
+    model_path: str
+    source: HostModelSource
+
+
+@dataclass(frozen=True)
+class HostInstance:
+    """An instance whose API server runs on the host (``vllm@NAME``; its model is the ``models`` entry of the
+    same name): what the manifest records, and the stack, dtype and env the doctor's load runs with."""
+
+    name: str
+    unit: str
+    served_model_name: str
+    port: int
+    gpus: list[int]
+    tensor_parallel_size: int
+    quantization: str | None
+    max_model_len: int | None
+    gpu_memory_utilization: float
+    role: str
+    args: list[str]  # the engine's arguments after `serve`
+    stack: str  # the name of the stack it runs ("default": the fleet's)
+    dtype: str
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class HostStack:
+    """An engine stack the host runs (its instances' and its headless ranks'; the fleet's ``default`` when
+    it runs none)."""
+
+    name: str
+    profile: str
+    vllm_version: str
+    min_driver: int
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """The spec's ``hosts[].gpus`` of the host, and ``field``: its place in the spec (what the doctor's
+    verdicts name)."""
+
+    count: int
+    model: str
+    memory_gib: float
+    compute_capability: str
+    detect: bool
+    field: str
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    config_dir: str
+    models_dir: str
+    cache_dir: str
+    state_dir: str
+
+
+@dataclass(frozen=True)
+class HostContract:
+    """``{config_dir}/host.json``: what the commands run on one host need of the fleet spec, computed on the
+    controller. ``spec_hash`` is the spec's (the manifest records it; the exporter and ``status`` compare it);
+    ``stacks`` in the spec's order (the first is the one the play runs vllm-fleet from); ``models`` the folders
+    to fetch (instances' and headless ranks'), ``instances`` the API servers that run here."""
+
+    schema: int
+    fleet: str
+    host: str
+    spec_hash: str
+    paths: HostPaths
+    gpus: HostGpus
+    stacks: list[HostStack]
+    models: list[HostModel]
+    instances: list[HostInstance]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def dumps(self) -> str:
+        """The file's text (what ``vllm-fleet render`` and the roles write, byte for byte)."""
+        return dumps_host_contract(self.to_dict())
+
+    def model(self, name: str) -> HostModel:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def stack(self, name: str) -> HostStack:
+        for s in self.stacks:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> HostContract:
+        """Check every field (``ContractError`` names the file and the field: ``models[0].source.revision``)."""
+        d = _mapping(data, source, "(root)")
+        schema = d.get("schema")
+        if schema != HOST_CONTRACT_SCHEMA:
+            raise ContractError(
+                f"{_where(source, 'schema')}: {schema!r} is not a host contract schema this vllm-fleet reads "
+                f"({HOST_CONTRACT_SCHEMA}); render it with the same vllm-fleet as the host runs"
+            )
+        contract: HostContract = _dataclass_from(cls, d, source, "")
+        if not contract.stacks:
+            raise ContractError(f"{_where(source, 'stacks')}: at least one stack is required")
+        models = {m.name for m in contract.models}
+        for i, inst in enumerate(contract.instances):
+            if inst.name not in models:
+                raise ContractError(
+                    f"{_where(source, f'instances[{i}].name')}: {inst.name!r} has no entry in models"
+                )
+            if inst.stack not in {s.name for s in contract.stacks}:
+                raise ContractError(
+                    f"{_where(source, f'instances[{i}].stack')}: {inst.stack!r} is not one of stacks"
+                )
+        return contract
+
+    @classmethod
+    def load(cls, path: str | Path) -> HostContract:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except ValueError as exc:
+            raise ContractError(f"{p}: not JSON ({exc})") from None
+        return cls.from_dict(data, str(p))
+
+
+def dumps_host_contract(data: dict[str, Any]) -> str:
+    """A host contract's text from its ``to_dict()``: sorted keys, two spaces, a final newline."""
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+_T = TypeVar("_T")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """A dataclass's field types, resolved once (the annotations are strings here)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _dataclass_from(cls: type[_T], data: Any, source: str, key: str) -> _T:
+    """``cls`` (a dataclass of str / int / float / bool / list / dict / optional / dataclass fields) from
+    ``data``, every field checked: a missing, unknown or mistyped one is named by its path."""
+    d = _mapping(data, source, key or "(root)")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    for name in names:
+        sub = f"{key}.{name}" if key else name
+        if name not in d:
+            raise ContractError(f"{_where(source, sub)}: missing")
+        values[name] = _typed(hints[name], d[name], source, sub)
+    if unknown := sorted(set(d) - set(names)):
+        sub = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise ContractError(f"{_where(source, sub)}: unknown field")
+    return cls(**values)
+
+
+def _typed(tp: Any, v: Any, source: str, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_from(tp, v, source, key)  # type: ignore[arg-type]
+    if origin in (UnionType, typing.Union):
+        if v is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _typed(inner, v, source, key)
+    if origin is list:
+        if not isinstance(v, list):
+            raise ContractError(f"{_where(source, key)}: expected a list, got {v!r}")
+        return [_typed(args[0], x, source, f"{key}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        return {
+            _string(k, source, key): _typed(args[1], x, source, f"{key}.{k}")
+            for k, x in _mapping(v, source, key).items()
+        }
+    if tp is str:
+        return _string(v, source, key)
+    if tp is int:
+        return _integer(v, source, key)
+    if tp is float:
+        return _number(v, source, key)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ContractError(f"{_where(source, key)}: expected true or false, got {v!r}")
+        return v
+    raise TypeError(f"{key}: no check for {tp!r}")  # a field type this reader does not handle: a bug here

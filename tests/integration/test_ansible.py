@@ -600,10 +600,10 @@ def test_check_mode_reports_no_change(fleet: Fleet) -> None:
     assert not any(changed.values()), (changed, out[-4000:])
 
 
-# tasks that may report a change while the play refuses a spec after the fetch: the spec copy the fetch reads
-# and the model it fetched; nothing that writes an instance config or unit, or touches a running service
+# tasks that may report a change while the play refuses a spec after the fetch: the host's contract the fetch
+# reads and the model it fetched; nothing that writes an instance config or unit, or touches a running service
 FETCH_TASKS = {
-    "engine : Copy the fleet spec to the host (fetch, manifest and doctor read it)",
+    "engine : Write the host's contract (fetch, manifest and doctor read it)",
     "engine : Create the pushed model folders",
     "engine : Push model folders from the controller",
     "engine : Fetch and verify the models (vllm-fleet fetch; sha256 checksums)",

@@ -110,16 +110,18 @@ def test_a_failed_gpu_load_names_the_root_cause_behind_the_rank_tag(monkeypatch:
 def test_the_load_gets_the_environment_the_spec_gives_the_hosts_engines(
     monkeypatch: object, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
-    """``doctor SPEC --host H --load M``: the instances' common ``env`` reaches the load's process."""
+    """``doctor --contract HOST.json --load M``: the instances' common ``env`` reaches the load's process."""
     import argparse
 
-    from vllm_fleet.fleet.spec import load_spec
+    from vllm_fleet.fleet.host_contract import host_contract
+    from vllm_fleet.fleet.spec import load_spec, parse_spec
 
     data = load_spec(Path(__file__).resolve().parents[2] / "examples/tiny-cpu.yml").model_dump(mode="json")
     for m in data["models"]:
         m["env"] = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "ONLY_" + m["name"].upper().replace("-", "_"): "1"}
-    spec = tmp_path / "s.yml"
-    spec.write_text(json.dumps(data))
+    host = data["models"][0]["host"]
+    contract = tmp_path / "host.json"
+    contract.write_text(host_contract(parse_spec(data), host).dumps())
     seen: list[dict[str, str] | None] = []
 
     def fake_check(*args: object) -> list[doctor.Layer]:
@@ -127,8 +129,7 @@ def test_the_load_gets_the_environment_the_spec_gives_the_hosts_engines(
         return [doctor.Layer("tiny-load", "ok", "fine")]
 
     monkeypatch.setattr(doctor, "check", fake_check)  # type: ignore[attr-defined]
-    host = data["models"][0]["host"]
-    a = argparse.Namespace(spec=str(spec), host=host, profile=None, load="/m", dtype="", json=True)
+    a = argparse.Namespace(contract=str(contract), profile=None, load="/m", dtype="", json=True)
     assert doctor._run(a) == 0
     common = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if len([m for m in data["models"] if m["host"] == host]) == 1:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.fleet.spec import parse_spec
+from vllm_fleet.contracts import HostModel
+from vllm_fleet.fleet.host_contract import fleet_models, host_contract
+from vllm_fleet.fleet.spec import FleetSpec, parse_spec
 from vllm_fleet.host.fetch import MANIFEST, FetchError, fetch_all
 
 
-def _spec(model_dir: Path, checksums: dict[str, str] | None = None, name: str = "m") -> object:
+def _spec(model_dir: Path, checksums: dict[str, str] | None = None, name: str = "m") -> FleetSpec:
     return parse_spec(
         {
             "stack": {"profile": "cpu"},
@@ -30,6 +32,11 @@ def _spec(model_dir: Path, checksums: dict[str, str] | None = None, name: str = 
     )
 
 
+def _models(spec: FleetSpec, host: str | None = None) -> list[HostModel]:
+    """What fetch gets: a host's contract's models, or (controller, no host) every model of the spec."""
+    return host_contract(spec, host).models if host else fleet_models(spec)
+
+
 def _model(d: Path) -> dict[str, str]:
     d.mkdir(parents=True)
     files = {"config.json": b'{"a": 1}', "sub/weights.safetensors": b"\x00" * 1000}
@@ -42,13 +49,13 @@ def _model(d: Path) -> dict[str, str]:
 def test_verify_write_manifest_then_unchanged(tmp_path: Path) -> None:
     sums = _model(tmp_path / "tiny")
     spec = _spec(tmp_path / "tiny", sums)
-    first = fetch_all(spec, host="h1")  # type: ignore[arg-type]
+    first = fetch_all(_models(spec, "h1"))
     assert first[0].changed and first[0].files == sums
     assert not first[1].changed and first[1].path == first[0].path  # shared folder: fetched once
     manifest = json.loads((tmp_path / "tiny" / MANIFEST).read_text())
     assert manifest["source"] == {"kind": "path", "repo": str(tmp_path / "tiny"), "revision": "local"}
     assert {k: v["sha256"] for k, v in manifest["files"].items()} == sums
-    again = fetch_all(spec, host="h1")  # type: ignore[arg-type]
+    again = fetch_all(_models(spec, "h1"))
     assert not again[0].changed
 
 
@@ -56,29 +63,29 @@ def test_checksum_mismatch_names_the_file(tmp_path: Path) -> None:
     sums = _model(tmp_path / "tiny")
     sums["config.json"] = "0" * 64
     with pytest.raises(FetchError, match=r"config.json: sha256 .* != expected 0{64}"):
-        fetch_all(_spec(tmp_path / "tiny", sums))  # type: ignore[arg-type]
+        fetch_all(_models(_spec(tmp_path / "tiny", sums)))
 
 
 def test_tampered_file_is_detected_on_rerun(tmp_path: Path) -> None:
     sums = _model(tmp_path / "tiny")
     spec = _spec(tmp_path / "tiny", sums)
-    fetch_all(spec)  # type: ignore[arg-type]
+    fetch_all(_models(spec))
     (tmp_path / "tiny" / "config.json").write_bytes(b'{"a": 2}')
     with pytest.raises(FetchError, match=r"config\.json"):
-        fetch_all(spec)  # type: ignore[arg-type]
+        fetch_all(_models(spec))
 
 
 def test_missing_expected_file(tmp_path: Path) -> None:
     sums = _model(tmp_path / "tiny")
     sums["tokenizer.json"] = "1" * 64
     with pytest.raises(FetchError, match=r"tokenizer\.json: missing"):
-        fetch_all(_spec(tmp_path / "tiny", sums))  # type: ignore[arg-type]
+        fetch_all(_models(_spec(tmp_path / "tiny", sums)))
 
 
 def test_missing_path_and_copy_from(tmp_path: Path) -> None:
     sums = _model(tmp_path / "src" / "tiny")
     spec = _spec(tmp_path / "dest" / "tiny", sums)
     with pytest.raises(FetchError, match="does not exist"):
-        fetch_all(spec)  # type: ignore[arg-type]
-    res = fetch_all(spec, copy_from=tmp_path / "src")  # type: ignore[arg-type]
+        fetch_all(_models(spec))
+    res = fetch_all(_models(spec), copy_from=tmp_path / "src")
     assert res[0].changed and (tmp_path / "dest" / "tiny" / "sub" / "weights.safetensors").is_file()

@@ -203,17 +203,53 @@ def test_the_controller_never_loads_host_code() -> None:
 
 
 def test_host_code_takes_only_the_typed_parts_of_fleet() -> None:
-    """From fleet/, host code imports the spec's types, the engine's argv and its flags, nothing else (the
-    table in docs/architecture.md)."""
-    allowed = {
-        "vllm_fleet.fleet",
-        "vllm_fleet.fleet.spec",
-        "vllm_fleet.fleet.engine",
-        "vllm_fleet.fleet.engine_flags",
-    }
+    """From fleet/, host code may import the engine's flag facts (standard library data), nothing else (the
+    table in docs/architecture.md): what it needs of the spec comes in its contract file."""
+    allowed = {"vllm_fleet.fleet", "vllm_fleet.fleet.engine_flags"}
     for name in _room("vllm_fleet.host"):
         fleet = {t for t in _ours(IMPORTS[name]) if t.startswith("vllm_fleet.fleet")}
         assert fleet <= allowed, (name, sorted(fleet - allowed))
+
+
+SPEC_READERS = {"load_spec", "parse_spec"}
+SPEC_SIDE = {"vllm_fleet.fleet.spec", "vllm_fleet.fleet.modelinfo"}
+
+
+def _spec_reads(name: str) -> list[str]:
+    """How module ``name`` reaches the spec: the spec-side modules it imports (lazily too) or loads through
+    others, and each line that calls or names ``load_spec`` / ``parse_spec``."""
+    direct = {t for t, _ in IMPORTS[name]} if name in IMPORTS else {t for t, _ in _imports(name)}
+    found = sorted(direct & SPEC_SIDE)
+    if name in IMPORTS:
+        found += sorted(f"loads {t}" for t in _loaded_by([name]) & SPEC_SIDE)
+    for n in ast.walk(ast.parse(FILES[name].read_text())):
+        if isinstance(n, ast.Name) and n.id in SPEC_READERS:
+            found.append(f"line {n.lineno}: {n.id}")
+        elif isinstance(n, ast.Attribute) and n.attr in SPEC_READERS:
+            found.append(f"line {n.lineno}: .{n.attr}")
+        elif isinstance(n, ast.alias) and n.name.rpartition(".")[2] in SPEC_READERS:
+            found.append(f"imports {n.name}")
+    return found
+
+
+def test_a_host_reads_its_contract_not_the_spec() -> None:
+    """A host reads its host's contract file (CONFIG_DIR/host.json, ``contracts.HostContract``), not the
+    whole spec: no module of host/ imports ``vllm_fleet.fleet.spec`` (lazily either, nor through another
+    module, e.g. ``fleet.engine``) nor ``fleet.modelinfo``, and none calls or names ``load_spec`` /
+    ``parse_spec``."""
+    for name in _room("vllm_fleet.host"):
+        assert _spec_reads(name) == [], name
+
+
+def test_the_spec_check_sees_a_lazy_import_and_a_call(tmp_path: Path) -> None:
+    """The check above fails on what it forbids: a lazy import of the spec inside a function, and its call."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f(p):\n    from vllm_fleet.fleet import spec\n\n    return spec.load_spec(p)\n")
+    FILES["vllm_fleet.host.fake"] = fake
+    try:
+        assert _spec_reads("vllm_fleet.host.fake") == ["vllm_fleet.fleet.spec", "line 4: .load_spec"]
+    finally:
+        del FILES["vllm_fleet.host.fake"]
 
 
 def test_the_product_does_not_import_the_harness() -> None:
@@ -222,6 +258,7 @@ def test_the_product_does_not_import_the_harness() -> None:
         *_room("vllm_fleet.host"),
         *_room("vllm_fleet.bench"),
         "vllm_fleet.cli",
+        "vllm_fleet.host_commands",
         "vllm_fleet.file_lock",
         "vllm_fleet.files",
         "vllm_fleet.vllm_metrics",

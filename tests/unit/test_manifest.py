@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.fleet.spec import parse_spec
+from vllm_fleet.fleet.host_contract import host_contract
+from vllm_fleet.fleet.spec import parse_spec, spec_hash
 from vllm_fleet.host import manifest
 from vllm_fleet.host.fetch import fetch_all
 from vllm_fleet.host.manifest import build_manifest, write_manifest
@@ -29,9 +30,13 @@ def test_manifest_content_and_idempotent_write(tmp_path: Path, monkeypatch: pyte
             ],
         }
     )
-    fetch_all(spec)
-    data = build_manifest(spec, "h1")
-    assert data["profile"] == "cpu" and data["pinned_vllm"] == "0.32.0" and len(data["spec_hash"]) == 16
+    contract = host_contract(spec, "h1")
+    fetch_all(contract.models)
+    data = build_manifest(contract)
+    assert (
+        data["profile"] == "cpu" and data["pinned_vllm"] == "0.32.0" and data["spec_hash"] == spec_hash(spec)
+    )
+    assert (data["fleet"], data["host"]) == ("t", "h1")
     assert data["stack"]["vllm"] == "0.32.0" and data["stack"]["torch"].startswith("2.13.0")
     assert data["stack"]["cpu"]["flags"]["avx2"] == ("avx2" in Path("/proc/cpuinfo").read_text())
     inst = data["instances"][0]

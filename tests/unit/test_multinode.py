@@ -266,6 +266,7 @@ def test_render_rank0_and_worker_units() -> None:
 
 def test_fetch_gets_the_models_of_a_hosts_workers_too(tmp_path: Path) -> None:
     """A worker-only host loads its share from its own copy of the model: `fetch --host h2` includes it."""
+    from vllm_fleet.fleet.host_contract import host_contract
     from vllm_fleet.host.fetch import fetch_all
 
     model = tmp_path / "tiny"
@@ -274,10 +275,11 @@ def test_fetch_gets_the_models_of_a_hosts_workers_too(tmp_path: Path) -> None:
     d = copy.deepcopy(CPU)
     d["models"][0]["source"] = {"path": str(model)}
     spec = parse_spec(d)
-    assert [r.instance for r in fetch_all(spec, host="h2")] == ["tiny-tp2"]
-    assert [r.instance for r in fetch_all(spec, host="h1")] == ["tiny-tp2"]
+    assert [r.instance for r in fetch_all(host_contract(spec, "h2").models)] == ["tiny-tp2"]
+    assert [r.instance for r in fetch_all(host_contract(spec, "h1").models)] == ["tiny-tp2"]
+    assert [i.name for i in host_contract(spec, "h2").instances] == []  # its rank's model, not its instance
     d["models"][0]["placement"] = []
-    assert fetch_all(parse_spec(d), host="h2") == []
+    assert fetch_all(host_contract(parse_spec(d), "h2").models) == []
 
 
 def test_render_infiniband_device_allow() -> None:

@@ -287,16 +287,17 @@ def test_the_doctor_checks_the_named_stack_and_its_instances_on_the_host(
 ) -> None:
     import argparse
 
+    from vllm_fleet.fleet.host_contract import host_contract
     from vllm_fleet.host import doctor
 
-    f = tmp_path / "s.yml"
-    f.write_text(yaml.safe_dump(FALLBACK))
+    f = tmp_path / "host.json"
+    f.write_text(host_contract(parse_spec(FALLBACK), "h100-a").dumps())
     seen: list[tuple[object, ...]] = []
     monkeypatch.setattr(doctor, "check", lambda *a, **k: seen.append(a) or [])
     p = argparse.ArgumentParser()
     doctor.add_args(p)
     for stack in ("cpu-fallback", "default", ""):
-        argv = [str(f), "--host", "h100-a", "--layers", "tiny-load", "--load", "/m", "--json"]
+        argv = ["--contract", str(f), "--layers", "tiny-load", "--load", "/m", "--json"]
         doctor._run(p.parse_args([*argv, "--stack", stack] if stack else argv))
     (cpu, gpu, first) = seen
     # profile, release, min driver, GPUs expected, model, dtype: the cpu stack's one instance (bf16, no GPU)
@@ -318,15 +319,16 @@ def test_host_layers_of_a_host_running_both_profiles() -> None:
 
 
 def test_the_manifest_lists_the_hosts_stacks_only_when_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_fleet.fleet.host_contract import host_contract
     from vllm_fleet.host import manifest
     from vllm_fleet.host.manifest import build_manifest
 
     monkeypatch.setattr(manifest, "stack_facts", lambda profile: {"profile": profile})  # no package scan
 
-    got = build_manifest(parse_spec(FALLBACK), "h100-a")
+    got = build_manifest(host_contract(parse_spec(FALLBACK), "h100-a"))
     assert got["stacks"] == {
         "default": {"profile": "gpu", "pinned_vllm": "0.33.0"},
         "cpu-fallback": {"profile": "cpu", "pinned_vllm": "0.32.0"},
     }
     assert (got["profile"], got["pinned_vllm"], got["stack"]) == ("gpu", "0.33.0", {"profile": "gpu"})
-    assert "stacks" not in build_manifest(parse_spec(SEED1), "h100-a")
+    assert "stacks" not in build_manifest(host_contract(parse_spec(SEED1), "h100-a"))

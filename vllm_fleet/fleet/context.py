@@ -3,7 +3,8 @@
 ``vf``: the normalised fleet spec (plain dicts) plus derived facts: ``vf.host`` (the host being rendered),
 ``vf.instances`` (instances on that host, each with its engine command, env, listen address, unit name),
 ``vf.all_instances`` (every instance in the fleet), ``vf.upstreams`` (gateway pools per served model),
-``vf.plan`` (the capacity plan). Per-instance templates also get ``instance``.
+``vf.plan`` (the capacity plan), ``vf.host_contract`` (the host's contract: ``{config_dir}/host.json``).
+Per-instance templates also get ``instance``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm_fleet.fleet.engine import (
     model_path,
     rank_address,
 )
+from vllm_fleet.fleet.host_contract import HostContracts
 from vllm_fleet.fleet.hostplan import host_deploy_plan
 from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
@@ -217,6 +219,7 @@ class HostVars:
         self.instances: dict[str, list[dict[str, Any]]] = {}
         for i in fleet["all_instances"]:
             self.instances.setdefault(i["host"], []).append(i)
+        self.contracts = HostContracts(spec, fleet["spec_hash"])
 
     def __call__(self, host: str) -> dict[str, Any]:
         """``host``'s part of ``vf``: its typed plan (``HostDeployPlan``, fleet/hostplan.py), dumped."""
@@ -235,6 +238,8 @@ class HostVars:
             firewall=firewall_rules(spec, host),
             # where this host's exporters listen (loopback on the monitoring host, else the internal address)
             exporter_address=exporter_address(spec, host),
+            # what fetch, manifest and doctor read on this host ({config_dir}/host.json; vllm_fleet/contracts.py)
+            host_contract=self.contracts(host),
         ).model_dump(mode="json")
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_fleet.contracts import HostContract
 from vllm_fleet.fleet.engine import model_path
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
@@ -106,6 +107,9 @@ class HostDeployPlan(BaseModel):
     exporter_address: str
     firewall_rules: list[dict[str, Any]]
     doctor: dict[str, Any]
+    # the host's contract ({config_dir}/host.json, vllm_fleet/contracts.py HostContract): what fetch, manifest
+    # and the doctor read on the host instead of the spec (the engine artifact host.json is its text)
+    host_contract: dict[str, Any]
 
 
 def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
@@ -139,6 +143,7 @@ def host_deploy_plan(
     workers: list[dict[str, Any]],
     firewall: list[dict[str, Any]],
     exporter_address: str,
+    host_contract: HostContract,
 ) -> HostDeployPlan:
     """``host``'s plan from the spec, its ``hosts[]`` entry (``dumped``) and what the capacity plan gives it:
     its ``ports`` (port -> spec field) and the ``weight_bytes`` of its instances."""
@@ -162,6 +167,7 @@ def host_deploy_plan(
         exporter_address=exporter_address,
         firewall_rules=firewall,
         doctor=doctor_checks(spec, host).as_vars(),
+        host_contract=host_contract.to_dict(),
     )
 
 

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from vllm_fleet.contracts import COMMIT_RE as COMMIT_RE  # re-exported: plan.py and others import it from here
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
 from vllm_fleet.contracts import probe_timing_problems
 
@@ -92,8 +93,8 @@ class Host(_Model):
 # --------------------------------------------------------------------------- models
 
 
-# a pinned hub revision that cannot move: a full commit hash
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+# a pinned hub revision that cannot move: a full commit hash (``COMMIT_RE``, from the contracts: the fetch on a
+# host resolves revisions with it too)
 
 
 class HfSource(_Model):

@@ -31,7 +31,7 @@ from typing import Any
 
 # relative imports: the same files also run as ``ansible.module_utils.vllm_fleet...`` inside the bundle's
 # vllm_fleet_doctor module on a host that has no vllm-fleet yet (ansible/plugins/module_utils)
-from ..contracts import NVSMI_FIELDS, nvidia_smi_text, parse_nvidia_smi
+from ..contracts import NVSMI_FIELDS, ContractError, HostContract, nvidia_smi_text, parse_nvidia_smi
 from . import cpu_features
 from .engine_death import cause_in
 
@@ -477,18 +477,24 @@ def _layer_list(text: str) -> list[str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", nargs="?", help="fleet spec (profile, pinned version, GPUs of --host)")
-    p.add_argument("--host", help="host in the spec (its GPUs, the GPUs its models use, their dtype and env)")
+    """The host's command line: ``--contract`` (this host's CONFIG_DIR/host.json) or ``--profile``;
+    ``vllm-fleet doctor`` adds a fleet spec and ``--host`` as another source (vllm_fleet.host_commands)."""
+    p.add_argument(
+        "--contract",
+        metavar="PATH",
+        help="this host's contract (CONFIG_DIR/host.json, written by the play): its stacks, its GPUs, the GPUs "
+        "its instances use, their dtype and env",
+    )
     p.add_argument(
         "--profile",
         choices=["cpu", "gpu", "gpu+cpu"],
-        help="without a spec (gpu+cpu: a host running stacks of both profiles; host layers only)",
+        help="without a contract (gpu+cpu: a host running stacks of both profiles; host layers only)",
     )
     p.add_argument(
         "--stack",
         default="",
-        help="with a spec: the stack checked (a name of its `stacks`, or default; default: the first stack "
-        "--host runs) and, with --host, that stack's instances there",
+        help="the stack checked (a name of the host's stacks, or default; default: the first stack the host "
+        "runs) and that stack's instances on the host",
     )
     p.add_argument(
         "--layers",
@@ -497,10 +503,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="A,B",
         help=f"only these layers (of {','.join(LAYERS)}); default: all",
     )
-    p.add_argument("--vllm-version", default=None, help="the pinned vLLM release (default: the spec's)")
-    p.add_argument("--min-driver", type=int, default=None, help="lowest NVIDIA driver (default: the spec's)")
+    p.add_argument("--vllm-version", default=None, help="the pinned vLLM release (default: the stack's)")
+    p.add_argument("--min-driver", type=int, default=None, help="lowest NVIDIA driver (default: the stack's)")
     p.add_argument(
-        "--expect-gpus", type=int, default=None, help="GPUs the models use (default: the spec's for --host)"
+        "--expect-gpus",
+        type=int,
+        default=None,
+        help="GPUs the models use (default: the host's on that stack)",
     )
     p.add_argument(
         "--host-gpus",
@@ -508,7 +517,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='the spec\'s hosts[].gpus ({"count", "model", "compute_capability", "detect", "field"}); '
-        "default: --host's",
+        "default: the contract's",
     )
     p.add_argument(
         "--load", default="", metavar="MODEL_PATH", help="also load this model and generate 4 tokens"
@@ -525,46 +534,58 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--instances-dir",
-        default="/etc/vllm-fleet/instances",
-        help="instance configs of this host (--idle-gpu: the GPUs of the running ones are taken)",
+        default=None,
+        help="instance configs of this host (--idle-gpu: the GPUs of the running ones are taken); default: "
+        "the contract's CONFIG_DIR/instances, else /etc/vllm-fleet/instances",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_run)
 
 
-def _run(a: argparse.Namespace) -> int:
+def _run(a: argparse.Namespace, contract: HostContract | None = None) -> int:
+    """The layers as the arguments say; ``contract``: the host's (else read from ``--contract``, if given)."""
+    if contract is None and getattr(a, "contract", None):
+        try:
+            contract = HostContract.load(a.contract)
+        except OSError as exc:
+            print(f"doctor: --contract {a.contract}: cannot read it ({exc.strerror})", file=sys.stderr)
+            return 2
+        except ContractError as exc:
+            print(f"doctor: --contract: {exc}", file=sys.stderr)
+            return 2
     profile, version, min_driver, expect, dtype = a.profile or "gpu", "", 0, 0, a.dtype or "auto"
     env: dict[str, str] = {}
     host_gpus: dict[str, Any] | None = None
-    if a.spec:
-        from vllm_fleet.fleet.spec import load_spec
-
-        spec = load_spec(a.spec)
-        name = getattr(a, "stack", "") or (
-            (spec.stacks_on(a.host) or ["default"])[0] if a.host else "default"
-        )
-        stack = spec.named_stack(name)
+    if contract is not None:
+        name = getattr(a, "stack", "") or contract.stacks[0].name
+        try:
+            stack = contract.stack(name)
+        except KeyError:
+            runs = ", ".join(s.name for s in contract.stacks)
+            print(f"doctor: --stack {name}: host {contract.host} runs the stacks {runs}", file=sys.stderr)
+            return 2
         profile, version, min_driver = stack.profile, stack.vllm_version, stack.min_driver
-        if a.host:
-            # the host's instances on that stack (their GPUs, dtype and env)
-            mine = [m for m in spec.models_on(a.host) if spec.stack_name(m) == name]
-            expect = max((g for m in mine for g in m.gpus), default=-1) + 1
-            index = [h.name for h in spec.hosts].index(a.host)
-            host_gpus = {**spec.hosts[index].gpus.model_dump(), "field": f"hosts[{index}].gpus"}
-            dtypes = {m.dtype for m in mine}
-            if not a.dtype and len(dtypes) == 1:
-                dtype = dtypes.pop()
-            # the load runs with the environment the spec gives this host's engines (e.g. a sampler switch
-            # a carried stack needs); instances that disagree on a variable leave it out
-            envs = [m.env for m in mine]
-            env = {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
+        # the host's instances on that stack (their GPUs, dtype and env)
+        mine = [m for m in contract.instances if m.stack == name]
+        expect = max((g for m in mine for g in m.gpus), default=-1) + 1
+        host_gpus = asdict(contract.gpus)
+        dtypes = {m.dtype for m in mine}
+        if not a.dtype and len(dtypes) == 1:
+            dtype = dtypes.pop()
+        # the load runs with the environment the spec gives this host's engines (e.g. a sampler switch
+        # a carried stack needs); instances that disagree on a variable leave it out
+        envs = [m.env for m in mine]
+        env = {k: v for k, v in (envs[0] if envs else {}).items() if all(e.get(k) == v for e in envs)}
+    instances_dir = getattr(a, "instances_dir", None) or (
+        f"{contract.paths.config_dir}/instances" if contract else "/etc/vllm-fleet/instances"
+    )
     version = version if getattr(a, "vllm_version", None) is None else a.vllm_version
     min_driver = min_driver if getattr(a, "min_driver", None) is None else a.min_driver
     expect = expect if getattr(a, "expect_gpus", None) is None else a.expect_gpus
     host_gpus = getattr(a, "host_gpus", None) or host_gpus
     layers = check(a.profile or profile, version, min_driver, expect, a.load, dtype, env,
                    getattr(a, "layers", None), host_gpus, getattr(a, "idle_gpu", False),
-                   getattr(a, "instances_dir", "/etc/vllm-fleet/instances"))  # fmt: skip
+                   instances_dir)  # fmt: skip
     if a.json:
         print(json.dumps([asdict(x) for x in layers], indent=2))
     else:

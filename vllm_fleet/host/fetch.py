@@ -1,4 +1,6 @@
-"""Model download and integrity: ``vllm-fleet fetch SPEC [--host H]``.
+"""Model download and integrity: ``vllm-fleet fetch --contract CONFIG_DIR/host.json`` on a host (the models of
+its contract, ``vllm_fleet.contracts.HostContract``); on the controller ``vllm-fleet fetch SPEC [--host H]``
+builds them from the spec (``vllm_fleet.host_commands``) and runs the same code.
 
 Sources (``models[].source``): Hugging Face (``huggingface_hub.snapshot_download`` into the model folder at the
 commit the pinned revision resolves to, recorded in the manifest; progress bars; a broken transfer resumes, a
@@ -17,16 +19,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.contracts import COMMIT_RE, ContractError, HostContract, HostModel
 from vllm_fleet.file_lock import file_lock
 from vllm_fleet.files import read_json_object, safetensors_bytes, sha256_file
-from vllm_fleet.fleet.engine import model_path
-from vllm_fleet.fleet.spec import COMMIT_RE, FleetSpec, ModelInstance, load_spec
 
 MANIFEST = ".vllm-fleet-checksums.json"
 SKIP_DIRS = {".cache", ".git", ".huggingface", "._____temp"}
@@ -60,7 +61,7 @@ def model_files(root: Path) -> list[Path]:
     return out
 
 
-def source_identity(m: ModelInstance) -> dict[str, str]:
+def source_identity(m: HostModel) -> dict[str, str]:
     return {"kind": m.source.kind, "repo": m.source.repo, "revision": m.source.revision}
 
 
@@ -95,7 +96,7 @@ def verify(files: dict[str, dict[str, Any]], expected: dict[str, str]) -> list[s
     return problems
 
 
-def _download_hf(m: ModelInstance, dest: Path) -> str:
+def _download_hf(m: HostModel, dest: Path) -> str:
     """snapshot_download at the commit the pinned revision resolves to (HF_ENDPOINT / HF_TOKEN apply);
     returns that commit. Files already in ``dest`` at that commit are kept; a broken transfer is resumed in
     place with a Range request (from the last 10 MiB written)."""
@@ -107,8 +108,8 @@ def _download_hf(m: ModelInstance, dest: Path) -> str:
         RevisionNotFoundError,
     )
 
-    src = m.source.hf
-    assert src
+    src = m.source
+    assert src.kind == "hf"
     field_ = f"models[{m.name}].source.hf"
     try:
         commit = src.revision
@@ -152,15 +153,15 @@ def drop_stale_partials(root: Path) -> list[Path]:
     return stale
 
 
-def _download_modelscope(m: ModelInstance, dest: Path) -> None:
+def _download_modelscope(m: HostModel, dest: Path) -> None:
     try:
         from modelscope import snapshot_download
     except ImportError:
         raise FetchError(
             "source.modelscope needs the `modelscope` package on this host (pip install modelscope)"
         ) from None
-    assert m.source.modelscope
-    snapshot_download(m.source.modelscope.repo, revision=m.source.modelscope.revision, local_dir=str(dest))
+    assert m.source.kind == "modelscope"
+    snapshot_download(m.source.repo, revision=m.source.revision, local_dir=str(dest))
 
 
 def _copy_tree(src: Path, dest: Path) -> None:
@@ -177,13 +178,12 @@ def _copy_tree(src: Path, dest: Path) -> None:
 
 
 def fetch_instance(
-    spec: FleetSpec,
-    m: ModelInstance,
+    m: HostModel,
     dest: Path | None = None,
     copy_from: Path | None = None,
     verify_all: bool = False,
 ) -> FetchResult:
-    root = dest or Path(model_path(spec, m))
+    root = dest or Path(m.model_path)
     ident = source_identity(m)
     previous = read_manifest(root)
     up_to_date = previous is not None and previous.get("source") == ident and not verify_all
@@ -241,22 +241,21 @@ def fetch_instance(
 
 
 def fetch_all(
-    spec: FleetSpec,
-    host: str | None = None,
+    models: Iterable[HostModel],
     instance: str | None = None,
     dest_dir: Path | None = None,
     copy_from: Path | None = None,
     verify_all: bool = False,
 ) -> list[FetchResult]:
-    """Fetch each distinct model folder once (instances sharing a path share the download)."""
+    """Fetch each distinct model folder of ``models`` once (instances sharing a path share the download): a
+    host's contract's ``models`` (those of its instances and of the multi-node ranks it runs: each loads its
+    share), or on the controller the spec's."""
     done: dict[str, FetchResult] = {}
     out: list[FetchResult] = []
-    for m in spec.models:
-        # a host needs the models of its instances and of the multi-node ranks it runs (each loads its share)
-        on_host = not host or m.host == host or any(n.host == host for n in m.placement)
-        if not on_host or (instance and m.name != instance):
+    for m in models:
+        if instance and m.name != instance:
             continue
-        dest = dest_dir / m.name if dest_dir else Path(model_path(spec, m))
+        dest = dest_dir / m.name if dest_dir else Path(m.model_path)
         key = str(dest)
         if key in done:
             r = done[key]
@@ -265,7 +264,7 @@ def fetch_all(
         src = None
         if copy_from is not None:
             src = copy_from / m.name if (copy_from / m.name).is_dir() else copy_from / dest.name
-        r = fetch_instance(spec, m, dest, src, verify_all)
+        r = fetch_instance(m, dest, src, verify_all)
         done[key] = r
         out.append(r)
     return out
@@ -285,8 +284,13 @@ def model_size(root: Path) -> dict[str, Any]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="fleet spec YAML")
-    p.add_argument("--host", help="only the models of this host")
+    """The host's command line: ``--contract`` (the play passes CONFIG_DIR/host.json); ``vllm-fleet fetch``
+    adds a fleet spec as the other source (vllm_fleet.host_commands)."""
+    p.add_argument(
+        "--contract",
+        metavar="PATH",
+        help="this host's contract (CONFIG_DIR/host.json, written by the play): fetch its models",
+    )
     p.add_argument("--instance", help="only this instance")
     p.add_argument(
         "--dest", help="download into DEST/INSTANCE instead of the host's model folders (controller)"
@@ -297,11 +301,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_run)
 
 
+def read_contract(path: str, command: str) -> HostContract | None:
+    """The host contract at ``path``; None (the reason printed, naming the file and the field) when it cannot
+    be read or is not one."""
+    try:
+        return HostContract.load(path)
+    except OSError as exc:
+        print(f"{command}: --contract {path}: cannot read it ({exc.strerror})", file=sys.stderr)
+    except ContractError as exc:
+        print(f"{command}: --contract: {exc}", file=sys.stderr)
+    return None
+
+
 def _run(a: argparse.Namespace) -> int:
-    spec = load_spec(a.spec)
+    if not a.contract:
+        print("fetch: give this host's contract: --contract CONFIG_DIR/host.json", file=sys.stderr)
+        return 2
+    contract = read_contract(a.contract, "fetch")
+    return 2 if contract is None else run(a, contract.models)
+
+
+def run(a: argparse.Namespace, models: list[HostModel]) -> int:
+    """Fetch ``models`` as the arguments say and print the results (one JSON object with ``--json``)."""
     try:
         results = fetch_all(
-            spec, a.host, a.instance, Path(a.dest) if a.dest else None,
+            models, a.instance, Path(a.dest) if a.dest else None,
             Path(a.copy_from) if a.copy_from else None, a.verify,
         )  # fmt: skip
     except FetchError as exc:
@@ -309,8 +333,8 @@ def _run(a: argparse.Namespace) -> int:
         return 1
     if a.json:
         # each model's config.json and weight bytes: the play plans again with them before any unit starts
-        models = [{**r.__dict__, **model_size(Path(r.path))} for r in results]
-        print(json.dumps({"changed": any(r.changed for r in results), "models": models}))
+        models_out = [{**r.__dict__, **model_size(Path(r.path))} for r in results]
+        print(json.dumps({"changed": any(r.changed for r in results), "models": models_out}))
     else:
         for r in results:
             state = "fetched/verified" if r.changed else "unchanged"

@@ -1,4 +1,6 @@
-"""The deployment manifest: what is deployed on a host, as JSON (``vllm-fleet manifest SPEC --host H``).
+"""The deployment manifest: what is deployed on a host, as JSON (``vllm-fleet manifest --contract
+CONFIG_DIR/host.json``: the host's contract, ``vllm_fleet.contracts.HostContract``; on the controller
+``vllm-fleet manifest SPEC --host H`` builds it from the spec, ``vllm_fleet.host_commands``).
 
 Driver, CUDA, torch and vLLM versions, GPU names and UUIDs, the spec hash, each instance's model revision and
 file checksums (from the fetch checksum manifest), flags, ports and GPUs, and the time it was written. The file
@@ -12,16 +14,15 @@ import importlib.metadata as md
 import json
 import platform
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.contracts import MANIFEST_PATH
-from vllm_fleet.fleet.engine import engine_args, model_path
-from vllm_fleet.fleet.spec import FleetSpec, load_spec, spec_hash
+from vllm_fleet.contracts import MANIFEST_PATH, HostContract
 from vllm_fleet.host import cpu_features
 from vllm_fleet.host.doctor import _py_json, driver_cuda_version, nvidia_gpus
-from vllm_fleet.host.fetch import read_manifest
+from vllm_fleet.host.fetch import read_contract, read_manifest
 
 DEFAULT_PATH = MANIFEST_PATH
 PY_TORCH = "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))"
@@ -57,15 +58,17 @@ def stack_facts(profile: str) -> dict[str, Any]:
     return facts
 
 
-def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
+def build_manifest(contract: HostContract) -> dict[str, Any]:
+    """The manifest of the contract's host (its instances, stacks and spec hash) and what is installed."""
     instances = []
-    for m in spec.models_on(host):
-        path = model_path(spec, m)
+    for m in contract.instances:
+        model = contract.model(m.name)
+        path = model.model_path
         sums = read_manifest(Path(path)) or {}
         instances.append(
             {
                 "name": m.name,
-                "unit": f"vllm@{m.name}.service",
+                "unit": m.unit,
                 "served_model_name": m.served_model_name,
                 "port": m.port,
                 "gpus": m.gpus,
@@ -74,12 +77,12 @@ def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
                 "max_model_len": m.max_model_len,
                 "gpu_memory_utilization": m.gpu_memory_utilization,
                 "role": m.role,
-                "args": engine_args(spec, m),
+                "args": m.args,
                 "model": {
                     "path": path,
-                    "source": m.source.kind,
-                    "repo": m.source.repo,
-                    "revision": m.source.revision,
+                    "source": model.source.kind,
+                    "repo": model.source.repo,
+                    "revision": model.source.revision,
                     # the commit a hub revision resolved to at fetch time ("" for a local path)
                     "commit": str(sums.get("commit", "")),
                     "checksums": {k: v["sha256"] for k, v in sums.get("files", {}).items()},
@@ -87,13 +90,13 @@ def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
             }
         )
     # the host's first stack: the one the role runs this from (every stack of the host in `stacks`)
-    names = spec.stacks_on(host) or ["default"]
-    first = spec.named_stack(names[0])
+    names = [s.name for s in contract.stacks]
+    first = contract.stacks[0]
     out: dict[str, Any] = {
-        "fleet": spec.name,
-        "host": host,
+        "fleet": contract.fleet,
+        "host": contract.host,
         "hostname": socket.gethostname(),
-        "spec_hash": spec_hash(spec),
+        "spec_hash": contract.spec_hash,
         "profile": first.profile,
         "pinned_vllm": first.vllm_version,
         "stack": stack_facts(first.profile),
@@ -101,8 +104,7 @@ def build_manifest(spec: FleetSpec, host: str) -> dict[str, Any]:
     }
     if names != ["default"]:  # a host that runs a named stack (models[].stack): each of its stacks
         out["stacks"] = {
-            n: {"profile": spec.named_stack(n).profile, "pinned_vllm": spec.named_stack(n).vllm_version}
-            for n in names
+            s.name: {"profile": s.profile, "pinned_vllm": s.vllm_version} for s in contract.stacks
         }
     return out
 
@@ -125,15 +127,26 @@ def write_manifest(data: dict[str, Any], path: Path) -> bool:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="fleet spec YAML")
-    p.add_argument("--host", required=True)
+    """The host's command line: ``--contract`` (the play passes CONFIG_DIR/host.json); ``vllm-fleet
+    manifest`` adds a fleet spec and ``--host`` as the other source (vllm_fleet.host_commands)."""
+    p.add_argument(
+        "--contract", metavar="PATH", help="this host's contract (CONFIG_DIR/host.json, written by the play)"
+    )
     p.add_argument("--out", default=DEFAULT_PATH, help=f"default {DEFAULT_PATH}; '-' prints it")
     p.set_defaults(handler=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
-    spec = load_spec(a.spec)
-    data = build_manifest(spec, a.host)
+    if not a.contract:
+        print("manifest: give this host's contract: --contract CONFIG_DIR/host.json", file=sys.stderr)
+        return 2
+    contract = read_contract(a.contract, "manifest")
+    return 2 if contract is None else run(a, contract)
+
+
+def run(a: argparse.Namespace, contract: HostContract) -> int:
+    """Write (or print, ``--out -``) the manifest of the contract's host."""
+    data = build_manifest(contract)
     if a.out == "-":
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
