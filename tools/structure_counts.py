@@ -3,8 +3,10 @@
 
     tools/structure_counts.py [--rev REV]      the checkout, or a git revision (e.g. a749057)
 
-Prints: the set_fact tasks of the roles; the tasks that pipe Python into ``python -c`` (and the role files run
-that way); the bundle's own Ansible modules; the longest functions and classes of the package; the places
+Prints: the set_fact tasks of the roles (and those whose Jinja still decides: list filters, if/else, JSON
+parsing), the lines of such Jinja in the roles; the tasks that pipe Python into ``python -c`` (and the role files run
+that way); the bundle's own Ansible modules and the Python functions the roles call
+(filters, lookups); the longest functions and classes of the package; the places
 ``routing.policy``'s default ("least_conn") is written in Python. Reads the files of the revision from git.
 """
 
@@ -50,6 +52,31 @@ def count(rev: str | None) -> dict[str, object]:
         for t in tasks.values()
     )
     piped = sorted(p for p in files(rev, "ansible/roles", ".py") if "/files/" in p)
+    # Jinja that decides: list filters, conditional expressions, parsing JSON output
+    deciding = re.compile(
+        r"selectattr|rejectattr|map\(|zip\(|combine\(|subelements|dict2items|from_json|\bif\b.*\belse\b"
+    )
+    jinja_lines = sum(
+        1
+        for t in tasks.values()
+        for line in t.splitlines()
+        if "{{" in line or line.strip().startswith(("|", "{%")) or deciding.search(line)
+        if deciding.search(line) and not line.lstrip().startswith("#")
+    )
+    computing = 0
+    for t in tasks.values():
+        for m in re.finditer(r"ansible\.builtin\.set_fact:", t):
+            nxt = re.search(r"^\s*- name:", t[m.end() :], re.M)
+            body = t[m.end() : m.end() + nxt.start()] if nxt else t[m.end() :]
+            body = "\n".join(x for x in body.splitlines() if not x.lstrip().startswith("#"))
+            computing += bool(deciding.search(body))
+    filters = files(rev, "ansible/plugins/filter", ".py")
+    called = sorted(
+        set(re.findall(r"\bvllm_fleet_[a-z_]+(?=\()|(?<=\| )vllm_fleet_[a-z_]+", "\n".join(tasks.values())))
+    )
+    python_calls = sorted(
+        n for n in called if any(f'"{n.removeprefix("vllm_fleet_")}"' in f for f in filters.values())
+    ) + sorted(set(re.findall(r"query\('(vllm_fleet_[a-z_]+)'", "\n".join(tasks.values()))))
     modules = sorted(Path(p).stem for p in files(rev, "ansible/plugins/modules", ".py"))
     funcs: list[tuple[int, str]] = []
     classes: list[tuple[int, str]] = []
@@ -67,9 +94,12 @@ def count(rev: str | None) -> dict[str, object]:
                 policy += 1
     return {
         "set_fact tasks in the roles": set_facts,
+        "set_fact tasks with list filters, if/else or JSON parsing in their Jinja": computing,
+        "lines of deciding Jinja in the roles' tasks and vars": jinja_lines,
         "python -c pipes in the roles": pipes,
         "Python files the roles run through python -c": piped,
         "the bundle's Ansible modules": modules,
+        "Python decisions the roles call (vllm_fleet_* filters and lookups)": python_calls,
         "longest functions": [f"{n} lines {w}" for n, w in sorted(funcs, reverse=True)[:5]],
         "longest classes": [f"{n} lines {w}" for n, w in sorted(classes, reverse=True)[:3]],
         # the spec's Literal names it and its default is it: 2 is the floor

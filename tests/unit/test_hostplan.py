@@ -168,3 +168,29 @@ def test_where_a_named_stack_installs_from(tmp_path: Path) -> None:
     _, b = stack_installs([GPU, same], GPU, _src(tmp_path, host_wheelhouse="/opt/vllm-fleet/wheelhouse"))
     assert b["install_lock"] == str(tmp_path / "locks" / "gpu-0.33.0.txt")
     assert b["host_wheelhouse"] == "/opt/vllm-fleet/wheelhouse" and b["id"] == gpu["id"]
+
+
+def test_where_the_rolling_restart_checks_an_instance_and_a_rank() -> None:
+    spec = load_spec(EXAMPLES / "tiny-cpu-multinode.yml")
+    h1 = build_context(spec, "h1")["vf"]
+    (inst,) = h1["instances"]
+    server = next(s for u in h1["upstreams"] for s in u["servers"] if s["instance"] == inst["name"])
+    assert inst["check_address"] == server["address"]  # the gateway's upstream address
+    (w,) = build_context(spec, "h2")["vf"]["workers"]
+    assert w["check_address"] == server["address"]
+    raw = yaml.safe_load((EXAMPLES / "tiny-cpu-multinode.yml").read_text())
+    raw["gateway"] = {**raw.get("gateway", {}), "enabled": False}
+    off = parse_spec(raw)
+    (inst,) = build_context(off, "h1")["vf"]["instances"]
+    assert inst["check_address"] == f"{inst['listen_address']}:{inst['port']}"
+    (w,) = build_context(off, "h2")["vf"]["workers"]
+    assert w["check_address"] == f"{w['master_addr']}:{w['port']}"
+
+
+def test_what_the_monitoring_role_installs_and_runs_on_each_host() -> None:
+    spec = load_spec(EXAMPLES / "tiny-cpu-2hosts.yml")  # h1: gateway, monitoring and engines; h2: engines
+    h1, h2 = (build_context(spec, h)["vf"] for h in ("h1", "h2"))
+    assert h1["monitoring_roles"] == ["host", "gateway", "monitoring"] and h2["monitoring_roles"] == ["host"]
+    assert h1["monitoring_services"] == ["prometheus-node-exporter", "vllm-fleet-exporter",
+                                         "prometheus-nginx-exporter", "prometheus", "prometheus-alertmanager"]  # fmt: skip
+    assert h2["monitoring_services"] == ["prometheus-node-exporter", "vllm-fleet-exporter"]

@@ -15,9 +15,9 @@ from vllm_fleet.fleet import playfacts as pf
 REPO = Path(__file__).resolve().parents[2]
 
 FILTERS = (
-    "layer_verdict", "engine_packages", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
+    "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
-    "model_tree", "model_pushes", "found_in_stack",
+    "model_tree", "model_pushes", "found_in_stack", "running_services",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -53,8 +53,8 @@ def test_a_doctor_that_gave_no_verdict_fails_with_how_it_ended() -> None:
 
 def test_the_packages_of_each_profile_and_those_dpkg_lacks() -> None:
     by = {"cpu": ["python3-venv", "libnuma1"], "gpu": ["python3-venv"]}
-    assert pf.engine_packages(by, ["gpu", "cpu"]) == ["python3-venv", "libnuma1"]
-    assert pf.engine_packages(by, ["gpu"]) == ["python3-venv"]
+    assert pf.packages_for(by, ["gpu", "cpu"]) == ["python3-venv", "libnuma1"]
+    assert pf.packages_for(by, ["gpu"]) == ["python3-venv"]
     dpkg = ["python3-venv installed", "libnuma1 not-installed"]
     assert pf.missing_packages(["python3-venv", "libnuma1"], dpkg) == ["libnuma1"]
     assert pf.missing_packages(["python3-venv", "libnuma1"], []) == ["python3-venv", "libnuma1"]
@@ -237,3 +237,13 @@ def test_torch_add_ons_found_in_one_stack() -> None:
              "cpu-b/triton": ["/s/b/triton-3.dist-info"], "pending": ["/var/lib/vllm-fleet/restart-pending/x"]}  # fmt: skip
     assert pf.found_in_stack(globs, "cpu-a") == ["triton"]
     assert pf.found_in_stack(globs, "default") == []
+
+
+def test_services_already_running_and_enabled() -> None:
+    units = {
+        "prometheus.service": {"ActiveState": "active", "UnitFileState": "enabled"},
+        "prometheus-alertmanager.service": {"ActiveState": "activating", "UnitFileState": "enabled"},
+        "prometheus-node-exporter.service": {"ActiveState": "active", "UnitFileState": "disabled"},
+        "vllm-fleet-exporter.service": {"ActiveState": "failed", "UnitFileState": "enabled"},
+    }
+    assert pf.running_services(units) == ["prometheus", "prometheus-alertmanager"]

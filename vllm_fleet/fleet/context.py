@@ -154,6 +154,11 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
     return sorted(out.values(), key=lambda u: u["model"])
 
 
+def upstream_addresses(ups: list[dict[str, Any]]) -> dict[str, str]:
+    """Instance name -> the address its gateway upstream reaches it at."""
+    return {srv["instance"]: srv["address"] for u in ups for srv in u["servers"]}
+
+
 def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     """The part of ``vf`` that is the same for every host (the spec, every instance, upstreams, the plan):
     built once per fleet. ``host_vars`` adds a host's part."""
@@ -166,6 +171,13 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     all_instances = [instance_ctx(spec, plan, m, plans[m.name], hosts[m.host]) for m in spec.models]
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
+    # where the rolling restart asks an instance for a completion: from the gateway host at its upstream
+    # address, else on its own host
+    reach = upstream_addresses(vf["upstreams"])
+    for inst in all_instances:
+        inst["check_address"] = (
+            reach[inst["name"]] if spec.gateway.enabled else f"{inst['listen_address']}:{inst['port']}"
+        )
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
     # the gateway's table and the router's index of it (vllm_fleet/fleet/routes.py)
     vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)
@@ -206,6 +218,7 @@ class HostVars:
 
     def __init__(self, spec: FleetSpec, fleet: dict[str, Any]) -> None:
         self.spec = spec
+        self.reach = upstream_addresses(fleet["upstreams"])
         self.hosts = {h.name: h for h in reversed(spec.hosts)}
         self.dumped: dict[str, dict[str, Any]] = {}
         for h, d in zip(spec.hosts, fleet["hosts"], strict=True):
@@ -221,6 +234,15 @@ class HostVars:
             self.instances.setdefault(i["host"], []).append(i)
         self.contracts = HostContracts(spec, fleet["spec_hash"])
 
+    def worker(self, m: ModelInstance, rank: int) -> dict[str, Any]:
+        """A headless rank's variables, with where the rolling restart checks its group: its rank 0 at the
+        gateway's upstream address, else at the master address on the instance's port."""
+        w = worker_ctx(self.spec, m, rank)
+        w["check_address"] = (
+            self.reach[m.name] if self.spec.gateway.enabled else f"{w['master_addr']}:{w['port']}"
+        )
+        return w
+
     def __call__(self, host: str) -> dict[str, Any]:
         """``host``'s part of ``vf``: its typed plan (``HostDeployPlan``, fleet/hostplan.py), dumped."""
         spec = self.spec
@@ -233,7 +255,7 @@ class HostVars:
             ports=self.ports.get(host, {}),
             weight_bytes=self.weights.get(host, 0),
             instances=list(self.instances.get(host, [])),
-            workers=[worker_ctx(spec, m, r) for m, r in spec.workers_on(host)],
+            workers=[self.worker(m, r) for m, r in spec.workers_on(host)],
             # what this host's firewall lets in (firewall/nftables.conf.j2)
             firewall=firewall_rules(spec, host),
             # where this host's exporters listen (loopback on the monitoring host, else the internal address)

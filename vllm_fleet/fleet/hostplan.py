@@ -104,6 +104,10 @@ class HostDeployPlan(BaseModel):
     modelscope_sources: list[str]
     is_gateway: bool
     is_monitoring: bool
+    # what the monitoring role installs here: every host's exporters, the gateway's, the monitoring server's
+    monitoring_roles: list[str]
+    # the services it runs here (Debian's service names; vllm-fleet-exporter beside engines)
+    monitoring_services: list[str]
     exporter_address: str
     firewall_rules: list[dict[str, Any]]
     doctor: dict[str, Any]
@@ -148,6 +152,8 @@ def host_deploy_plan(
     """``host``'s plan from the spec, its ``hosts[]`` entry (``dumped``) and what the capacity plan gives it:
     its ``ports`` (port -> spec field) and the ``weight_bytes`` of its instances."""
     stacks = host_stacks(spec, host)
+    gateway = spec.gateway.enabled and spec.gateway_host == host
+    monitoring = spec.monitoring.enabled and spec.monitoring_host == host
     return HostDeployPlan(
         host=dumped,
         host_stacks=stacks,
@@ -162,8 +168,13 @@ def host_deploy_plan(
         modelscope_sources=[
             f"models[{i['name']}].source.modelscope" for i in instances if i["source_kind"] == "modelscope"
         ],
-        is_gateway=spec.gateway.enabled and spec.gateway_host == host,
-        is_monitoring=spec.monitoring.enabled and spec.monitoring_host == host,
+        is_gateway=gateway,
+        is_monitoring=monitoring,
+        monitoring_roles=["host"] + ["gateway"] * gateway + ["monitoring"] * monitoring,
+        monitoring_services=["prometheus-node-exporter"]
+        + ["vllm-fleet-exporter"] * bool(instances)
+        + ["prometheus-nginx-exporter"] * gateway
+        + ["prometheus", "prometheus-alertmanager"] * monitoring,
         exporter_address=exporter_address,
         firewall_rules=firewall,
         doctor=doctor_checks(spec, host).as_vars(),

@@ -63,10 +63,10 @@ def layer_verdict(run: Mapping[str, Any], layer: str, host: str) -> dict[str, An
     }
 
 
-def engine_packages(by_profile: Mapping[str, list[str]], profiles: Iterable[str]) -> list[str]:
-    """The Debian packages the engines of a host need: those of each profile it runs (``vf.profiles``), each
-    once, in order."""
-    return list(dict.fromkeys(p for profile in profiles for p in by_profile.get(profile, [])))
+def packages_for(by_key: Mapping[str, list[str]], keys: Iterable[str]) -> list[str]:
+    """The Debian packages of ``keys``, each once, in order: an engine host's by the profiles it runs
+    (``vf.profiles``), a host's monitoring packages by its monitoring roles (``vf.monitoring_roles``)."""
+    return list(dict.fromkeys(p for key in keys for p in by_key.get(key, [])))
 
 
 def missing_packages(wanted: Iterable[str], dpkg_lines: Iterable[str]) -> list[str]:
@@ -257,3 +257,13 @@ def found_in_stack(globs: Mapping[str, list[str]], stack: str) -> list[str]:
     """The packages whose dist-info the host's state read found in ``stack``'s venv (its ``STACK/PACKAGE``
     glob keys with a match)."""
     return [k.split("/", 1)[1] for k, hits in globs.items() if hits and k.startswith(f"{stack}/")]
+
+
+def running_services(units: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """The services (names without ``.service``) systemd reports enabled and active or activating: starting
+    and enabling them would change nothing."""
+    return [
+        u.removesuffix(".service")
+        for u, st in units.items()
+        if st.get("ActiveState") in ("active", "activating") and st.get("UnitFileState") in ENABLED_STATES
+    ]

@@ -30,7 +30,7 @@ class FilterModule:
 
     NAMES = (
         "layer_verdict",
-        "engine_packages",
+        "packages_for",
         "missing_packages",
         "foreign_listeners",
         "unit_actions",
@@ -44,6 +44,7 @@ class FilterModule:
         "model_tree",
         "model_pushes",
         "found_in_stack",
+        "running_services",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:
