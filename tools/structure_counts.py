@@ -95,7 +95,7 @@ def count(rev: str | None) -> dict[str, object]:
     return {
         "set_fact tasks in the roles": set_facts,
         "set_fact tasks with list filters, if/else or JSON parsing in their Jinja": computing,
-        "lines of deciding Jinja in the roles' tasks and vars": jinja_lines,
+        "lines with list filters, if/else or JSON parsing in the roles' tasks and vars": jinja_lines,
         "python -c pipes in the roles": pipes,
         "Python files the roles run through python -c": piped,
         "the bundle's Ansible modules": modules,
