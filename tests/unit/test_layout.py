@@ -300,3 +300,31 @@ def test_cli_without_the_harness_offers_the_other_commands() -> None:
     listed = {m.group(1) for m in re.finditer(r"^    (\S+)", r.stdout, re.M)}
     assert listed == (set(cli.BUILTINS) | set(cli.PLUGINS)) - harness
     assert "UNAVAILABLE" not in r.stdout
+
+
+# a default (or a rule's constant) and the one module that may write it (the others import it)
+ONE_PLACE = [
+    ("least_conn", "vllm_fleet.fleet.spec"),  # routing.policy's default
+    ("PROBE_INTERVAL_PER_WATCHDOG", "vllm_fleet.contracts"),  # the watchdog timing rule
+    ("PROBE_TIMEOUT_PER_WATCHDOG", "vllm_fleet.contracts"),
+    ("SERVICE_DEFAULTS", "vllm_fleet.contracts"),  # the units' StartLimit*/TimeoutStartSec/RestartSec
+]
+
+
+def _written(name: str, tree: ast.AST, what: str) -> bool:
+    """``what`` is written in ``tree``: a string constant equal to it, or an assignment to that name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value == what:
+            return True
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == what for t in targets):
+                return True
+    return False
+
+
+def test_one_place_for_each_default() -> None:
+    trees = {name: ast.parse(path.read_text()) for name, path in FILES.items() if ".devtools." not in name}
+    for what, home in ONE_PLACE:
+        where = sorted(n for n, t in trees.items() if _written(n, t, what))
+        assert where == [home], f"{what} is written in {where}; only {home} may (the others import it)"
