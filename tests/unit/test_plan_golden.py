@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from vllm_fleet import cli
 
@@ -58,6 +59,12 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 def test_plan_output_matches_the_snapshot(
     case: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a model folder of the spec that exists on this machine (a controller that also serves) changes the plan:
+    # the snapshot is of a machine without it
+    local = [m["source"]["path"] for m in yaml.safe_load(Path(CASES[case][0]).read_text()).get("models") or []
+             if isinstance(m.get("source"), dict) and m["source"].get("path")]  # fmt: skip
+    if any(Path(p).exists() for p in local):
+        pytest.skip(f"{[p for p in local if Path(p).exists()]} exists here: the plan would read its model")
     monkeypatch.chdir(FIX)  # no ./locks here: the lock folder is only the one given
     rc_json, out_json = _run([*CASES[case], "--json"], capsys)
     rc_text, out_text = _run(CASES[case], capsys)
