@@ -87,11 +87,13 @@ class StreamGuard:
         held: Message | None = None
         retry_after = self.retry_after
 
-        async def guarded(message: Message) -> None:
+        def guarded(message: Message) -> Awaitable[None]:
+            # after the first event: the server's own send, no coroutine frame of ours per chunk
+            return send(message) if state == _PASS else decide(message)
+
+        async def decide(message: Message) -> None:
             nonlocal state, held
-            if state == _PASS:
-                await send(message)
-            elif state == _BEFORE:
+            if state == _BEFORE:
                 if message["type"] == "http.response.start":
                     status = message["status"]
                     if status == 200 and _is_event_stream(message.get("headers", ())):
