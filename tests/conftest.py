@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.testing import EngineProcess, SimEngineProcess
+from vllm_fleet.fleet.engine import STREAM_GUARD
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,9 +66,11 @@ def engine_factory(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="module")
 def bounded_engine(engine_factory: type, engine: EngineProcess) -> EngineProcess:
     """An engine with a tiny queue bound (``--max-num-seqs 2 --max-num-queued-reqs 2``: vLLM 0.32 caps the
-    unfinished requests, running + waiting, at 2; more get its own fast 503): a full instance for the
-    saturation alert and the engine contract's admission check (one per module that uses it)."""
-    e: EngineProcess = engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"])  # type: ignore[operator]
+    unfinished requests, running + waiting, at 2; more get its own fast 503) and the launcher's stream guard
+    (``--middleware``, as every launched engine has): a full instance for the saturation alert and the engine
+    contract's admission checks (one per module that uses it)."""
+    extra = ["--max-num-seqs", "2", "--max-num-queued-reqs", "2", "--middleware", STREAM_GUARD]
+    e: EngineProcess = engine_factory(extra=extra)  # type: ignore[operator]
     return e.wait_ready(900)
 
 

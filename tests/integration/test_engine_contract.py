@@ -5,7 +5,8 @@ Each check is parametrized over ``vllm`` (the session's real engines, marked ``e
 endpoints and status codes; the JSON shapes (keys and types) of plain and streamed OpenAI and Anthropic answers;
 SSE framing; error bodies; every vLLM metric that the product reads — derived from the alert rules, the
 dashboards' queries, the launcher's probe, ``vllm-fleet status``, ``drain`` and ``bench`` — with its type and
-labels; the admission 503 (body, headers, and what the launcher's probe makes of it); drain on SIGTERM.
+labels; the admission 503 (body, headers, and what the launcher's probe makes of it); a burst of streams
+refused before their first byte (the launcher's stream guard); drain on SIGTERM.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 
 from vllm_fleet.devtools.testing import EngineProcess, http_json
 from vllm_fleet.fleet import status
+from vllm_fleet.fleet.engine import STREAM_GUARD
 from vllm_fleet.fleet.observability.alerts import ALERTS
 from vllm_fleet.fleet.observability.dashboards import panel_queries
 from vllm_fleet.fleet.observability.thresholds import TTFT_BUCKETS
@@ -52,11 +54,13 @@ def subject(request: pytest.FixtureRequest) -> EngineProcess:
 
 @pytest.fixture(scope="module", params=KINDS)
 def bounded(request: pytest.FixtureRequest) -> EngineProcess:
-    """``--max-num-seqs 2 --max-num-queued-reqs 2``: the session's bounded real engine, or a sim engine."""
+    """``--max-num-seqs 2 --max-num-queued-reqs 2`` with the launcher's stream guard (``--middleware``): the
+    session's bounded real engine, or a sim engine."""
     if request.param == "vllm":
         return request.getfixturevalue("bounded_engine")  # type: ignore[no-any-return]
     make = request.getfixturevalue("sim_engine_factory")
-    return make(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "2"], token_delay=0.003)  # type: ignore[no-any-return]
+    extra = ["--max-num-seqs", "2", "--max-num-queued-reqs", "2", "--middleware", STREAM_GUARD]
+    return make(extra=extra, token_delay=0.003)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -146,6 +150,12 @@ MODELS = {"object": "list", "data": [{
 def without_fingerprint(schema: dict[str, Any]) -> dict[str, Any]:
     """With ``include_usage`` the finishing chunk has no ``system_fingerprint``: the usage event carries it."""
     return {k: v for k, v in schema.items() if k != "system_fingerprint"}
+
+
+BUSY = {"error": {
+    "message": "The engine is currently busy and cannot accept new requests. Please try again later or on a "
+               "different instance.",
+    "type": "Service Unavailable", "param": None, "code": 503}}  # fmt: skip
 
 
 def error(type_: str, code: int, param: Any) -> dict[str, Any]:
@@ -405,7 +415,8 @@ def burst(e: EngineProcess, n: int, tokens: int) -> list[tuple[int, dict[str, st
 
 def test_admission_503(bounded: EngineProcess) -> None:
     """``--max-num-queued-reqs 2`` caps the unfinished requests (running + waiting) at 2 in vLLM 0.32; more
-    get a JSON 503 with no Retry-After, which the launcher's probe takes for "alive and full"."""
+    get a JSON 503 (``Retry-After: 1`` from the stream guard), which the launcher's probe takes for "alive and
+    full"."""
     seen: list[probe.Answer] = []
     done = threading.Event()
 
@@ -428,16 +439,61 @@ def test_admission_503(bounded: EngineProcess) -> None:
     for st, headers, text in res:
         if st != 503:
             continue
-        assert headers["content-type"] == "application/json" and "retry-after" not in headers, headers
-        assert json.loads(text) == {"error": {
-            "message": "The engine is currently busy and cannot accept new requests. Please try again later or "
-                       "on a different instance.",
-            "type": "Service Unavailable", "param": None, "code": 503}}  # fmt: skip
+        assert headers["content-type"] == "application/json" and headers["retry-after"] == "1", headers
+        assert json.loads(text) == BUSY
     assert seen and seen[0].ok and seen[0].error == "full", seen
     _, samples = parse_exposition(raw(bounded, "GET", "/metrics")[2])
     assert {"model_name": MODEL, "reason": "max_num_queued_reqs"} in samples[
         "vllm:admission_rejections_total"
     ]
+
+
+def test_stream_refusals_come_before_the_first_byte(bounded: EngineProcess) -> None:
+    """60 streamed chat requests at once (a connection each) at a queue bound of 2: vLLM checks admission
+    before the response and again when the stream's generator first runs, and a request refused by the second
+    check used to be a 200 whose only event was the error. With the stream guard every refusal is a JSON 503
+    with Retry-After before any byte of a stream, and every 200 is a stream without an error event."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    out: list[tuple[int, dict[str, str], str]] = []
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        out.append(raw(bounded, "POST", "/v1/chat/completions", body))
+
+    log_start = bounded.log_path.stat().st_size
+    threads = [threading.Thread(target=one) for _ in range(60)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(300)
+    assert len(out) == 60
+    served = [text for st, _, text in out if st == 200]
+    refused = [(h, text) for st, h, text in out if st != 200]
+    error_streams = [t for t in served if any('"error"' in data for _, data in sse_events(t))]
+    assert error_streams == [], error_streams[:3]
+    for text in served:
+        assert sse_events(text)[-1][1] == "[DONE]" and json.loads(sse_events(text)[0][1])["object"] == (
+            "chat.completion.chunk"
+        )
+    assert {st for st, _, _ in out} <= {200, 503}
+    for headers, text in refused:
+        assert headers["content-type"] == "application/json" and headers["retry-after"] == "1", headers
+        assert json.loads(text) == BUSY
+    assert served and len(refused) >= 30, (len(served), len(refused))
+    # how many of the refusals the guard turned from a 200 stream into a 503 (the real engine logs each)
+    with bounded.log_path.open("rb") as f:
+        f.seek(log_start)
+        turned = f.read().count(b"Error in chat completion stream generator")
+    print(
+        f"stream burst: {len(served)} served, {len(refused)} × 503 (of which {turned} refused in the stream)"
+    )
 
 
 def test_sigterm_drains_in_flight_requests(bounded: EngineProcess) -> None:

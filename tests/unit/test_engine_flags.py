@@ -10,7 +10,7 @@ import yaml
 
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.engine import engine_args
-from vllm_fleet.fleet.engine_flags import MANAGED, check_args, option_name
+from vllm_fleet.fleet.engine_flags import APPENDED, MANAGED, check_args, option_name
 from vllm_fleet.fleet.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,10 +48,11 @@ def test_every_flag_the_engine_command_sets_is_managed(example: str) -> None:
     args = _every_typed_field(example, "0.32.0")
     emitted = {a for a in args if a.startswith("--")}
     assert "--max-num-queued-reqs" in emitted and "--enforce-eager" in emitted  # all typed fields reached
-    assert emitted - MANAGED.keys() == set()
-    # and check_args refuses each of them again in extra_args
+    assert emitted - MANAGED.keys() == APPENDED == {"--middleware"}
+    # and check_args refuses each of them again in extra_args, but for one vLLM appends to
     assert KNOWN is not None
-    for flag in emitted:
+    assert check_args(["--middleware", "my.module.Other"], KNOWN) == []
+    for flag in emitted - APPENDED:
         assert check_args([flag], KNOWN)[0][1].startswith(f"{flag} is set by vllm-fleet"), flag
 
 

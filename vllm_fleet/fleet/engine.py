@@ -10,6 +10,10 @@ from __future__ import annotations
 from vllm_fleet.fleet.engine_flags import negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
+# the engine middleware that answers an overload refusal with 503 + Retry-After before a stream's first byte
+# (vllm_fleet/host/stream_guard.py; loaded by vLLM's API server, named here as a string: fleet never imports host)
+STREAM_GUARD = "vllm_fleet.host.stream_guard.StreamGuard"
+
 
 def model_path(spec: FleetSpec, m: ModelInstance) -> str:
     """Where the weights are on the host."""
@@ -113,6 +117,8 @@ def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
     if m.tool_call_parser:
         a += ["--tool-call-parser", m.tool_call_parser]
     a += ["--shutdown-timeout", str(m.shutdown_timeout)]
+    if release_has("--middleware", stack.profile, stack.vllm_version):
+        a += ["--middleware", STREAM_GUARD]
     a += list(m.extra_args)
     return a
 

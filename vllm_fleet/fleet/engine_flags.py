@@ -60,6 +60,10 @@ MANAGED = {
     "--shutdown-timeout": "shutdown_timeout",
 }
 
+# flags vllm-fleet sets that vLLM appends to (each occurrence adds one; a repeat in extra_args adds, it does
+# not replace): --middleware (the stream guard, vllm_fleet/host/stream_guard.py; a spec may load its own too)
+APPENDED = frozenset({"--middleware"})
+
 # vLLM's short aliases (vllm/engine/arg_utils.py, entrypoints/openai/cli_args.py of 0.21; `vllm serve --help=all`
 # prints them beside the long names) and the long option each stands for
 SHORT = {

@@ -281,11 +281,13 @@ def plan_queue(spec: FleetSpec, i: int, m: ModelInstance, suggested_max_num_seqs
     path = f"models[{i}]"
     stack = spec.stack_of(m)
     if not engine_flags.release_has("--max-num-queued-reqs", stack.profile, stack.vllm_version):
-        if not m.max_num_queued_reqs:
-            return QueuePlan(None, [])
+        if m.max_num_queued_reqs == 0:
+            return QueuePlan(None, [])  # unbounded on purpose
+        version = f"{stack_path(spec.stack_name(m))}.vllm_version"
         message = (
-            f"{path}.max_num_queued_reqs: vLLM {stack.vllm_version} has no --max-num-queued-reqs; "
-            "its queue stays unbounded"
+            f"{path}.max_num_queued_reqs: vLLM {stack.vllm_version} ({version}) has no --max-num-queued-reqs, "
+            "so the engine's queue cannot be bounded: under overload requests wait without end instead of "
+            "getting a fast 503 the gateway spills to another instance; pin a release that has it"
         )
         return QueuePlan(None, [_warning(f"{path}.max_num_queued_reqs", message)])
     if m.queue_bound is not None or m.max_num_queued_reqs == 0:
