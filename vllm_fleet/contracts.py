@@ -71,6 +71,18 @@ PROBE_INTERVAL_PER_WATCHDOG = 1 / 3
 PROBE_TIMEOUT_PER_WATCHDOG = 0.8
 
 
+# Keep-alive between the gateway and the engines, the one place both idle timeouts are written. The side that
+# reuses an idle connection must give it up first: nginx (the upstream pool's ``keepalive_timeout``) closes an
+# idle engine connection after GATEWAY_UPSTREAM_KEEPALIVE_SECONDS; the engine (uvicorn's ``timeout_keep_alive``,
+# set through VLLM_HTTP_TIMEOUT_KEEP_ALIVE) only after ENGINE_HTTP_KEEPALIVE_SECONDS. vLLM's default is 5 s, and
+# a client whose pool keeps connections longer (aiohttp: 15 s), or whose event loop is too busy to see the
+# engine's FIN in time, sends a request on a connection the engine has closed: a reset before any byte of an
+# answer, which no client retries for a POST. 75 s (nginx's own default for its clients) leaves the gateway a
+# margin of 71 s and stays above the common client pools (httpx 5 s, aiohttp 15 s); docs/gateway.md.
+GATEWAY_UPSTREAM_KEEPALIVE_SECONDS = 4
+ENGINE_HTTP_KEEPALIVE_SECONDS = 75
+
+
 def probe_timing(watchdog_seconds: float, interval: float, timeout: float) -> tuple[float, float]:
     """The probe interval and timeout used under a watchdog of ``watchdog_seconds`` (0: no watchdog, no limit)."""
     if watchdog_seconds <= 0:

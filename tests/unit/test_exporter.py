@@ -123,6 +123,44 @@ def test_access_log_tail_counts_codes_retries_and_survives_rotation(tmp_path: Pa
     assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="200"))] == 3
 
 
+def test_failed_upstream_tries_are_counted_by_kind_and_whether_they_were_retried(tmp_path: Path) -> None:
+    """$upstream_addr/$upstream_status list every try (", " within an upstream, " : " across the internal
+    redirects): a 502 try is a connection that failed before any response (a reused keep-alive connection the
+    engine had closed), a 504 a timeout; retried unless it was the request's last try."""
+    a, b = "127.0.0.1:8001", "127.0.0.1:8002"
+
+    def rec(status: int, addrs: str, statuses: str) -> str:
+        return (
+            json.dumps({"status": status, "model": "m", "upstream_addr": addrs, "upstream_status": statuses})
+            + "\n"
+        )
+
+    log = tmp_path / "access.log"
+    log.write_text(
+        rec(200, f"{a}, {a}", "502, 200")  # a closed keep-alive connection, the same server on a fresh one
+        + rec(
+            200, f"{a} : {b}, {a}", "503 : 502, 200"
+        )  # full, spilled: a closed connection in the spill twin
+        + rec(200, f"{a}, {b} : {a}", "502, 504 : 200")  # an error and a timeout, then the fallback
+        + rec(502, f"{a}, {b}", "502, 502")  # the last try failed too: the client got the gateway's 502
+        + rec(504, a, "504")
+        + rec(502, "m_m", "502")  # nginx's "no live upstreams": no try was made
+        + rec(200, a, "200")
+        + rec(200, "", "")
+    )
+    m = scrape(
+        FleetCollector(
+            tmp_path / "none", None, access_log=AccessLogTail(log, from_start=True), use_systemd=False
+        )
+    )
+    name = "vllm_fleet_gateway_upstream_failed_tries_total"
+    assert m[(name, lbl(model="m", kind="error", retried="true"))] == 4
+    assert m[(name, lbl(model="m", kind="error", retried="false"))] == 1
+    assert m[(name, lbl(model="m", kind="timeout", retried="true"))] == 1
+    assert m[(name, lbl(model="m", kind="timeout", retried="false"))] == 1
+    assert m[("vllm_fleet_gateway_requests_total", lbl(model="m", code="200"))] == 5
+
+
 def test_real_gateway_log_format_is_parsed(tmp_path: Path) -> None:
     """A line in the gateway's vf_json format (nginx/vllm-fleet.conf.j2)."""
     line = (

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS, GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.context import build_context
@@ -236,13 +238,14 @@ def test_broken_state_file_is_an_error_not_a_guess(rendered: NginxGateway, tmp_p
 
 def test_config_is_linear_in_the_instances(tmp_path: Path) -> None:
     """No per-instance copies of upstreams: with one model, N primaries and a backup, upstreams.conf has
-    2 × (N + 1) server lines in the model upstream and its spill twin, plus one one-server upstream each."""
+    3 × (N + 1) server lines in the model upstream and its spill and fresh twins, plus one one-server upstream
+    each."""
     for n in (2, 8, 32):
         servers = [{"name": f"p{i}", "port": 9000 + i} for i in range(n)]
         servers.append({"name": "bk", "port": 8999, "role": "backup"})
         spec = gateway_spec(servers, tmp_path)
         ups = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/vllm-fleet/upstreams.conf"]
-        assert sum(ln.strip().startswith("server ") for ln in ups.splitlines()) == 2 * (n + 1)
+        assert sum(ln.strip().startswith("server ") for ln in ups.splitlines()) == 3 * (n + 1)
         assert ups.count(" { server ") == n + 1
         (rt,) = build_context(spec, "h1")["vf"]["gateway_routes"]
         assert sorted(rt["solo"]) == sorted(s["name"] for s in servers)
@@ -255,6 +258,74 @@ def test_retry_policy_follows_the_spec(tmp_path: Path) -> None:
         conf = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
         assert ("non_idempotent" in conf.split("proxy_next_upstream error")[1].splitlines()[0]) is flag
         assert "proxy_next_upstream_tries 3;" in conf and "proxy_next_upstream_timeout 10s;" in conf
+
+
+def _blocks(text: str, opener: str) -> dict[str, str]:
+    """The ``opener NAME { ... }`` blocks of a rendered nginx file by name (their bodies, braces counted)."""
+    out: dict[str, str] = {}
+    for m in re.finditer(rf"^\s*{opener} (\S+) {{", text, re.M):
+        depth, k = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            k += 1
+        out[m.group(1)] = text[m.end() : k - 1]
+    return out
+
+
+def test_upstream_keep_alive_is_closed_by_nginx_long_before_the_engine(tmp_path: Path) -> None:
+    """The keep-alive contract (vllm_fleet/contracts.py): every pooled upstream gives an idle connection up after
+    GATEWAY_UPSTREAM_KEEPALIVE_SECONDS, the engines (VLLM_HTTP_TIMEOUT_KEEP_ALIVE in their environment) only
+    after ENGINE_HTTP_KEEPALIVE_SECONDS, far longer; the __fresh twins pool nothing."""
+    spec = gateway_spec(
+        [
+            {"name": "a", "port": 9001},
+            {"name": "b", "port": 9002},
+            {"name": "d", "port": 9004, "role": "fallback"},
+        ],
+        tmp_path,
+    )
+    files = {r.dest: r.content for r in render_host(spec, "h1")}
+    ups = _blocks(files["/etc/nginx/vllm-fleet/upstreams.conf"], "upstream")
+    assert {
+        "m_tiny_qwen3",
+        "m_tiny_qwen3__spill",
+        "m_tiny_qwen3__fresh",
+        "m_tiny_qwen3__fallback__fresh",
+    } <= set(ups)
+    for name, body in ups.items():
+        if name.endswith("__fresh"):
+            assert "keepalive" not in body and "max_fails=0" in body, name
+        else:
+            assert f"keepalive_timeout {GATEWAY_UPSTREAM_KEEPALIVE_SECONDS}s;" in body, name
+    assert ENGINE_HTTP_KEEPALIVE_SECONDS >= GATEWAY_UPSTREAM_KEEPALIVE_SECONDS + 60
+    for m in spec.models:
+        cfg = json.loads(files[f"{spec.paths.config_dir}/instances/{m.name}.json"])
+        assert cfg["environment"]["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == str(ENGINE_HTTP_KEEPALIVE_SECONDS)
+
+
+def test_a_pooled_connection_that_failed_gets_a_second_pass_on_new_ones(tmp_path: Path) -> None:
+    """A 502 of a model's upstream or its spill-over goes to the router's respill, which sends the request once
+    more over the __fresh twin or on to the fallback/JSON 502; the spill-over and the second pass retry a
+    connection error (and a POST) only with retry_non_idempotent."""
+    for flag in (True, False):
+        spec = gateway_spec(
+            [{"name": "a", "port": 9001}, {"name": "b", "port": 9002}], tmp_path, retry_non_idempotent=flag
+        )
+        conf = {r.dest: r.content for r in render_host(spec, "h1")}["/etc/nginx/conf.d/vllm-fleet.conf"]
+        locs = _blocks(conf, "location")
+        up = "m_tiny_qwen3"
+        assert "error_page 502 = @vf_respill_" + up + ";" in locs[f"/_vf/{up}/"]
+        assert "error_page 502 = @vf_respill_" + up + ";" in locs[f"@vf_spill_{up}"]
+        respill = locs[f"@vf_respill_{up}"]
+        assert f"set $vf_respill_of @vf_fresh_{up};" in respill and "set $vf_respill_to @vf_e502;" in respill
+        assert "js_content vf.respill;" in respill
+        fresh = locs[f"@vf_fresh_{up}"]
+        assert f"proxy_pass http://{up}__fresh;" in fresh and "error_page 502 @vf_e502;" in fresh
+        want = ("error timeout " if flag else "") + "http_503 non_idempotent;"
+        for loc in (f"@vf_spill_{up}", f"@vf_fresh_{up}"):
+            assert f"proxy_next_upstream {want}" in locs[loc], (flag, loc)
+        # the drain walk: nginx retries a failed reused connection itself only with the flag
+        assert ("non_idempotent" in locs["/_vfi/"].split("proxy_next_upstream ")[1].splitlines()[0]) is flag
 
 
 def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:

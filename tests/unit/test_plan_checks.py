@@ -149,6 +149,20 @@ def test_check_revision_is_a_warning() -> None:
     assert pc.check_revision(0, s.models[0]) == []
 
 
+def test_an_engine_keep_alive_near_the_gateways_is_refused_or_warned() -> None:
+    """models[].env may set VLLM_HTTP_TIMEOUT_KEEP_ALIVE: not a number or not above the gateway's 4 s refuses
+    the plan, below the fleet's 75 s warns, none or longer says nothing."""
+    assert pc.check_engine_keepalive(0, parse_spec(SEED4).models[0]) == []
+    for value, severity in (("abc", "problem"), ("4", "problem"), ("5", "warning"), ("74", "warning")):
+        (f,) = pc.check_engine_keepalive(
+            0, spec(SEED4, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": value}).models[0]
+        )
+        assert (f.path, f.severity) == ("models[0].env.VLLM_HTTP_TIMEOUT_KEEP_ALIVE", severity), value
+    assert (
+        pc.check_engine_keepalive(0, spec(SEED4, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}).models[0]) == []
+    )
+
+
 def test_plan_queue() -> None:
     s = spec(SEED4, max_num_seqs=None)
     q = pc.plan_queue(s, 0, s.models[0], 96)

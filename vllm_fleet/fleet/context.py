@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fleet import __version__
-from vllm_fleet.contracts import SERVICE_DEFAULTS
+from vllm_fleet.contracts import (
+    ENGINE_HTTP_KEEPALIVE_SECONDS,
+    GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
+    SERVICE_DEFAULTS,
+)
 from vllm_fleet.fleet.engine import (
     engine_command,
     engine_env,
@@ -184,6 +188,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
+    # nginx gives up an idle engine connection well before the engine does (vllm_fleet/contracts.py)
+    vf["gateway_upstream_keepalive_seconds"] = GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
+    vf["engine_http_keepalive_seconds"] = ENGINE_HTTP_KEEPALIVE_SECONDS
     # decided here, tested in the roles: an Ansible conditional must be a bool (ansible-core 2.19 refuses the
     # None of `vf.gateway.tls` when the spec has no gateway.tls)
     vf["gateway_tls"] = spec.gateway.tls is not None

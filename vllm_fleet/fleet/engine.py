@@ -7,6 +7,7 @@ cannot find its package metadata (the distribution is not named ``vllm``), see v
 
 from __future__ import annotations
 
+from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS
 from vllm_fleet.fleet.engine_flags import negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
@@ -147,6 +148,8 @@ def engine_env(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> dict[str, st
         "DO_NOT_TRACK": "1",
         "VLLM_LOGGING_PREFIX": f"[{m.name}] ",
         "PYTHONUNBUFFERED": "1",
+        # the engine closes an idle HTTP connection long after the gateway does (vllm_fleet/contracts.py)
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_HTTP_KEEPALIVE_SECONDS),
     }
     # pinned on both profiles (on cpu the engine ignores it, but pinning stays verifiable)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

@@ -26,6 +26,7 @@ from vllm_fleet.fleet.plan_checks import (
     Placed,
     check_alerts,
     check_dtypes,
+    check_engine_keepalive,
     check_extra_args,
     check_gateway_auth,
     check_primaries,
@@ -260,7 +261,7 @@ def _plan_instance(
     notes are the notes among them. ``cpu_weights``: weights of the cpu-profile instances planned before it."""
     spec, seen, host = x.spec, x.detected.get(m.host, {}), x.host_of[m.host]
     facts = facts_for(m, x.search_dirs, _fetched_facts(seen, m))
-    found = check_revision(i, m)
+    found = check_revision(i, m) + check_engine_keepalive(i, m)
     if spec.stack_of(m).profile == "gpu":  # the gpu profile's rules for gpu-profile instances only
         found += check_dtypes(host, i, m, facts, bool(seen.get("gpus")))
     on_host = x.by_host[m.host]

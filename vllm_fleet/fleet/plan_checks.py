@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS, GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.modelinfo import ModelFacts, kv_bytes_per_token, kv_dtype_bytes, weight_bytes
 from vllm_fleet.fleet.spec import COMMIT_RE, DEFAULT_STACK, FleetSpec, Host, ModelInstance
@@ -269,6 +270,39 @@ def check_revision(i: int, m: ModelInstance) -> list[Finding]:
             path, f"{path} {m.source.revision!r} is not a commit hash: pin the exact commit you validated"
         )
     ]
+
+
+def check_engine_keepalive(i: int, m: ModelInstance) -> list[Finding]:
+    """``models[].env`` may override the engine's HTTP keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): vLLM reads it with
+    int(), and a value near the gateway's upstream keep-alive lets the engine close connections nginx reuses
+    (vllm_fleet/contracts.py, docs/gateway.md)."""
+    value = m.env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    if value is None:
+        return []
+    path = f"models[{i}].env.VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+    try:
+        seconds = int(value)
+    except ValueError:
+        return [
+            _problem(path, f"{path} {value!r} is not a whole number of seconds: the engine would not start")
+        ]
+    if seconds <= GATEWAY_UPSTREAM_KEEPALIVE_SECONDS:
+        return [
+            _problem(
+                path,
+                f"{path} {seconds} s is not above the gateway's upstream keep-alive "
+                f"({GATEWAY_UPSTREAM_KEEPALIVE_SECONDS} s): the engine would close connections the gateway reuses",
+            )
+        ]
+    if seconds < ENGINE_HTTP_KEEPALIVE_SECONDS:
+        return [
+            _warning(
+                path,
+                f"{path} {seconds} s is below the fleet's {ENGINE_HTTP_KEEPALIVE_SECONDS} s: a busy engine or a "
+                "client whose loop lags longer meets connections the engine closed (docs/gateway.md)",
+            )
+        ]
+    return []
 
 
 class QueuePlan(NamedTuple):

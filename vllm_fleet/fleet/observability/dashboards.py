@@ -142,6 +142,10 @@ def overview_panels(a: dict[str, Any]) -> list[PanelDef]:
                     f"sum by (model) (rate(vllm_fleet_gateway_upstream_retries_total{{{M}}}[{RI}]))",
                     "{{model}} retried on another upstream",
                 ),
+                (
+                    f"sum by (model, retried) (rate(vllm_fleet_gateway_upstream_failed_tries_total{{{M}}}[{RI}]))",
+                    "{{model}} upstream tries failed (sent again: {{retried}})",
+                ),
             ],
             "reqps",
         ),

@@ -1,10 +1,11 @@
-"""The gateway's requests by model and HTTP status, upstream retries and request time, from its JSON access log
-(the nginx exporter has no status codes): tailed incrementally at each scrape, counters kept for the exporter's
-lifetime."""
+"""The gateway's requests by model and HTTP status, upstream retries, failed upstream tries and request time, from
+its JSON access log (the nginx exporter has no status codes): tailed incrementally at each scrape, counters kept
+for the exporter's lifetime."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,11 +19,37 @@ from vllm_fleet.host.exporter.common import PREFIX
 # gateway request duration buckets (seconds): interactive up to long generations
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
+# nginx lists each try in $upstream_addr / $upstream_status: ", " between the servers of one upstream, " : "
+# between upstreams (an internal redirect: spill-over, fallback, the drain walk)
+_TRIES = re.compile(r", | : ")
+# the status nginx records for a try that got no answer: 502 for a connection refused, reset or closed before the
+# response header (a reused keep-alive connection the engine had closed is one), 504 for a timeout
+_FAILED_TRY = {"502": "error", "504": "timeout"}
+
+
+def failed_tries(addrs: str, statuses: str) -> list[tuple[str, bool]]:
+    """The tries of one request that failed before any response: (kind, retried) each, ``retried`` when the
+    request was sent again after it (to the same server on a fresh connection, another server, the fallback),
+    not when it was the last try (the client got the gateway's error). A name that is not an address (nginx's
+    "no live upstreams": the upstream's name) is no try."""
+    a = _TRIES.split(addrs) if addrs else []
+    st = _TRIES.split(statuses) if statuses else []
+    if len(a) != len(st):
+        a = ["?:"] * len(st)
+    out = []
+    for i, (addr, status) in enumerate(zip(a, st, strict=True)):
+        kind = _FAILED_TRY.get(status.strip())
+        if kind and (":" in addr):
+            out.append((kind, i < len(st) - 1))
+    return out
+
 
 @dataclass
 class _ModelStats:
     codes: dict[str, int] = field(default_factory=dict)
     retried: int = 0
+    # (kind, retried) → failed upstream tries (failed_tries)
+    failed: dict[tuple[str, bool], int] = field(default_factory=dict)
     buckets: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
     count: int = 0
     total_seconds: float = 0.0
@@ -78,6 +105,8 @@ class AccessLogTail(Collector):
         s.codes[code] = s.codes.get(code, 0) + 1
         if "," in str(rec.get("upstream_addr") or ""):
             s.retried += 1
+        for key in failed_tries(str(rec.get("upstream_addr") or ""), str(rec.get("upstream_status") or "")):
+            s.failed[key] = s.failed.get(key, 0) + 1
         try:
             seconds = float(rec.get("request_time", 0.0))
         except (TypeError, ValueError):
@@ -100,6 +129,13 @@ class AccessLogTail(Collector):
             "Gateway requests that tried more than one upstream server (failover before the first byte)",
             labels=["model"],
         )
+        failed = CounterMetricFamily(
+            PREFIX + "gateway_upstream_failed_tries",
+            "Gateway upstream tries that got no answer (kind error: connection refused, reset or closed before"
+            " the response, e.g. a reused keep-alive connection the engine had closed; timeout), by whether the"
+            " request was sent again (retried true) or the client got the gateway's 502/504 (false)",
+            labels=["model", "kind", "retried"],
+        )
         dur = HistogramMetricFamily(
             PREFIX + "gateway_request_duration_seconds", "Gateway request time (access log)", labels=["model"]
         )
@@ -108,6 +144,8 @@ class AccessLogTail(Collector):
                 for code, n in sorted(s.codes.items()):
                     req.add_metric([model, code], n)
                 retried.add_metric([model], s.retried)
+                for (kind, again), n in sorted(s.failed.items()):
+                    failed.add_metric([model, kind, "true" if again else "false"], n)
                 cum = [(str(b), float(c)) for b, c in zip(DURATION_BUCKETS, s.buckets, strict=True)] + [
                     ("+Inf", float(s.count))
                 ]
@@ -115,6 +153,7 @@ class AccessLogTail(Collector):
             bad = self.bad_lines
         yield req
         yield retried
+        yield failed
         yield dur
         yield CounterMetricFamily(
             PREFIX + "gateway_log_bad_lines", "Access log lines that were not JSON", value=bad
