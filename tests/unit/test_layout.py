@@ -308,6 +308,10 @@ ONE_PLACE = [
     ("PROBE_INTERVAL_PER_WATCHDOG", "vllm_fleet.contracts"),  # the watchdog timing rule
     ("PROBE_TIMEOUT_PER_WATCHDOG", "vllm_fleet.contracts"),
     ("SERVICE_DEFAULTS", "vllm_fleet.contracts"),  # the units' StartLimit*/TimeoutStartSec/RestartSec
+    # idle upstream connections: the gateway keeps them shorter than the engine
+    ("GATEWAY_UPSTREAM_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
+    ("ENGINE_HTTP_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
+    ("RETRY_AFTER_SECONDS", "vllm_fleet.host.stream_guard"),  # an engine's overload refusal
 ]
 
 
