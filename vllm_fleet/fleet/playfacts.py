@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 # what the doctor's verdict of a layer is when the doctor gave none (it crashed, or printed no JSON)
@@ -267,3 +268,63 @@ def running_services(units: Mapping[str, Mapping[str, str]]) -> list[str]:
         for u, st in units.items()
         if st.get("ActiveState") in ("active", "activating") and st.get("UnitFileState") in ENABLED_STATES
     ]
+
+
+def lock_checks(
+    host_stacks: list[Mapping[str, Any]],
+    fleet_stack: Mapping[str, Any],
+    lock_dir: str,
+    host_python: str,
+    host_machine: str,
+    host: str,
+) -> list[dict[str, str]]:
+    """Each lock this host installs from (its stacks' and the fleet's own: that lock feeds the fleet's venv),
+    on the controller (``lock_dir``/PROFILE-VERSION.txt), with what is wrong with it for this host ('' =
+    nothing): missing, or resolved for another Python (major.minor) or platform (its wheels' tags and hashes
+    fit no other: a Python 3.12 host would fail on the hashes halfway through the install)."""
+    from vllm_fleet.fleet.lock import lock_python
+
+    stacks = {"default": {**fleet_stack, "name": "default"}}
+    for s in host_stacks:
+        stacks.setdefault(str(s["name"]), dict(s))
+    out = []
+    for name, s in stacks.items():
+        field = "stack" if name == "default" else f"stacks.{name}"
+        profile, version = s["profile"], s["vllm_version"]
+        path = f"{lock_dir}/{profile}-{version}.txt"
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            problem = (
+                f"No lock {path} for {field}.profile {profile} / {field}.vllm_version {version}: run "
+                f"`vllm-fleet lock --profile {profile} --vllm-version {version}`"
+            )
+        else:
+            got = lock_python(text)
+            problem = (
+                ""
+                if got == (host_python, host_machine)
+                else f"{host} has Python {host_python} on {host_machine}, the lock {Path(path).name} is for "
+                f"Python {got[0] if got else '(not recorded)'} on {got[1] if got else '(not recorded)'}: resolve a "
+                "lock with that Python (`vllm-fleet lock --python PYTHON3.X ...`) or deploy to hosts that match"
+            )
+        out.append({"name": name, "lock": path, "problem": problem})
+    return out
+
+
+def wheel_sources(lock_file: str, wheelhouse: str, wheelhouse_remote: str, prefix: str) -> dict[str, str]:
+    """Where the fleet's own stack installs from: ``install_lock`` (the wheelhouse's own lock copy when the
+    play pushes a wheelhouse: it adds the hashes of wheels built there from locked sources; else the lock of the
+    stack's profile and release) and ``host_wheelhouse``, the wheel folder pip reads on the host (one the user
+    placed there, else PREFIX/wheelhouse when the play pushes one, '' = online install)."""
+    return {
+        "install_lock": f"{wheelhouse}/lock.txt" if wheelhouse else lock_file,
+        "host_wheelhouse": wheelhouse_remote or (f"{prefix}/wheelhouse" if wheelhouse else ""),
+    }
+
+
+def pip_source_args(host_wheelhouse: str, torch_index_url: str) -> list[str]:
+    """Where pip finds wheels: the wheel folder on the host (offline), else the torch index (if any)."""
+    if host_wheelhouse:
+        return ["--no-index", "--find-links", host_wheelhouse]
+    return ["--extra-index-url", torch_index_url] if torch_index_url else []

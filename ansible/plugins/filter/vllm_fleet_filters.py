@@ -45,6 +45,9 @@ class FilterModule:
         "model_pushes",
         "found_in_stack",
         "running_services",
+        "lock_checks",
+        "wheel_sources",
+        "pip_source_args",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:
