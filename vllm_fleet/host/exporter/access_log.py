@@ -27,6 +27,10 @@ _TRIES = re.compile(r", | : ")
 _FAILED_TRY = {"502": "error", "504": "timeout"}
 
 
+# the (kind, retried) label pairs of gateway_upstream_failed_tries_total, each exported from the start
+FAILED_TRY_KEYS = (("error", False), ("error", True), ("timeout", False), ("timeout", True))
+
+
 def failed_tries(addrs: str, statuses: str) -> list[tuple[str, bool]]:
     """The tries of one request that failed before any response: (kind, retried) each, ``retried`` when the
     request was sent again after it (to the same server on a fresh connection, another server, the fallback),
@@ -144,8 +148,11 @@ class AccessLogTail(Collector):
                 for code, n in sorted(s.codes.items()):
                     req.add_metric([model, code], n)
                 retried.add_metric([model], s.retried)
-                for (kind, again), n in sorted(s.failed.items()):
-                    failed.add_metric([model, kind, "true" if again else "false"], n)
+                # every kind at 0 too: the failover panel has series on a fleet that never failed a try
+                for kind, again in FAILED_TRY_KEYS:
+                    failed.add_metric(
+                        [model, kind, "true" if again else "false"], s.failed.get((kind, again), 0)
+                    )
                 cum = [(str(b), float(c)) for b, c in zip(DURATION_BUCKETS, s.buckets, strict=True)] + [
                     ("+Inf", float(s.count))
                 ]
