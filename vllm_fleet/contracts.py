@@ -159,6 +159,16 @@ class ServiceConfig:
         return cls(**{k: _number(v, source, f"service.{k}") for k, v in d.items() if k in known})
 
 
+def _read_json(path: str | Path) -> tuple[Any, str]:
+    """A contract file's JSON and its name for errors (``OSError`` when unreadable, ``ContractError`` when it
+    is not JSON)."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text()), str(p)
+    except ValueError as exc:
+        raise ContractError(f"{p}: not JSON ({exc})") from None
+
+
 @dataclass
 class InstanceConfig:
     """``{config_dir}/instances/NAME.json``. Required: ``name``, ``model_path``, ``port``, ``command``; the
@@ -228,12 +238,7 @@ class InstanceConfig:
     @classmethod
     def load(cls, path: str | Path) -> InstanceConfig:
         """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except ValueError as exc:
-            raise ContractError(f"{p}: not JSON ({exc})") from None
-        return cls.from_dict(data, str(p))
+        return cls.from_dict(*_read_json(path))
 
 
 # the keys the template writes besides the ones above ("_managed": the ansible_managed marker)
@@ -571,12 +576,7 @@ class HostContract:
     @classmethod
     def load(cls, path: str | Path) -> HostContract:
         """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except ValueError as exc:
-            raise ContractError(f"{p}: not JSON ({exc})") from None
-        return cls.from_dict(data, str(p))
+        return cls.from_dict(*_read_json(path))
 
 
 def dumps_host_contract(data: dict[str, Any]) -> str:
