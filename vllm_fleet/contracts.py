@@ -159,7 +159,7 @@ class ServiceConfig:
         return cls(**{k: _number(v, source, f"service.{k}") for k, v in d.items() if k in known})
 
 
-def _read_json(path: str | Path) -> tuple[Any, str]:
+def _contract_json(path: str | Path) -> tuple[Any, str]:
     """A contract file's JSON and its name for errors (``OSError`` when unreadable, ``ContractError`` when it
     is not JSON)."""
     p = Path(path)
@@ -238,7 +238,7 @@ class InstanceConfig:
     @classmethod
     def load(cls, path: str | Path) -> InstanceConfig:
         """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-        return cls.from_dict(*_read_json(path))
+        return cls.from_dict(*_contract_json(path))
 
 
 # the keys the template writes besides the ones above ("_managed": the ansible_managed marker)
@@ -576,7 +576,7 @@ class HostContract:
     @classmethod
     def load(cls, path: str | Path) -> HostContract:
         """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-        return cls.from_dict(*_read_json(path))
+        return cls.from_dict(*_contract_json(path))
 
 
 def dumps_host_contract(data: dict[str, Any]) -> str:
