@@ -178,7 +178,8 @@ def failed_tries(g: Gateway, total: int) -> tuple[list[dict[str, Any]], dict[tup
     counted: dict[tuple[str, str], float] = {}
     for fam in FleetCollector(g.workdir / "none", None, access_log=tail, use_systemd=False).collect():
         for s in fam.samples:
-            if s.name == "vllm_fleet_gateway_upstream_failed_tries_total":
+            # every (kind, retried) is exported from the start at 0: keep the ones that counted something
+            if s.name == "vllm_fleet_gateway_upstream_failed_tries_total" and s.value:
                 counted[(s.labels["kind"], s.labels["retried"])] = s.value
     return entries, counted
 
