@@ -424,9 +424,10 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
     names = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert modules == set()
     assert {m for m, _ in names} == {
-        "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.cpu_wait",
+        "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn", "vllm_fleet.host.cpu_wait",
         "vllm_fleet.host.engine_death", "vllm_fleet.host.probe",
     }  # fmt: skip
+    assert {a for m, a in names if m == "vllm_fleet.host.churn"} == {"Conns", "flooded"}  # not read_port
     assert {a for m, a in names if m == "vllm_fleet.host.probe"} == {"ProbeResult", "Progress", "judge"}
     assert {a for m, a in names if m == "vllm_fleet.host.cpu_wait"} == {"CpuReading", "starvation"}
     for mod in (launcher, launcher_state):
