@@ -53,34 +53,33 @@ FLOOD = (Conns(120, 1900), Conns(0, 2000))
 
 
 def test_a_flooded_api_server_with_a_working_engine_core_is_busy() -> None:
-    v = flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), FLOOD, in_flight=True)
+    v = flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), FLOOD)
     assert v.flooded
     assert v.why == (
         "flooded with connections, engine core working: API server ran 4.5s, engine core 4.9s in 5.0s; "
         "120 connection(s) waiting to be accepted, 2000 established"
     )
     # an empty accept queue but thousands of connections, or a queue and few connections: flooded either way
-    assert flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), (Conns(0, 300), None), True).flooded
-    assert flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), (None, Conns(1, 2)), True).flooded
+    assert flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), (Conns(0, 300), None)).flooded
+    assert flooded(cpu(10, 100, 200), cpu(15, 104.5, 204.9), (None, Conns(1, 2))).flooded
 
 
 def test_what_is_not_a_flood_says_why() -> None:
     b = cpu(10, 100, 200)
     cases = {
-        "API server not busy": (cpu(15, 100.1, 205), FLOOD, True),  # a deadlocked loop
-        "engine core idle": (cpu(15, 105, 200.2), FLOOD, True),  # hung, or waiting for nothing
-        "no connection flood": (cpu(15, 105, 205), (Conns(0, 255), None), True),
+        "API server not busy": (cpu(15, 100.1, 205), FLOOD),  # a deadlocked loop
+        "engine core idle": (cpu(15, 105, 200.2), FLOOD),  # hung, or waiting for nothing
+        "no connection flood": (cpu(15, 105, 205), (Conns(0, 255), None)),
     }
-    for why, (after, conns, in_flight) in cases.items():
-        v = flooded(b, after, conns, in_flight)
+    for why, (after, conns) in cases.items():
+        v = flooded(b, after, conns)
         assert not v.flooded and v.why.startswith(f"{why}: "), (why, v)
-    assert not flooded(b, cpu(15, 105, 205), (None, None), True).flooded  # the port unread: no evidence
+    assert not flooded(b, cpu(15, 105, 205), (None, None)).flooded  # the port unread: no evidence
     # what ``starvation`` already names, or nothing to tell it by: no, and no words of its own
     silent = [
-        flooded(b, cpu(15, 105, 205, stopped=(6,)), FLOOD, True),  # the engine core stopped
-        flooded(b, cpu(15, 105, 205, pids=(5, 7)), FLOOD, True),  # a process died and another came
-        flooded(b, cpu(15, 105, 205, counted=False), FLOOD, True),
-        flooded(b, cpu(15, 105, 205), FLOOD, in_flight=False),  # idle: the decode judges
-        flooded(b, cpu(10, 105, 205), FLOOD, True),  # no window
+        flooded(b, cpu(15, 105, 205, stopped=(6,)), FLOOD),  # the engine core stopped
+        flooded(b, cpu(15, 105, 205, pids=(5, 7)), FLOOD),  # a process died and another came
+        flooded(b, cpu(15, 105, 205, counted=False), FLOOD),
+        flooded(b, cpu(10, 105, 205), FLOOD),  # no window
     ]
     assert all(not v.flooded and v.why == "" for v in silent)

@@ -290,6 +290,16 @@ def test_a_flooded_api_server_with_a_working_engine_core_keeps_the_pings_going()
     assert got == [Save(), PING, Log("probes succeed again"), Notify(("STATUS=Serving m on 127.0.0.1:9101",))]
 
 
+def test_a_flood_that_begins_after_an_idle_check_is_busy_from_its_first_check() -> None:
+    """The last reading showed no requests (the decode answered); then 2,000 lanes connect at once and neither
+    ``/metrics`` nor the decode is answered: the port and the two processes are the evidence."""
+    sm, c = ready(at=3.0)
+    idle = Check(0.1, cpu(13), cpu(13.1), Progress(0, 0, 10, 13), ProbeResult(True, 0.1, "", "decode"))
+    assert check_at(c, 13.0, 0.1, idle) == [Save(), PING]
+    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=5.0, core=4.0))
+    assert got[:2] == [Save(), PING] and sm.probes.last_kind == "flooded"
+
+
 def test_both_processes_idle_with_requests_pending_is_hung_at_the_first_check() -> None:
     """Requests in flight, the port flooded, but neither process runs (a deadlock): no ping from the first
     failed check, and systemd's watchdog fires WatchdogSec after the last one, as for any hang."""

@@ -72,19 +72,17 @@ def read_port(port: int, proc: Path = Path("/proc")) -> Conns | None:
     return Conns(sum(c.pending for c in found), sum(c.established for c in found))
 
 
-def flooded(
-    before: CpuReading, after: CpuReading, conns: tuple[Conns | None, Conns | None], in_flight: bool
-) -> Flood:
+def flooded(before: CpuReading, after: CpuReading, conns: tuple[Conns | None, Conns | None]) -> Flood:
     """Was the API server flooded with connections while the engine core worked, between the two readings?
     Never when a process of the group is stopped or the group changed, when the kernel keeps no statistics,
-    when no requests were in flight (an idle engine answers its decode), when the API server was off the CPU
-    (a deadlocked loop), when the engine core was (hung, or waiting for nothing), or when the port shows no
-    flood (nothing in the accept queue and fewer than ``FLOOD_CONNECTIONS`` established)."""
+    when the API server was off the CPU (a deadlocked loop), when the engine core was (hung, or idle: an idle
+    engine core sleeps on its input queue), or when the port shows no flood (nothing in the accept queue and
+    fewer than ``FLOOD_CONNECTIONS`` established: the clients of requests in flight, or on their way)."""
     window = after.at - before.at
     if after.stopped or not after.pids or set(before.pids) != set(after.pids) or window <= 0:
         return Flood(False, "")  # stopped, or the group changed: ``starvation`` says which
-    if not (before.counted and after.counted) or not in_flight:
-        return Flood(False, "")  # nothing to tell it by; an idle engine is judged by its decode
+    if not (before.counted and after.counted):
+        return Flood(False, "")  # nothing to tell it by
     api = max(0.0, after.api_ran - before.api_ran)
     core = max(0.0, after.core_ran - before.core_ran)
     seen = [c for c in conns if c is not None]

@@ -176,8 +176,7 @@ class Liveness:
         if verdict.starved:
             why += f", but no answer of its own for {late:.0f}s (> starved_grace_seconds {self.grace:g})"
         elif res.timed_out:  # the API server did not answer in time: flooded with connections?
-            in_flight = self.progress is not None and self.progress.busy
-            flood = flooded(c.cpu_before, c.cpu_after, (c.conns_before, c.conns_after), in_flight)
+            flood = flooded(c.cpu_before, c.cpu_after, (c.conns_before, c.conns_after))
             if flood.flooded and late <= self.flood_grace:
                 return ProbeResult(True, res.latency, f"{flood.why}; {res.error}", "flooded")
             why += f"; {flood.why}" if flood.why else ""
