@@ -83,3 +83,33 @@ def test_what_is_not_a_flood_says_why() -> None:
         flooded(b, cpu(10, 105, 205), FLOOD),  # no window
     ]
     assert all(not v.flooded and v.why == "" for v in silent)
+
+
+def test_read_port_sees_a_real_accept_queue_and_real_connections() -> None:
+    """The kernel's own figures: a listening socket that accepts nothing holds the clients' connections in its
+    accept queue; accepted ones are established."""
+    import socket
+
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    clients: list[socket.socket] = []
+    try:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        port = srv.getsockname()[1]
+        assert read_port(port) == Conns(0, 0)
+        for _ in range(3):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        got = read_port(port)
+        assert got is not None and got.pending == 3
+        accepted = [srv.accept()[0] for _ in range(2)]
+        try:
+            got = read_port(port)
+            # the kernel lists a queued connection as established too: 3 server-side ends in all
+            assert got is not None and (got.pending, got.established) == (1, 3)
+        finally:
+            for a in accepted:
+                a.close()
+    finally:
+        for cl in clients:
+            cl.close()
+        srv.close()
