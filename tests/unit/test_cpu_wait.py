@@ -89,3 +89,18 @@ def test_read_group_on_this_kernel_sees_a_real_stopped_child() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_read_group_counts_the_group_leaders_run_time_apart(tmp_path: Path) -> None:
+    """The leader is vLLM's API server (the launcher starts it in its own session); the rest is its engine
+    core and workers."""
+    proc = fake_proc(
+        tmp_path,
+        {
+            5: ("S", 5, [(2_000_000_000, 0), (1_000_000_000, 0)]),
+            6: ("R", 5, [(4_000_000_000, 0)]),
+            7: ("R", 5, [(500_000_000, 0)]),
+        },
+    )
+    r = read_group(5, proc, now=1.0)
+    assert (r.ran, r.api_ran, r.core_ran) == (7.5, 3.0, 4.5)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_fleet.contracts import InstanceConfig, ServiceConfig
+from vllm_fleet.host.churn import Conns
 from vllm_fleet.host.cpu_wait import CpuReading
 from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
@@ -251,6 +252,97 @@ def test_a_starved_engine_passes_until_the_grace_ends_then_is_judged_hung() -> N
     assert state_file(sm, 7, 0.0)["probes_starved_total"] == 2
 
 
+# --------------------------------------------------------------------------------------- connection churn
+
+METRICS_TIMEOUT = ProbeResult(False, 5.0, "/metrics: TimeoutError: timed out", "metrics", True)
+FLOOD = Conns(pending=120, established=2000)
+
+
+def churn_check(
+    t: float, api: float, core: float, conns: Conns = FLOOD, stopped: tuple[int, ...] = ()
+) -> Check:
+    """``/metrics`` timed out (5 s) while the API server ran ``api`` and the engine core ``core`` seconds."""
+    before = CpuReading(t, 0.0, 1000.0, (PID, PID + 1), (), True, api_ran=400.0)
+    after = CpuReading(t + 5, 0.0, 1000.0 + api + core, (PID, PID + 1), stopped, True, api_ran=400.0 + api)
+    return Check(5.0, before, after, None, METRICS_TIMEOUT, conns, conns)
+
+
+def test_a_flooded_api_server_with_a_working_engine_core_keeps_the_pings_going() -> None:
+    """2,000 new-connection lanes: every ``/metrics`` times out, the API server is on a CPU the whole time, the
+    engine core works: pinged after every check, one probe interval (= WatchdogSec / 3) apart."""
+    sm, c = ready(at=3.0)
+    assert check_at(c, 13.0, 4.0, Check(4.0, cpu(13), cpu(17), busy(13, 1000))) == [Save(), PING]
+    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=4.9, core=5.0))
+    assert got[:2] == [Save(), PING] and statuses(got) == ["Serving m under connection churn"]
+    assert logs(got) == [
+        "Probe late, engine alive: flooded with connections, engine core working: API server ran 4.9s, engine "
+        "core 5.0s in 5.0s; 120 connection(s) waiting to be accepted, 2000 established; /metrics: TimeoutError: "
+        "timed out"
+    ]
+    for t in range(33, 133, 10):
+        got = check_at(c, float(t), 5.0, churn_check(float(t), api=4.0, core=3.0))
+        assert got[:2] == [Save(), PING] and sm.probes.last_kind == "flooded", t
+    pings = c.times(PING)
+    assert pings == [3.0, 17.0, *range(28, 138, 10)]  # under the flood: 10 s apart, a third of WatchdogSec
+    assert sm.probes.consecutive_failures == 0 and sm.probes.starved == 0
+    # /metrics answers again with the counters advanced: an answer of its own, the status says serving
+    got = check_at(c, 133.0, 1.0, Check(1.0, cpu(133), cpu(134), busy(133, 90000)))
+    assert got == [Save(), PING, Log("probes succeed again"), Notify(("STATUS=Serving m on 127.0.0.1:9101",))]
+
+
+def test_a_flood_that_begins_after_an_idle_check_is_busy_from_its_first_check() -> None:
+    """The last reading showed no requests (the decode answered); then 2,000 lanes connect at once and neither
+    ``/metrics`` nor the decode is answered: the port and the two processes are the evidence."""
+    sm, c = ready(at=3.0)
+    idle = Check(0.1, cpu(13), cpu(13.1), Progress(0, 0, 10, 13), ProbeResult(True, 0.1, "", "decode"))
+    assert check_at(c, 13.0, 0.1, idle) == [Save(), PING]
+    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=5.0, core=4.0))
+    assert got[:2] == [Save(), PING] and sm.probes.last_kind == "flooded"
+
+
+def test_both_processes_idle_with_requests_pending_is_hung_at_the_first_check() -> None:
+    """Requests in flight, the port flooded, but neither process runs (a deadlock): no ping from the first
+    failed check, and systemd's watchdog fires WatchdogSec after the last one, as for any hang."""
+    sm, c = ready(at=3.0)
+    check_at(c, 13.0, 4.0, Check(4.0, cpu(13), cpu(17), busy(13, 1000)))
+    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=0.1, core=0.0))
+    assert PING not in got
+    (msg,) = statuses(got)
+    assert msg.startswith("Probe failing (1x): /metrics: TimeoutError: timed out (not starved: ")
+    assert msg.endswith("; API server not busy: API server ran 0.1s, engine core 0.0s in 5.0s; 120 connection(s) "
+                        "waiting to be accepted, 2000 established)")  # fmt: skip
+    got = check_at(c, 33.0, 5.0, churn_check(33.0, api=5.0, core=0.2))  # the loop spins, the core does not
+    assert PING not in got and "engine core idle: " in statuses(got)[0]
+    assert c.times(PING) == [3.0, 17.0] and sm.watchdog_deadline == 47.0
+    got = c.at(47.0).feed(sm.watchdog_fired(47.0))
+    assert got[0] == Kill(wait=True) and got[-1] == Exit(EXIT_WATCHDOG)
+
+
+def test_under_churn_a_stopped_engine_core_or_no_flood_is_no_pass() -> None:
+    _, c = ready(at=3.0)
+    check_at(c, 13.0, 4.0, Check(4.0, cpu(13), cpu(17), busy(13, 1000)))
+    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=5.0, core=0.0, stopped=(PID + 1,)))
+    assert statuses(got) == [
+        f"Probe failing (1x): /metrics: TimeoutError: timed out (engine process {PID + 1} stopped (SIGSTOP?))"
+    ]
+    got = check_at(c, 33.0, 5.0, churn_check(33.0, api=5.0, core=5.0, conns=Conns(0, 12)))
+    assert PING not in got and "; no connection flood: " in statuses(got)[0]
+    assert c.times(PING) == [3.0, 17.0]
+
+
+def test_kernel_evidence_alone_keeps_the_pings_going_for_at_most_ten_watchdog_periods() -> None:
+    """An engine core spinning in a wait that never ends burns CPU like one that works: without an answer of its
+    own for more than 10 × WatchdogSec (300 s), a flooded check fails."""
+    sm, c = ready(at=3.0)
+    check_at(c, 13.0, 4.0, Check(4.0, cpu(13), cpu(17), busy(13, 1000)))  # its last answer, at 17
+    for t in range(23, 313, 10):  # passes at 28 ... 308: at most 291 s after it
+        assert PING in check_at(c, float(t), 5.0, churn_check(float(t), api=5.0, core=5.0)), t
+    got = check_at(c, 313.0, 5.0, churn_check(313.0, api=5.0, core=5.0))  # 301 s
+    assert PING not in got
+    assert statuses(got)[0].endswith(", but no answer of its own for 301s (> 300s))")
+    assert sm.watchdog_deadline == 308.0 + 30
+
+
 def test_a_hung_engine_stops_the_pings_at_the_first_failed_check_and_the_watchdog_kills_it() -> None:
     sm, c = ready(at=0.0)
     ok = Check(0.1, cpu(10), cpu(10.1), Progress(0, 0, 10, 10), ProbeResult(True, 0.1, "", "decode"))
@@ -424,9 +516,10 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
     names = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert modules == set()
     assert {m for m, _ in names} == {
-        "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.cpu_wait",
+        "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn", "vllm_fleet.host.cpu_wait",
         "vllm_fleet.host.engine_death", "vllm_fleet.host.probe",
     }  # fmt: skip
+    assert {a for m, a in names if m == "vllm_fleet.host.churn"} == {"Conns", "flooded"}  # not read_port
     assert {a for m, a in names if m == "vllm_fleet.host.probe"} == {"ProbeResult", "Progress", "judge"}
     assert {a for m, a in names if m == "vllm_fleet.host.cpu_wait"} == {"CpuReading", "starvation"}
     for mod in (launcher, launcher_state):

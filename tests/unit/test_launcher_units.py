@@ -313,3 +313,49 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path, example: str) -> None:
         assert r.returncode == 0 and noise == [], r.stdout + r.stderr
         checked += len(units)
     assert checked >= 2
+
+
+def test_a_liveness_check_reads_the_ports_connections_and_the_api_servers_cpu_apart() -> None:
+    """``Launcher._check`` hands the supervisor the work counters and, around them, the engine port's
+    connections (``churn.read_port``) and the process group's CPU figures with its leader's apart."""
+    import http.server
+    import socket
+    import threading
+
+    from vllm_fleet.host.launcher import Launcher
+    from vllm_fleet.host.launcher_state import Check
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            raw = b'vllm:num_requests_running{engine="0"} 3\nvllm:generation_tokens_total{engine="0"} 9\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    idle_client = socket.create_connection(("127.0.0.1", port), timeout=5)  # a lane that sends nothing yet
+    engine = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        cfg = InstanceConfig(name="a", served_model_name="m", model_path="/m", port=port, command=["x"])
+        launcher = Launcher(cfg, Notifier(""))
+        launcher.proc = engine
+        seen: list[Check] = []
+        launcher.sm.check_done = lambda now, check: seen.append(check) or []  # type: ignore[method-assign]
+        launcher._check()(time.monotonic())
+        (check,) = seen
+        assert check.reading is not None and check.reading.running == 3 and check.answer is None
+        for conns in (check.conns_before, check.conns_after):
+            assert conns is not None and conns.established >= 1, conns
+        for cpu in (check.cpu_before, check.cpu_after):
+            assert cpu.pids == (engine.pid,) and cpu.api_ran == cpu.ran and cpu.core_ran == 0
+    finally:
+        engine.kill()
+        engine.wait()
+        idle_client.close()
+        srv.shutdown()

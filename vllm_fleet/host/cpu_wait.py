@@ -8,7 +8,8 @@ distribution kernels). A starved engine's threads wait on the run queue; a hung 
 (``kill -STOP``: state ``T``), blocked in the kernel (``D``) or asleep on a lock that never comes.
 
 ``read_group`` sums those figures over every thread of the engine's process group (the launcher starts the
-engine in its own session, and vLLM's processes inherit the group); ``starvation`` compares two readings.
+engine in its own session, and vLLM's processes inherit the group), and apart for the group's leader (vLLM's
+API server; the others are its engine core and workers); ``starvation`` compares two readings.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class CpuReading:
     pids: tuple[int, ...]  # the group's processes
     stopped: tuple[int, ...]  # those stopped (state T or t: SIGSTOP, a debugger)
     counted: bool  # the kernel keeps scheduler statistics (else waited/ran are 0 and say nothing)
+    api_ran: float = 0.0  # of ``ran``, the group leader's threads (the API server; the rest: the engine core)
+
+    @property
+    def core_ran(self) -> float:
+        """Seconds on a CPU of every process of the group but its leader (vLLM's engine core and workers)."""
+        return self.ran - self.api_ran
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ def read_group(pgid: int, proc: Path = Path("/proc"), now: float | None = None) 
     at = time.monotonic() if now is None else now
     pids: list[int] = []
     stopped: list[int] = []
-    waited = ran = 0
+    waited = ran = api_ran = 0
     try:
         entries = os.listdir(proc)
     except OSError:
@@ -90,6 +97,8 @@ def read_group(pgid: int, proc: Path = Path("/proc"), now: float | None = None) 
                 fields = (proc / name / "task" / tid / "schedstat").read_text().split()
                 ran += int(fields[0])
                 waited += int(fields[1])
+                if pid == pgid:
+                    api_ran += int(fields[0])
             except (OSError, IndexError, ValueError):
                 continue
     return CpuReading(
@@ -99,6 +108,7 @@ def read_group(pgid: int, proc: Path = Path("/proc"), now: float | None = None) 
         pids=tuple(sorted(pids)),
         stopped=tuple(sorted(stopped)),
         counted=ran > 0,
+        api_ran=api_ran / 1e9,
     )
 
 

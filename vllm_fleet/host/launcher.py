@@ -13,7 +13,9 @@
 * then ``WATCHDOG=1`` after every periodic liveness check that passes — busy is not hung: while requests run
   or wait, the check passes when the engine's work counters (tokens, engine steps, finished requests in
   ``/metrics``) advanced since the last check; when idle, a 1-token decode must succeed (an admission 503 is
-  "alive and full"). A hang stops the pings and systemd's watchdog restarts the unit (docs/engine-service.md);
+  "alive and full"); a check the API server does not answer in time passes while the kernel shows it
+  flooded with connections and the engine core working (``churn``). A hang stops the pings and systemd's
+  watchdog restarts the unit (docs/engine-service.md);
 * SIGTERM/SIGINT: ``STOPPING=1``, SIGTERM to the engine (it drains with ``--shutdown-timeout``), wait and
   exit with its code; during start-up vLLM ignores SIGTERM, so the process group is SIGKILLed after
   ``stop_kill_after_loading_seconds``;
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from vllm_fleet.contracts import InstanceConfig, StateFile
+from vllm_fleet.host.churn import read_port
 from vllm_fleet.host.cpu_wait import read_group
 from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
@@ -289,12 +292,14 @@ class Launcher:
 
     def _check(self) -> Callable[[float], list[Action]]:
         """One liveness check: the engine's work counters (and, when idle, a 1-token decode) between two
-        readings of its threads' CPU figures (starved or hung: ``cpu_wait``)."""
+        readings of its threads' CPU figures (starved or hung: ``cpu_wait``) and of its port's connections
+        (flooded: ``churn``)."""
         assert self.proc is not None
         cfg, pgid = self.cfg, self.proc.pid
-        before, t0 = read_group(pgid), time.monotonic()
+        conns, before, t0 = read_port(cfg.port), read_group(pgid), time.monotonic()
         reading, answer = sample(cfg.probe_host, cfg.port, cfg.served_model_name, self.sm.probe_timeout)
-        check = Check(time.monotonic() - t0, before, read_group(pgid), reading, answer)
+        after = read_group(pgid)
+        check = Check(time.monotonic() - t0, before, after, reading, answer, conns, read_port(cfg.port))
         return lambda now: self.sm.check_done(now, check)
 
     def _count_inflight(self) -> Callable[[float], list[Action]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_fleet.contracts import InstanceConfig, StateFile, probe_timing, stack_of
+from vllm_fleet.host.churn import Conns, flooded
 from vllm_fleet.host.cpu_wait import CpuReading, starvation
 from vllm_fleet.host.engine_death import Death
 from vllm_fleet.host.probe import ProbeResult, Progress, judge
@@ -34,6 +35,9 @@ PROBE_STUCK_AFTER = 5.0  # a check still running this long past its timeout coun
 DRAIN_POLL = 0.5  # the drain wait counts in-flight requests this often
 DRAIN_IDLE_POLLS = 2  # ... and is over after this many counts of 0 in a row
 KILL_AFTER_DRAIN = 10.0  # SIGKILL when the engine outlives SIGTERM by shutdown_timeout + this
+# under connection churn the kernel's figures alone keep the pings going for at most this many WatchdogSec
+# after the engine last answered on its own (docs/design/liveness-under-churn.md)
+FLOOD_GRACE_WATCHDOGS = 10
 
 
 def exit_code_of(returncode: int) -> int:
@@ -99,14 +103,17 @@ Action = Notify | Log | Save | StartProbe | PollInflight | Terminate | Kill | Ex
 @dataclass(frozen=True)
 class Check:
     """What one liveness check read: its time, the work counters (None when ``/metrics`` did not answer), the
-    idle engine's decode or the ``/metrics`` failure (None while busy), and the engine's CPU figures before and
-    after (``cpu_wait.read_group``)."""
+    idle engine's decode or the ``/metrics`` failure (None while busy), the engine's CPU figures before and
+    after (``cpu_wait.read_group``), and its port's connections before and after (``churn.read_port``; None
+    when unread)."""
 
     latency: float
     cpu_before: CpuReading
     cpu_after: CpuReading
     reading: Progress | None = None
     answer: ProbeResult | None = None
+    conns_before: Conns | None = None
+    conns_after: Conns | None = None
 
 
 # ---------------------------------------------------------------------------------------------- parts
@@ -127,7 +134,7 @@ class ProbeStats:
         self.total += 1
         self.last_at, self.last_ok, self.last_latency = now, res.ok, round(res.latency, 4)
         self.last_kind = res.stage
-        self.starved += res.stage == "starved"
+        self.starved += res.stage == "starved"  # (a "flooded" pass is in last_kind only)
         if res.ok:
             self.consecutive_failures = 0
         else:
@@ -140,10 +147,14 @@ class Liveness:
     """The verdict on each liveness check. Busy is not hung: while requests run or wait, the work counters
     must advance (``probe.judge``). Starved is not hung: a check that failed for want of an answer in time
     while the engine's threads waited for a CPU passes as ``starved``, for at most ``grace`` seconds after the
-    engine last passed on its own answer (a hang on a starved host is still caught after that)."""
+    engine last passed on its own answer (a hang on a starved host is still caught after that). Flooded is
+    not hung: a check that timed out while the API server worked through a flood of connections and the engine
+    core worked too passes as ``flooded`` (``churn.flooded``), for at most ``flood_grace`` seconds after the
+    engine's last answer of its own."""
 
     grace: float  # starved_grace_seconds
     alive_at: float  # the last check that passed on the engine's own answer
+    flood_grace: float = float("inf")  # FLOOD_GRACE_WATCHDOGS × WatchdogSec
     progress: Progress | None = None  # the work counters the next check compares with
     cpu_at_check: CpuReading | None = None  # the CPU figures when the last check began
 
@@ -164,6 +175,13 @@ class Liveness:
         why = verdict.why
         if verdict.starved:
             why += f", but no answer of its own for {late:.0f}s (> starved_grace_seconds {self.grace:g})"
+        elif res.timed_out:  # the API server did not answer in time: flooded with connections?
+            flood = flooded(c.cpu_before, c.cpu_after, (c.conns_before, c.conns_after))
+            if flood.flooded and late <= self.flood_grace:
+                return ProbeResult(True, res.latency, f"{flood.why}; {res.error}", "flooded")
+            why += f"; {flood.why}" if flood.why else ""
+            if flood.flooded:
+                why += f", but no answer of its own for {late:.0f}s (> {self.flood_grace:g}s)"
         return ProbeResult(False, res.latency, f"{res.error} ({why})", res.stage, res.timed_out)
 
 
@@ -262,8 +280,9 @@ class Supervisor:
         self.probing = False
         self.probe_started = now
         self.probes = ProbeStats()
-        self.liveness = Liveness(self.svc.starved_grace_seconds, now)
-        self.was_starved = False  # the last check passed as starved (the status says so)
+        flood_grace = FLOOD_GRACE_WATCHDOGS * self.watchdog if self.watchdog else float("inf")
+        self.liveness = Liveness(self.svc.starved_grace_seconds, now, flood_grace)
+        self.was_starved = False  # the last check passed as starved or flooded (the status says so)
         self.last_ping: float | None = None
         self.stop: Drain | None = None
 
@@ -425,6 +444,13 @@ class Supervisor:
             name = self.cfg.served_model_name
             out += [
                 status(f"Serving {name} slowly: starved of CPU"),
+                Log(f"Probe late, engine alive: {res.error}", 4),
+            ]
+        elif res.stage == "flooded":
+            self.was_starved = True
+            name = self.cfg.served_model_name
+            out += [
+                status(f"Serving {name} under connection churn"),
                 Log(f"Probe late, engine alive: {res.error}", 4),
             ]
         elif was_failing or self.was_starved:
