@@ -1,0 +1,170 @@
+"""The gateway's per-key admission core (vllm_fleet.host.admission): budgets with a fake clock, the bounded
+wait queue, Retry-After from the refill time, fair sharing of a saturated route, classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_fleet.host.admission import Admission, Budget, Request, Settings
+
+
+def req(rid: str, key: str = "k", route: str = "m", cost: int = 0, **kw: Any) -> Request:
+    return Request(rid, key, route, cost, **kw)
+
+
+def verdicts(adm: Admission, reqs: list[Request], now: float = 0.0) -> list[str]:
+    return [adm.submit(r, now).verdict for r in reqs]
+
+
+def test_in_flight_budget_queues_the_excess_and_a_release_admits_it():
+    adm = Admission(Settings(default_key=Budget(max_in_flight=2)))
+    assert verdicts(adm, [req("a"), req("b"), req("c")]) == ["admit", "admit", "queue"]
+    assert adm.in_flight("k") == 2 and adm.queued("k") == 1
+    out = adm.release("a", now=1.5)
+    assert [(d.request_id, d.verdict, d.waited) for d in out] == [("c", "admit", 1.5)]
+    assert adm.in_flight("k") == 2 and adm.queued("k") == 0
+
+
+def test_one_key_100_at_once_on_an_idle_fleet_waits_instead_of_429():
+    adm = Admission(Settings(default_key=Budget(max_in_flight=64)))
+    first = verdicts(adm, [req(str(i)) for i in range(100)])
+    assert first.count("admit") == 64 and first.count("queue") == 36 and "refuse" not in first
+    admitted = []
+    for i in range(36):
+        admitted += adm.release(str(i), now=0.1 * (i + 1))
+    assert sorted(d.request_id for d in admitted) == sorted(str(i) for i in range(64, 100))
+    assert adm.stats["k"].admitted == 100 and not adm.stats["k"].refused
+
+
+def test_rpm_refusal_carries_the_refill_time_as_retry_after():
+    adm = Admission(Settings(queue_wait_seconds=20, default_key=Budget(requests_per_minute=2)))
+    assert verdicts(adm, [req("a"), req("b")]) == ["admit", "admit"]
+    d = adm.submit(req("c"), now=0.0)
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "rpm", 60)
+    d = adm.submit(req("d"), now=30.0)
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "rpm", 30)
+    # within queue_wait of the refill: it waits, and the window's refill admits it
+    assert adm.submit(req("e"), now=45.0).verdict == "queue"
+    assert adm.tick(59.0) == []
+    out = adm.tick(60.0)
+    assert [(x.request_id, x.verdict, x.waited) for x in out] == [("e", "admit", 15.0)]
+
+
+def test_tokens_reserved_at_admission_and_settled_from_usage():
+    adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000)))
+    assert adm.submit(req("a", cost=800), 0.0).verdict == "admit"
+    assert adm.submit(req("b", cost=300), 0.0).verdict == "refuse"  # 800 + 300 > 1000 until t=60
+    assert adm.submit(req("c", cost=300), 45.0).verdict == "queue"
+    # the answer used only 200 tokens: the 600 not used return to the window at once
+    out = adm.release("a", now=46.0, used_tokens=200)
+    assert [x.request_id for x in out] == ["c"]
+    assert adm.stats["k"].tokens_reserved == 1100 and adm.stats["k"].tokens_settled == 200
+
+
+def test_release_without_usage_keeps_the_reservation():
+    adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000)))
+    adm.submit(req("a", cost=800), 0.0)
+    adm.submit(req("c", cost=300), 45.0)
+    assert adm.release("a", now=46.0) == []
+    assert [x.request_id for x in adm.tick(60.0)] == ["c"]
+
+
+def test_a_request_larger_than_the_budget_is_refused_without_a_retry_after():
+    adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000)))
+    d = adm.submit(req("a", cost=1001), 0.0)
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "too_large", None)
+
+
+def test_the_queue_is_bounded_per_key_and_waits_until_its_deadline():
+    adm = Admission(Settings(queue_wait_seconds=5, max_queued_per_key=2, default_key=Budget(max_in_flight=1)))
+    assert verdicts(adm, [req("a"), req("b"), req("c"), req("d")]) == ["admit", "queue", "queue", "refuse"]
+    assert adm.stats["k"].refused == {"queue_full": 1}
+    assert adm.tick(4.9) == []
+    out = adm.tick(5.0)
+    assert [(x.request_id, x.verdict, x.reason, x.retry_after, x.waited) for x in out] == [
+        ("b", "refuse", "wait_timeout", 1, 5.0),
+        ("c", "refuse", "wait_timeout", 1, 5.0),
+    ]
+    assert adm.queued("k") == 0
+
+
+def test_a_saturated_route_goes_to_the_key_below_its_share_first():
+    adm = Admission(Settings(capacity={"m": 8}, default_key=Budget(max_in_flight=0), max_queued_per_key=500))
+    greedy = verdicts(adm, [req(f"g{i}", key="greedy") for i in range(200)])
+    assert greedy.count("admit") == 8
+    assert verdicts(adm, [req(f"p{i}", key="polite") for i in range(4)], now=1.0) == ["queue"] * 4
+    # each freed slot goes to the polite key (in flight 0..3, below the greedy key's 7) although the greedy key's
+    # 192 requests have waited longer
+    admitted = [d.request_id for i in range(4) for d in adm.release(f"g{i}", now=2.0 + i)]
+    assert admitted == ["p0", "p1", "p2", "p3"]
+    assert adm.in_flight("polite") == 4 and adm.in_flight("greedy") == 4
+    # the polite key has nothing waiting: the next slot is the greedy key's
+    assert [d.request_id for d in adm.release("p0", now=7.0)] == ["g8"]
+
+
+def test_weights_divide_a_saturated_route():
+    adm = Admission(
+        Settings(
+            capacity={"m": 4},
+            keys={"big": Budget(weight=3), "small": Budget(weight=1)},
+            max_queued_per_key=50,
+        )
+    )
+    verdicts(adm, [req(f"x{i}", key="filler") for i in range(4)])
+    verdicts(
+        adm, [req(f"b{i}", key="big") for i in range(10)] + [req(f"s{i}", key="small") for i in range(10)]
+    )
+    order = [d.request_id[0] for i in range(4) for d in adm.release(f"x{i}", now=1.0 + i)]
+    # in flight / weight: big 0 = small 0 → the earlier arrival (big); small 0 < big 1/3; big 1/3 < small 1;
+    # big 2/3 < small 1
+    assert order == ["b", "s", "b", "b"]
+
+
+def test_classes_order_a_keys_waiting_requests_and_break_share_ties():
+    adm = Admission(Settings(default_key=Budget(max_in_flight=1)))
+    adm.submit(req("running"), 0.0)
+    adm.submit(req("batch", priority=10), 0.1)
+    adm.submit(req("chat", priority=0), 0.2)
+    assert [d.request_id for d in adm.release("running", 1.0)] == ["chat"]
+
+    adm = Admission(Settings(capacity={"m": 1}))
+    adm.submit(req("running", key="a"), 0.0)
+    adm.submit(req("batch", key="b", priority=10), 0.1)
+    adm.submit(req("chat", key="c", priority=0), 0.2)
+    assert [d.request_id for d in adm.release("running", 1.0)] == ["chat"]
+
+
+def test_a_client_budget_binds_its_keys_together():
+    adm = Admission(Settings(clients={"team": Budget(max_in_flight=3)}))
+    got = verdicts(adm, [req("a1", key="a", client="team"), req("a2", key="a", client="team")])
+    got += verdicts(adm, [req("b1", key="b", client="team"), req("b2", key="b", client="team")])
+    assert got == ["admit", "admit", "admit", "queue"]
+    assert [d.request_id for d in adm.release("a1", 1.0)] == ["b2"]
+
+
+def test_submit_is_idempotent_by_request_id():
+    adm = Admission(Settings(default_key=Budget(max_in_flight=1)))
+    assert adm.submit(req("a"), 0.0).verdict == "admit"
+    assert adm.submit(req("a"), 0.5).verdict == "admit"  # the spill-over's internal redirect asks again
+    assert adm.in_flight("k") == 1 and adm.stats["k"].admitted == 1
+    assert adm.submit(req("b"), 0.5).verdict == "queue"
+    assert adm.submit(req("b"), 0.6).verdict == "queue"
+    assert adm.queued("k") == 1
+
+
+def test_a_lost_release_frees_the_slot_when_the_lease_expires():
+    adm = Admission(Settings(lease_seconds=100, default_key=Budget(max_in_flight=1), queue_wait_seconds=200))
+    adm.submit(req("a"), 0.0)
+    adm.submit(req("b"), 1.0)
+    assert adm.tick(99.0) == []
+    assert [d.request_id for d in adm.tick(100.0)] == ["b"]
+    assert adm.leases_expired == 1
+    assert adm.release("a", 101.0) == []  # a late release of an expired lease changes nothing
+
+
+@pytest.mark.parametrize("bad", [{"max_in_flight": -1}, {"tokens_per_minute": -5}, {"weight": 0}])
+def test_budget_validation(bad: dict[str, Any]):
+    with pytest.raises(ValueError):
+        Budget(**bad)

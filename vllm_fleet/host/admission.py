@@ -1,0 +1,333 @@
+"""The gateway's per-key admission decisions, without I/O (prototype, issue 31; docs/design/per-key-limits.md).
+
+``Admission`` takes events — a request asks to be admitted (``submit``), an admitted request ended
+(``release``, with the tokens its answer used where known), time passed (``tick``) — each with the monotonic
+time ``now`` (the caller's clock; the tests pass plain numbers) and returns ``Decision``s: admit now, wait in the
+queue, or refuse with the reason and an honest ``Retry-After``. The service that will sit behind nginx's
+``auth_request`` (not written yet) answers each request from these decisions; nothing here touches sockets,
+clocks or threads.
+
+Budgets apply per scope: each key, and each key's client (the key file's second column) for the client's keys
+together. A ``Budget`` bounds requests in flight, requests per minute and tokens per minute (0 = unlimited);
+tokens are the request's reservation (prompt estimate + max_tokens) taken at admission and settled on release
+from the answer's usage. Per route (the upstream the router chose) ``capacity`` bounds the requests in flight
+the fleet can hold; when a route is full requests wait, and a freed slot goes to the waiting request whose key
+has the fewest requests in flight per unit of weight (its share), then the lower class priority value
+(vLLM's priority scheduling: lower runs first), then the earlier arrival.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+WINDOW_SECONDS = 60.0  # requests and tokens "per minute": a sliding minute
+UNKNOWN_WAIT_RETRY_AFTER = 1  # Retry-After when the wait depends on requests ending (in flight, a full route)
+
+Verdict = Literal["admit", "queue", "refuse"]
+# why a request waits or was refused
+Reason = Literal["", "in_flight", "rpm", "tpm", "capacity", "too_large", "queue_full", "wait_timeout"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_in_flight: int = 0  # 0 = unlimited
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    weight: float = 1.0  # its share of a saturated route relative to other keys
+
+    def __post_init__(self) -> None:
+        if min(self.max_in_flight, self.requests_per_minute, self.tokens_per_minute) < 0:
+            raise ValueError("budget limits are >= 0 (0 = unlimited)")
+        if self.weight <= 0:
+            raise ValueError("weight must be > 0")
+
+
+UNLIMITED = Budget()
+
+
+@dataclass(frozen=True)
+class Settings:
+    queue_wait_seconds: float = 20.0  # the longest a request waits before a 429
+    max_queued_per_key: int = 256
+    max_queued: int = 4096
+    # an admitted request never released (a lost release) frees its slot after this long
+    lease_seconds: float = 630.0
+    default_key: Budget = Budget(max_in_flight=64)
+    keys: Mapping[str, Budget] = field(default_factory=dict)
+    default_client: Budget = UNLIMITED
+    clients: Mapping[str, Budget] = field(default_factory=dict)
+    # route -> requests in flight it can hold; a route not named is unlimited
+    capacity: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    request_id: str
+    key: str
+    route: str
+    cost: int = 0  # tokens reserved: prompt estimate + max_tokens
+    client: str = ""  # "" = no client scope
+    priority: int = 0  # the class's priority (lower first)
+    # set by Admission
+    arrival: float = 0.0
+    deadline: float = 0.0
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    verdict: Verdict
+    reason: Reason = ""
+    # seconds (>= 1) a refused client should wait; None when waiting cannot help (larger than the budget)
+    retry_after: int | None = None
+    waited: float = 0.0  # seconds in the queue before this decision
+
+
+class _Window:
+    """Amounts taken in the last WINDOW_SECONDS; an entry's amount can be settled later (its handle)."""
+
+    def __init__(self) -> None:
+        self._entries: deque[list[float]] = deque()  # [time, amount]
+
+    def _expire(self, now: float) -> None:
+        while self._entries and self._entries[0][0] <= now - WINDOW_SECONDS:
+            self._entries.popleft()
+
+    def used(self, now: float) -> float:
+        self._expire(now)
+        return sum(e[1] for e in self._entries)
+
+    def take(self, now: float, amount: float) -> list[float]:
+        entry = [now, amount]
+        self._entries.append(entry)
+        return entry
+
+    def wait_for(self, now: float, amount: float, limit: int) -> float:
+        """Seconds until ``amount`` fits under ``limit`` (0: now; inf: never)."""
+        if limit <= 0:
+            return 0.0
+        if amount > limit:
+            return math.inf
+        excess = self.used(now) + amount - limit
+        if excess <= 0:
+            return 0.0
+        freed = 0.0
+        for t, a in self._entries:
+            freed += a
+            if freed >= excess:
+                return t + WINDOW_SECONDS - now
+        return math.inf  # not reached: every entry ages out
+
+
+@dataclass
+class _Scope:
+    budget: Budget
+    in_flight: int = 0
+    requests: _Window = field(default_factory=_Window)
+    tokens: _Window = field(default_factory=_Window)
+
+    def blocked(self, now: float, cost: int) -> tuple[Reason, float]:
+        """Why a request of ``cost`` tokens cannot start now and for how long at least ("" and 0: it can)."""
+        b = self.budget
+        if b.tokens_per_minute and cost > b.tokens_per_minute:
+            return "too_large", math.inf
+        if b.max_in_flight and self.in_flight >= b.max_in_flight:
+            return "in_flight", 0.0
+        rpm = self.requests.wait_for(now, 1, b.requests_per_minute)
+        tpm = self.tokens.wait_for(now, cost, b.tokens_per_minute)
+        if rpm >= tpm and rpm > 0:
+            return "rpm", rpm
+        if tpm > 0:
+            return "tpm", tpm
+        return "", 0.0
+
+
+@dataclass
+class _Admitted:
+    request: Request
+    lease_until: float
+    token_entries: list[list[float]]
+
+
+@dataclass
+class KeyStats:
+    admitted: int = 0
+    queued: int = 0  # waiting now
+    refused: dict[str, int] = field(default_factory=dict)  # by reason
+    tokens_reserved: int = 0
+    tokens_settled: int = 0
+
+
+class Admission:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._keys: dict[str, _Scope] = {}
+        self._clients: dict[str, _Scope] = {}
+        self._queues: dict[str, list[Request]] = {}  # key -> waiting, ordered by (priority, arrival)
+        self._waiting: dict[str, Request] = {}
+        self._admitted: dict[str, _Admitted] = {}
+        self._route_in_flight: dict[str, int] = {}
+        self._seq = 0
+        self.stats: dict[str, KeyStats] = {}
+        self.leases_expired = 0
+
+    # ------------------------------------------------------------------ scopes
+
+    def _key_scope(self, key: str) -> _Scope:
+        if key not in self._keys:
+            self._keys[key] = _Scope(self.settings.keys.get(key, self.settings.default_key))
+        return self._keys[key]
+
+    def _scopes(self, req: Request) -> list[_Scope]:
+        scopes = [self._key_scope(req.key)]
+        if req.client:
+            if req.client not in self._clients:
+                budget = self.settings.clients.get(req.client, self.settings.default_client)
+                self._clients[req.client] = _Scope(budget)
+            scopes.append(self._clients[req.client])
+        return scopes
+
+    def _blocked(self, req: Request, now: float) -> tuple[Reason, float]:
+        worst: tuple[Reason, float] = ("", 0.0)
+        for scope in self._scopes(req):
+            reason, wait = scope.blocked(now, req.cost)
+            if reason == "too_large":
+                return reason, wait
+            if reason and (not worst[0] or wait > worst[1]):
+                worst = (reason, wait)
+        return worst
+
+    def _route_free(self, route: str) -> bool:
+        cap = self.settings.capacity.get(route)
+        return cap is None or self._route_in_flight.get(route, 0) < cap
+
+    def _stats(self, key: str) -> KeyStats:
+        return self.stats.setdefault(key, KeyStats())
+
+    def in_flight(self, key: str) -> int:
+        return self._key_scope(key).in_flight
+
+    def queued(self, key: str) -> int:
+        return len(self._queues.get(key, []))
+
+    def retry_after(self, req: Request, now: float) -> int | None:
+        """Seconds until the request's budgets could take it: the refill time of its RPM/TPM window, rounded up;
+        UNKNOWN_WAIT_RETRY_AFTER when only requests ending can make room; None when it never fits."""
+        _, wait = self._blocked(req, now)
+        if math.isinf(wait):
+            return None
+        return max(UNKNOWN_WAIT_RETRY_AFTER, math.ceil(wait))
+
+    # ------------------------------------------------------------------ events
+
+    def submit(self, req: Request, now: float) -> Decision:
+        """A request asks to start (idempotent by request id: an internal redirect asks again)."""
+        if req.request_id in self._admitted:
+            return Decision(req.request_id, "admit")
+        if req.request_id in self._waiting:
+            return Decision(req.request_id, "queue", self._blocked(req, now)[0] or "capacity")
+        reason, wait = self._blocked(req, now)
+        if reason == "too_large":
+            return self._refuse(req, now, "too_large")
+        queue = self._queues.setdefault(req.key, [])
+        if not reason and self._route_free(req.route) and not queue:
+            req.arrival = now
+            return self._admit(req, now)
+        if wait > self.settings.queue_wait_seconds:
+            return self._refuse(req, now, reason)
+        if len(queue) >= self.settings.max_queued_per_key or len(self._waiting) >= self.settings.max_queued:
+            return self._refuse(req, now, "queue_full")
+        self._seq += 1
+        req.arrival, req.deadline, req.seq = now, now + self.settings.queue_wait_seconds, self._seq
+        bisect.insort(queue, req, key=lambda r: (r.priority, r.arrival, r.seq))
+        self._waiting[req.request_id] = req
+        self._stats(req.key).queued += 1
+        return Decision(req.request_id, "queue", reason or "capacity")
+
+    def release(self, request_id: str, now: float, used_tokens: int | None = None) -> list[Decision]:
+        """An admitted request ended. ``used_tokens``: what its answer used (usage, or the gateway's estimate;
+        0 when it never reached an engine); None keeps the reservation. Returns the requests this admits."""
+        adm = self._admitted.pop(request_id, None)
+        if adm is None:
+            return []
+        self._finish(adm, used_tokens)
+        return self._pump(now)
+
+    def tick(self, now: float) -> list[Decision]:
+        """Time passed: waiting requests past their deadline are refused, lost releases' leases expire, and the
+        budgets' windows refill (which may admit waiting requests)."""
+        out: list[Decision] = []
+        for rid in [rid for rid, a in self._admitted.items() if a.lease_until <= now]:
+            self.leases_expired += 1
+            self._finish(self._admitted.pop(rid), None)
+        for req in [r for r in self._waiting.values() if r.deadline <= now]:
+            self._unqueue(req)
+            out.append(self._refuse(req, now, "wait_timeout"))
+        return out + self._pump(now)
+
+    # ------------------------------------------------------------------ internals
+
+    def _admit(self, req: Request, now: float) -> Decision:
+        entries = []
+        for scope in self._scopes(req):
+            scope.in_flight += 1
+            scope.requests.take(now, 1)
+            entries.append(scope.tokens.take(now, req.cost))
+        self._route_in_flight[req.route] = self._route_in_flight.get(req.route, 0) + 1
+        self._admitted[req.request_id] = _Admitted(req, now + self.settings.lease_seconds, entries)
+        st = self._stats(req.key)
+        st.admitted += 1
+        st.tokens_reserved += req.cost
+        return Decision(req.request_id, "admit", waited=now - req.arrival)
+
+    def _finish(self, adm: _Admitted, used_tokens: int | None) -> None:
+        req = adm.request
+        for scope in self._scopes(req):
+            scope.in_flight -= 1
+        self._route_in_flight[req.route] -= 1
+        settled = req.cost if used_tokens is None else used_tokens
+        for entry in adm.token_entries:
+            entry[1] = settled  # the window now holds what was used, not what was reserved
+        self._stats(req.key).tokens_settled += settled
+
+    def _refuse(self, req: Request, now: float, reason: Reason) -> Decision:
+        st = self._stats(req.key)
+        st.refused[reason] = st.refused.get(reason, 0) + 1
+        waited = now - req.arrival if req.deadline else 0.0
+        return Decision(req.request_id, "refuse", reason, self.retry_after(req, now), waited)
+
+    def _unqueue(self, req: Request) -> None:
+        self._queues[req.key].remove(req)
+        del self._waiting[req.request_id]
+        self._stats(req.key).queued -= 1
+
+    def _pick(self, now: float) -> Request | None:
+        """The waiting request to admit next: among each key's first waiting request that its budgets and its
+        route can take now, the one whose key is furthest below its share (in flight / weight), then the lower
+        class priority value, then the earlier arrival."""
+        best: tuple[float, int, float, int] | None = None
+        chosen = None
+        for key, queue in self._queues.items():
+            if not queue:
+                continue
+            req = queue[0]
+            if not self._route_free(req.route) or self._blocked(req, now)[0]:
+                continue
+            scope = self._key_scope(key)
+            order = (scope.in_flight / scope.budget.weight, req.priority, req.arrival, req.seq)
+            if best is None or order < best:
+                best, chosen = order, req
+        return chosen
+
+    def _pump(self, now: float) -> list[Decision]:
+        out = []
+        while (req := self._pick(now)) is not None:
+            self._unqueue(req)
+            out.append(self._admit(req, now))
+        return out
