@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,11 @@ def gateway_spec(
         "error_log": str(workdir / "gateway-error.log"),
         "state_file": str(workdir / "drained.json"),
     }
+    # gateway.limits: the admission service's sockets in a short folder of their own (a unix socket's path
+    # has at most 107 bytes) and its metrics on a free port
+    limits = {"runtime_dir": tempfile.mkdtemp(prefix="vfa-", dir="/tmp"), "metrics_port": free_port()}
+    limits.update(gateway.pop("limits", {}))
+    gw["limits"] = limits
     gw.update(gateway)
     # routing tests run without keys unless they give a key file: the open gateway has to be asked for
     gw.setdefault("auth", "api_keys" if gw.get("api_keys_file") else "none")

@@ -19,6 +19,12 @@ from vllm_fleet.contracts import (
     GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
     SERVICE_DEFAULTS,
 )
+from vllm_fleet.fleet.admission_config import (
+    ADMISSION_SYSLOG_TAG,
+    admission_config,
+    admission_config_path,
+    runtime_directory,
+)
 from vllm_fleet.fleet.engine import (
     engine_command,
     engine_env,
@@ -188,6 +194,12 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
+    # gateway.limits: the admission service's file (fleet/admission_config.py), where nginx reaches it
+    vf["gateway_admission"] = admission_config(spec, plan) if spec.gateway.admission else None
+    vf["gateway_admission_on"] = spec.gateway.admission
+    vf["gateway_admission_file"] = admission_config_path(spec)
+    vf["gateway_admission_tag"] = ADMISSION_SYSLOG_TAG
+    vf["gateway_admission_runtime_directory"] = runtime_directory(spec.gateway.limits.runtime_dir)
     # nginx gives up an idle engine connection well before the engine does (vllm_fleet/contracts.py)
     vf["gateway_upstream_keepalive_seconds"] = GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
     vf["engine_http_keepalive_seconds"] = ENGINE_HTTP_KEEPALIVE_SECONDS

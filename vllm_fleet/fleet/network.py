@@ -85,6 +85,8 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
             exporters.append(mon.exporter_port)
         if gw.enabled and spec.gateway_host == host:
             exporters.append(mon.nginx_exporter_port)
+            if gw.admission:
+                exporters.append(gw.limits.metrics_port)
         host_gpus = spec.host(host).gpus
         if mon.gpu_exporter_port and (host_gpus.count or host_gpus.detect):
             exporters.append(mon.gpu_exporter_port)

@@ -71,6 +71,8 @@ def host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
     if gateway_here:
         ports.append((spec.gateway.port, "gateway.port"))
         ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
+        if spec.gateway.admission:
+            ports.append((spec.gateway.limits.metrics_port, "gateway.limits.metrics_port"))
         if spec.gateway.tls:
             ports.append((spec.gateway.tls.port, "gateway.tls.port"))
     if spec.monitoring.enabled and spec.monitoring_host == host:

@@ -368,6 +368,8 @@ class Paths(_Model):
 
 
 class RateLimit(_Model):
+    # nginx's leaky bucket per client name, in requests per second: only where gateway.limits is off (the
+    # admission service's budgets replace it); the per-IP bucket always applies (an abuse backstop)
     per_key_rps: float = Field(20, gt=0)
     per_key_burst: int = Field(40, ge=0)
     per_ip_rps: float = Field(50, gt=0)
@@ -402,6 +404,53 @@ class Tls(_Model):
         return self
 
 
+class KeyBudget(_Model):
+    """A budget of one API key, or of a client's keys together (0 = unlimited)."""
+
+    # requests in flight at once
+    max_in_flight: int = Field(0, ge=0)
+    requests_per_minute: int = Field(0, ge=0)
+    # prompt (estimated: request bytes / 3) + max_tokens, reserved at admission over a sliding minute
+    tokens_per_minute: int = Field(0, ge=0)
+    # its share of a saturated model relative to the other keys waiting for it
+    weight: float = Field(1.0, gt=0)
+
+
+class Limits(_Model):
+    """Per-key limits (docs/gateway.md, "Per-key limits"): the gateway asks a local admission service
+    (vllm-fleet-admission.service, nginx's auth_request) before a request goes to an engine. Excess waits up to
+    ``queue_wait_seconds`` while its budget or the model has room, then gets a 429 with Retry-After. Only with
+    ``auth: api_keys`` (limits are per key)."""
+
+    enabled: bool = True
+    # the longest a request waits for its key's budget or a free slot of its model (0: refuse at once)
+    queue_wait_seconds: int = Field(20, ge=0)
+    max_queued_per_key: int = Field(256, ge=0)
+    max_queued: int = Field(4096, ge=1)
+    # the admission service unreachable: "open" admits (counted, alerted), "closed" answers 503
+    on_failure: Literal["open", "closed"] = "open"
+    # every key without its own entry in ``keys`` or its client's ``per_key``
+    default_key: KeyBudget = KeyBudget(max_in_flight=64)
+    # every client's keys together, for a client without ``gateway.clients.NAME.limits``
+    default_client: KeyBudget = KeyBudget()
+    # per key id (CLIENT/first 8 hex digits of the key's sha256, what metrics and `status` show)
+    keys: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}/[0-9a-f]{8}$")], KeyBudget] = {}
+    # reserved for a request that names no max_tokens (capped by the model's max_model_len)
+    default_max_tokens: int = Field(1024, ge=1)
+    # the service's Prometheus metrics (where the host's exporters listen: the internal address, behind the
+    # firewall; loopback on the monitoring host)
+    metrics_port: Port = 9402
+    # where the service's two sockets live (nginx's workers reach them)
+    runtime_dir: str = "/run/vllm-fleet-admission"
+
+    @field_validator("runtime_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") in ("", "/run"):
+            raise ValueError(f"{v!r} must be an absolute folder of its own (e.g. /run/vllm-fleet-admission)")
+        return v.rstrip("/")
+
+
 class GatewayClient(_Model):
     """What one client (a name of the API key file's second column) may use; a client not listed may use
     every model and pool."""
@@ -410,6 +459,10 @@ class GatewayClient(_Model):
     models: list[str] = []
     # X-Priority pools it may select (a request without X-Priority is always allowed); empty = every pool
     pools: list[str] = []
+    # the client's keys together (None: gateway.limits.default_client)
+    limits: KeyBudget | None = None
+    # each key of this client (None: gateway.limits.default_key)
+    per_key: KeyBudget | None = None
 
 
 class Gateway(_Model):
@@ -426,6 +479,7 @@ class Gateway(_Model):
     # per client (the key file's second column): allowed models and priority pools (403 otherwise)
     clients: dict[Annotated[str, Field(pattern=NAME_RE)], GatewayClient] = {}
     rate_limit: RateLimit = RateLimit()
+    limits: Limits = Limits()
     max_body_size: str = "8m"
     connect_timeout_seconds: int = Field(3, ge=1, le=60)
     read_timeout_seconds: int = Field(600, ge=1)
@@ -458,7 +512,17 @@ class Gateway(_Model):
                 "api_keys_file is empty: give the key file's path, or write `auth: none` for a gateway without "
                 "authentication"
             )
+        if self.limits.queue_wait_seconds >= self.read_timeout_seconds:
+            raise ValueError(
+                f"limits.queue_wait_seconds ({self.limits.queue_wait_seconds}) must be below read_timeout_seconds "
+                f"({self.read_timeout_seconds}): a request waits for admission within the gateway's timeout"
+            )
         return self
+
+    @property
+    def admission(self) -> bool:
+        """Whether requests pass the admission service: limits on, and keys to count by."""
+        return self.enabled and self.limits.enabled and self.auth == "api_keys"
 
 
 # --------------------------------------------------------------------------- monitoring / alerts
