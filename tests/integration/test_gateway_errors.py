@@ -240,9 +240,12 @@ def test_405_get_without_model(gw: Gateway) -> None:
 
 
 def test_429_per_key_limit_is_per_key(tmp_path: Path) -> None:
-    """per key 1 r/s burst 2: the 4th quick request of one key gets 429 JSON; another key still passes."""
+    """gateway.limits off (the admission service's budgets: test_gateway_limits.py): nginx's per-key bucket,
+    1 r/s burst 2: the 4th quick request of one key gets 429 JSON; another key still passes."""
     g = _gateway(
-        tmp_path, rate_limit={"per_key_rps": 1, "per_key_burst": 2, "per_ip_rps": 1000, "per_ip_burst": 1000}
+        tmp_path,
+        rate_limit={"per_key_rps": 1, "per_key_burst": 2, "per_ip_rps": 1000, "per_ip_burst": 1000},
+        limits={"enabled": False},
     )
     try:
         statuses = [http_json("GET", g.url + "/v1/models", headers=H(KEY1))[0] for _ in range(6)]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 
 from vllm_fleet.devtools.gateway_nginx import NginxGateway
 from vllm_fleet.devtools.testing import free_port, http_json
+from vllm_fleet.fleet.admission_config import admission_config_path
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import FleetSpec, parse_spec
 
@@ -70,10 +74,15 @@ def gateway_spec(
 class Gateway:
     """A rendered spec served by a private nginx. ``url`` is the API base (no /v1)."""
 
-    def __init__(self, spec: FleetSpec, workdir: Path) -> None:
+    def __init__(self, spec: FleetSpec, workdir: Path, admission: bool = True) -> None:
         self.spec = spec
         self.workdir = Path(workdir)
         render_fleet(spec, self.workdir / "out")
+        # gateway.limits (a spec with keys): the admission service the rendered nginx asks, started with it
+        # (admission=False: nginx alone, what on_failure decides)
+        self.admission: subprocess.Popen[bytes] | None = None
+        self.admission_config = self.workdir / "out" / "h1" / admission_config_path(spec).lstrip("/")
+        self.with_admission = admission and spec.gateway.admission
         self.nginx = NginxGateway(self.workdir / "out" / "h1" / "etc" / "nginx", self.workdir / "prefix")
         self.url = f"http://127.0.0.1:{spec.gateway.port}"
         self.access_log = Path(spec.gateway.access_log)
@@ -83,12 +92,53 @@ class Gateway:
     def nginx_cmd(self) -> str:
         return " ".join(self.nginx.argv())
 
+    @property
+    def admission_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.gateway.limits.metrics_port}/metrics"
+
+    def start_admission(self, timeout: float = 15) -> None:
+        """Start the admission service (``vllm-fleet admission``) on the rendered file; returns once its
+        metrics answer (its sockets are bound by then)."""
+        log = (self.workdir / "admission.log").open("ab")
+        self.admission = subprocess.Popen(
+            [sys.executable, "-m", "vllm_fleet.cli", "admission", "--config", str(self.admission_config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def up() -> bool:
+            assert self.admission is not None
+            if self.admission.poll() is not None:
+                raise RuntimeError(f"the admission service exited with {self.admission.returncode}")
+            try:
+                with urllib.request.urlopen(self.admission_metrics_url, timeout=1) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        if not wait_for(up, timeout, 0.05):
+            raise RuntimeError("the admission service did not come up")
+
+    def stop_admission(self) -> None:
+        if self.admission is not None and self.admission.poll() is None:
+            self.admission.terminate()
+            try:
+                self.admission.wait(10)
+            except subprocess.TimeoutExpired:
+                self.admission.kill()
+                self.admission.wait()
+        self.admission = None
+
     def start(self) -> Gateway:
+        if self.with_admission:
+            self.start_admission()
         self.nginx.start(self.url + "/health")
         return self
 
     def stop(self) -> None:
         self.nginx.stop()
+        self.stop_admission()
 
     def log(self) -> list[dict[str, Any]]:
         if not self.access_log.exists():

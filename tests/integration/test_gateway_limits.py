@@ -1,0 +1,247 @@
+"""Per-key limits through the real gateway: nginx (the rendered config) asks the admission service
+(``vllm-fleet admission``, started on the rendered file) before a request reaches a sim engine.
+
+The engine ``e`` runs 2 requests and holds 4 in flight (``--max-num-seqs 2 --max-num-queued-reqs 4``), and
+the spec says so: the model's capacity is 4, so the gateway, not the engine, holds what does not fit. The
+subject is the gateway's admission (what waits, what is refused and how, who gets a freed slot), so the
+engines are sim engines (tests/integration/test_engine_contract.py checks them against real vLLM).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec, wait_for
+from vllm_fleet.devtools.testing import EngineProcess
+
+KEYS = {
+    "greedy": "sk-greedy-" + "g" * 32,
+    "polite": "sk-polite-" + "p" * 32,
+    "rpm": "sk-rpm-" + "r" * 32,
+    "tpm": "sk-tpm-" + "t" * 32,
+}
+CLIENTS = {
+    "rpm": {"per_key": {"requests_per_minute": 2}},
+    "tpm": {"per_key": {"tokens_per_minute": 300}},
+}
+
+
+@pytest.fixture(scope="module")
+def e(sim_engine_factory: Any) -> EngineProcess:
+    return sim_engine_factory(extra=["--max-num-seqs", "2", "--max-num-queued-reqs", "4"], token_delay=0.005)  # type: ignore[no-any-return]
+
+
+def start(tmp: Path, e: EngineProcess, admission: bool = True, **limits: Any) -> Gateway:
+    keys = tmp / "keys"
+    keys.write_text("".join(f'"{k}" {client};\n' for client, k in KEYS.items()))
+    spec = gateway_spec(
+        [{"name": "e", "port": e.port, "max_num_seqs": 2, "max_num_queued_reqs": 4}],
+        tmp,
+        api_keys_file=str(keys),
+        rate_limit={"per_ip_rps": 10000, "per_ip_burst": 10000},
+        limits={"queue_wait_seconds": 20, "default_key": {"max_in_flight": 8}, **limits},
+        clients=CLIENTS,
+    )
+    return Gateway(spec, tmp, admission=admission).start()
+
+
+@pytest.fixture(scope="module")
+def gw(e: EngineProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = start(tmp_path_factory.mktemp("limits"), e)
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def post(
+    url: str, key: str, tokens: int = 20, stream: bool = False, anthropic: bool = False
+) -> dict[str, Any]:
+    """One request on a new connection: status, Retry-After, the body (or the stream's text), seconds taken."""
+    host, port = url.removeprefix("http://").split(":")
+    if anthropic:
+        path, body = "/v1/messages", {"model": "tiny-qwen3", "max_tokens": tokens,
+                                      "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    else:
+        path = "/v1/completions"
+        body = {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": tokens, "ignore_eos": True}
+    if stream:
+        body["stream"] = True
+    t0 = time.monotonic()
+    c = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        r = c.getresponse()
+        raw = r.read().decode()
+        out: dict[str, Any] = {"status": r.status, "retry_after": r.getheader("Retry-After"), "text": raw}
+        if r.getheader("Content-Type", "").startswith("application/json"):
+            out["body"] = json.loads(raw)
+    except Exception as exc:  # a dropped connection is a failure and must be counted
+        out = {"status": f"{type(exc).__name__}: {exc}"}
+    finally:
+        c.close()
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def burst(url: str, key: str, n: int, **kw: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        res = post(url, key, **kw)
+        with lock:
+            out.append(res)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def metrics(g: Gateway) -> dict[str, float]:
+    """The admission service's samples: 'name{labels}' → value (labels as exposed)."""
+    with urllib.request.urlopen(g.admission_metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def sample(m: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    total = 0.0
+    for k, v in m.items():
+        base, _, rest = k.partition("{")
+        if base == name and all(f'{lk}="{lv}"' in rest for lk, lv in labels.items()):
+            total += v
+    return total
+
+
+def key_id(client: str) -> str:
+    import hashlib
+
+    return f"{client}/{hashlib.sha256(KEYS[client].encode()).hexdigest()[:8]}"
+
+
+def test_one_key_bursting_on_an_idle_fleet_is_all_served_and_the_engine_never_refuses(gw: Gateway) -> None:
+    """40 at once, one key (8 in flight at most), a model that holds 4: every request is served; those that did
+    not fit waited in the gateway (not one of the engine's 503s), and every slot came back."""
+    res = burst(gw.url, KEYS["greedy"], 40)
+    assert [r["status"] for r in res] == [200] * 40, [r for r in res if r["status"] != 200][:3]
+    assert wait_for(lambda: len(gw.log()) >= 40, 10)
+    assert not [e for e in gw.log() if "503" in e["upstream_status"]]  # the engine was never over its bound
+    kid = key_id("greedy")
+    assert wait_for(lambda: sample(metrics(gw), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 10)
+    m = metrics(gw)
+    assert sample(m, "vllm_fleet_gateway_key_admitted_total", key=kid) == 40
+    assert sample(m, "vllm_fleet_gateway_key_queue_wait_seconds_count", key=kid) == 40
+    waited = sample(m, "vllm_fleet_gateway_key_queue_wait_seconds_sum", key=kid)
+    assert waited > 0.5, waited  # 36 of them waited for a slot
+    waits = sorted(r["seconds"] for r in res)
+    print(f"one key, 40 at once on capacity 4: all served; client latency p50 {statistics.median(waits):.2f} s, "
+          f"max {waits[-1]:.2f} s; gateway wait total {waited:.1f} s")  # fmt: skip
+
+
+def test_a_key_over_its_requests_per_minute_gets_a_json_429_with_an_honest_retry_after(gw: Gateway) -> None:
+    first = [post(gw.url, KEYS["rpm"], tokens=2) for _ in range(2)]
+    assert [r["status"] for r in first] == [200, 200]
+    t0 = time.monotonic()
+    refused = post(gw.url, KEYS["rpm"], tokens=2)
+    # its minute refills in ~60 s, beyond queue_wait_seconds (20): refused at once, not after waiting
+    assert refused["status"] == 429 and time.monotonic() - t0 < 5, refused
+    assert refused["body"]["error"]["code"] == "rate_limit_exceeded"
+    assert "requests per minute" in refused["body"]["error"]["message"]
+    assert 40 <= int(refused["retry_after"]) <= 60, refused["retry_after"]
+    anthropic = post(gw.url, KEYS["rpm"], tokens=2, anthropic=True)
+    assert anthropic["status"] == 429 and anthropic["body"]["type"] == "error"
+    assert anthropic["body"]["error"]["type"] == "rate_limit_error" and anthropic["retry_after"]
+    # another key is not affected
+    assert post(gw.url, KEYS["polite"], tokens=2)["status"] == 200
+    m = metrics(gw)
+    assert sample(m, "vllm_fleet_gateway_key_refused_total", key=key_id("rpm"), reason="rpm") == 2
+
+
+def test_a_request_that_can_never_fit_the_tokens_budget_is_refused_without_retry_after(gw: Gateway) -> None:
+    ok = post(gw.url, KEYS["tpm"], tokens=50)
+    assert ok["status"] == 200, ok
+    never = post(gw.url, KEYS["tpm"], tokens=400)  # reserves > 300 tokens per minute
+    assert never["status"] == 429 and never["retry_after"] is None, never
+    assert "can never fit" in never["body"]["error"]["message"]
+
+
+def test_a_stream_holds_its_slot_until_it_ends(gw: Gateway) -> None:
+    kid = key_id("polite")
+    done: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: done.append(post(gw.url, KEYS["polite"], tokens=400, stream=True)))
+    t.start()
+    assert wait_for(lambda: sample(metrics(gw), "vllm_fleet_gateway_key_in_flight", key=kid) == 1, 10)
+    t.join(60)
+    assert done[0]["status"] == 200 and "[DONE]" in done[0]["text"]
+    assert wait_for(lambda: sample(metrics(gw), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 10)
+
+
+def test_a_polite_key_is_not_starved_by_a_greedy_one(gw: Gateway) -> None:
+    """The model (capacity 4) saturated by 24 requests of one key at a time; a second key's requests, 2 at a
+    time, take a freed slot before the greedy key's waiting ones (it is below its share): their latency stays
+    near one request's, the greedy key's is its queue."""
+    stop = threading.Event()
+    greedy: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def lane(key: str, out: list[dict[str, Any]]) -> None:
+        while not stop.is_set():
+            r = post(gw.url, key)
+            with lock:
+                out.append(r)
+
+    lanes = [threading.Thread(target=lane, args=(KEYS["greedy"], greedy)) for _ in range(24)]
+    for t in lanes:
+        t.start()
+    try:
+        assert wait_for(lambda: len(greedy) >= 24, 30)
+        polite = [r for _ in range(8) for r in burst(gw.url, KEYS["polite"], 2)]
+    finally:
+        stop.set()
+        for t in lanes:
+            t.join(60)
+    assert all(r["status"] == 200 for r in polite + greedy), [r for r in polite + greedy if r["status"] != 200][:3]
+    p50 = statistics.median(r["seconds"] for r in polite)
+    g50 = statistics.median(r["seconds"] for r in greedy[24:])
+    print(f"fairness: polite p50 {p50:.2f} s vs greedy p50 {g50:.2f} s ({len(greedy)} greedy requests)")
+    assert p50 < g50 / 2, (p50, g50)
+
+
+def test_the_service_down_admits_and_on_failure_closed_refuses(e: EngineProcess, tmp_path: Path) -> None:
+    g = start(tmp_path / "open", e, admission=False)
+    try:
+        assert [r["status"] for r in burst(g.url, KEYS["greedy"], 3, tokens=2)] == [200] * 3
+    finally:
+        g.stop()
+    g = start(tmp_path / "closed", e, admission=False, on_failure="closed")
+    try:
+        r = post(g.url, KEYS["greedy"], tokens=2)
+        assert r["status"] == 503 and r["retry_after"] == "1", r
+        assert r["body"]["error"]["code"] == "admission_unavailable"
+        g.start_admission()
+        assert post(g.url, KEYS["greedy"], tokens=2)["status"] == 200
+    finally:
+        g.stop()
