@@ -240,6 +240,7 @@ def test_accessors_for_the_metrics():
     adm.submit(req("b", cost=200, route="n"), 1.0)
     assert adm.route_in_flight() == {"m": 1, "n": 1}
     assert adm.reservation("a") == 300 and adm.reservation("zz") is None
+    assert adm.key_of("a") == "k" and adm.key_of("zz") == ""
     assert adm.budget_used("k", 1.0) == {"in_flight": 0.5, "rpm": 0.2, "tpm": 0.5}
     assert adm.budget_used("free", 1.0) == {}  # nothing set, nothing to report
     adm.release("a", 2.0, used_tokens=100)

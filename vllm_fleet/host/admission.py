@@ -272,6 +272,14 @@ class Admission:
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiting
 
+    def key_of(self, request_id: str) -> str:
+        """The key of an admitted or waiting request ("" when it is neither)."""
+        adm = self._admitted.get(request_id)
+        if adm is not None:
+            return adm.request.key
+        req = self._waiting.get(request_id)
+        return "" if req is None else req.key
+
     def reservation(self, request_id: str) -> int | None:
         """The tokens an admitted request reserved (None: not admitted now)."""
         adm = self._admitted.get(request_id)
