@@ -497,3 +497,19 @@ def test_the_command_starts_notifies_ready_and_stops_cleanly_on_sigterm(folder: 
     err = proc.stderr.read()
     assert f"socket {cfg['socket']}" in err and "queue_wait 5s" in err, err
     assert not Path(cfg["socket"]).exists() and not Path(cfg["log_socket"]).exists()
+
+
+def test_many_waiting_connections_are_admitted_one_release_at_a_time_in_arrival_order(
+    start: Callable[..., Running],
+) -> None:
+    r = start(max_queued_per_key=64)
+    first = Conn(r.cfg.socket)
+    assert first.admit("w0", "k/00000001")[0] == 204
+    waiting = [Conn(r.cfg.socket) for _ in range(40)]
+    for i, c in enumerate(waiting, 1):
+        c.send_admit(f"w{i}", "k/00000001")
+        wait_until(lambda i=i: r.call(lambda: r.core.queued("k/00000001")) == i)
+    for i, c in enumerate(waiting, 1):
+        send_log(r, f"w{i - 1}|200|200|1")
+        assert c.read()[0] == 204, i
+    assert r.call(lambda: (r.core.in_flight("k/00000001"), r.core.queued("k/00000001"))) == (1, 0)
