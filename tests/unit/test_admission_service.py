@@ -319,6 +319,18 @@ def test_one_of_two_askers_closing_keeps_the_request_waiting(start: Callable[...
     assert c.read()[0] == 204
 
 
+def test_a_get_with_a_content_length_but_no_body_does_not_eat_the_next_request(
+    start: Callable[..., Running],
+) -> None:
+    """An auth_request subrequest can carry the client's Content-Length (its POST body is not passed on)."""
+    r = start()
+    c = Conn(r.cfg.socket)
+    c.send_admit("a", "k/00000001", **{"Content-Length": "512"})
+    assert c.read()[0] == 204
+    c.send_admit("b", "k/00000002", **{"Content-Length": "512"})
+    assert c.read()[0] == 204
+
+
 def test_a_bad_request_is_a_400_and_closes_the_connection(start: Callable[..., Running]) -> None:
     r = start()
     c = Conn(r.cfg.socket)

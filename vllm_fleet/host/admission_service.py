@@ -199,11 +199,16 @@ class _AdmitProtocol(asyncio.Protocol):
         conn = headers.get(b"connection", b"").lower()
         if conn == b"close" or (version == b"HTTP/1.0" and conn != b"keep-alive"):
             self.close_after = True
+        if b"transfer-encoding" in headers:
+            self._send_and_close(_BAD)
+            return
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():
             self._send_and_close(_BAD)
             return
-        self.skip = int(length)
+        # a GET has no body: an auth_request subrequest may carry the client's Content-Length without its body
+        # (unless nginx sets `proxy_set_header Content-Length ""`); skipping it would eat the next request
+        self.skip = int(length) if method != b"GET" else 0
         path = target.split(b"?", 1)[0]
         if path == b"/admit" and method == b"GET":
             self.pending.append(self.service.admit(headers, self))
@@ -460,7 +465,10 @@ class AdmissionService:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            self.tick()
+            try:
+                self.tick()
+            except Exception as exc:  # a bug must not stop the deadlines: say it and go on
+                print(f"vllm-fleet admission: tick failed: {exc!r}", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- lifecycle
 
