@@ -275,3 +275,13 @@ def test_tick_expires_leases_and_deadlines_in_time_order():
     assert adm.in_flight("k") == 1
     adm.tick(13.0)
     assert adm.leases_expired == 2 and adm.in_flight("k") == 0
+
+
+def test_no_waiting_at_all_when_queue_wait_seconds_is_0():
+    adm = Admission(Settings(queue_wait_seconds=0, capacity={"m": 1}, default_key=Budget(max_in_flight=1)))
+    assert adm.submit(req("a"), 0.0).verdict == "admit"
+    d = adm.submit(req("b"), 0.0)
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "in_flight", 1)
+    d = adm.submit(req("c", key="other"), 0.0)  # its key has room, the route has not
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "capacity", 1)
+    assert adm.queued("k") == 0 and adm.queued("other") == 0

@@ -346,6 +346,22 @@ def test_a_bad_request_is_a_400_and_closes_the_connection(start: Callable[..., R
 # ------------------------------------------------------------------------- releases
 
 
+def test_a_release_of_a_waiting_id_ends_its_wait(start: Callable[..., Running]) -> None:
+    """nginx logged the request while its admission still waited (it gave up on it): the wait ends with a
+    refusal, and the id admits nothing later."""
+    r = start()
+    a, b = Conn(r.cfg.socket), Conn(r.cfg.socket)
+    assert a.admit("x", "k/00000001")[0] == 204
+    b.send_admit("y", "k/00000001")
+    wait_until(lambda: r.call(lambda: r.core.is_waiting("y")))
+    send_log(r, "y|499|-|-")
+    status, headers, _ = b.read()
+    assert (status, headers["x-vf-reason"]) == (403, "wait_timeout")
+    assert r.call(lambda: (r.core.is_waiting("y"), r.core.stats["k/00000001"].withdrawn)) == (False, 1)
+    send_log(r, "x|200|200|1")
+    wait_until(lambda: r.call(lambda: r.core.in_flight("k/00000001")) == 0)  # y was not admitted
+
+
 @pytest.mark.parametrize(
     ("message", "expected"),
     [

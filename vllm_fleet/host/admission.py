@@ -327,8 +327,8 @@ class Admission:
         if not reason and self._route_free(req.route) and not queue:
             req.arrival = now
             return self._admit(req, now)
-        if wait > self.settings.queue_wait_seconds:
-            return self._refuse(req, now, reason)
+        if wait > self.settings.queue_wait_seconds or self.settings.queue_wait_seconds <= 0:
+            return self._refuse(req, now, reason or "capacity")  # 0: no waiting at all
         if len(queue) >= self.settings.max_queued_per_key or len(self._waiting) >= self.settings.max_queued:
             return self._refuse(req, now, "queue_full")
         self._seq += 1
