@@ -233,6 +233,10 @@ BUILTINS = ("validate", "plan", "render", "context", "status")
 # The one list of the sub-commands that live in their own modules, imported only when needed: a module that
 # fails to import breaks its own commands, not the others.
 PLUGINS: dict[str, Plugin] = {
+    "admission": Plugin(
+        "vllm_fleet.host.admission_service:add_args",
+        "the gateway's per-key admission service (nginx auth_request; vllm-fleet-admission.service)",
+    ),
     "bench": Plugin(
         "vllm_fleet.bench.cli:add_args",
         "load-test an OpenAI/Anthropic-compatible endpoint (profiles, compare, scenarios)",

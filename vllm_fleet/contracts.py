@@ -16,6 +16,8 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
 - ``HostContract``: ``{config_dir}/host.json``, a host's contract: what its commands (``vllm-fleet fetch``,
   ``manifest``, ``doctor``) need of the fleet spec, built on the controller (``vllm_fleet.fleet.host_contract``,
   rendered as an engine artifact by ``vllm-fleet render`` and the roles); a host reads it, never the spec.
+- ``AdmissionConfig``: the gateway host's admission service config (``vllm-fleet admission --config``), read
+  by ``vllm_fleet.host.admission_service``.
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -582,6 +584,96 @@ class HostContract:
 def dumps_host_contract(data: dict[str, Any]) -> str:
     """A host contract's text from its ``to_dict()``: sorted keys, two spaces, a final newline."""
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+# ------------------------------------------------------------------------- the gateway's admission service
+
+ADMISSION_CONFIG_SCHEMA = 1  # raised when a field changes meaning
+
+
+@dataclass(frozen=True)
+class AdmissionBudget:
+    """A budget of the admission service (``vllm_fleet.host.admission.Budget``): 0 = unlimited; ``weight``
+    (> 0) is the share of a saturated route relative to other keys."""
+
+    max_in_flight: int
+    requests_per_minute: int
+    tokens_per_minute: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The gateway host's admission service config (``vllm-fleet admission --config PATH``;
+    docs/design/per-key-limits.md). ``keys``: key id (``CLIENT/HEX8``) → its own budget; ``per_key``: client
+    → the budget of each key of that client (a key without an entry in ``keys``), else ``default_key``;
+    ``clients``: client → the budget of its keys together, else ``default_client``; ``capacity``: served
+    model name (the route) → requests in flight its engines hold (absent = unlimited). ``socket``: the unix
+    stream socket of the HTTP protocol nginx's ``auth_request`` asks; ``log_socket``: the unix datagram
+    socket nginx's ``access_log syslog:`` writes the releases to; ``metrics_address``: ``HOST:PORT`` of
+    ``/metrics``; ``socket_group``: the group both sockets are given to (mode 0660; "" = left as is)."""
+
+    schema: int
+    fleet: str
+    socket: str
+    log_socket: str
+    metrics_address: str
+    queue_wait_seconds: float
+    max_queued_per_key: int
+    max_queued: int
+    lease_seconds: float
+    default_key: AdmissionBudget
+    keys: dict[str, AdmissionBudget]
+    default_client: AdmissionBudget
+    clients: dict[str, AdmissionBudget]
+    per_key: dict[str, AdmissionBudget]
+    capacity: dict[str, int]
+    socket_group: str
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> AdmissionConfig:
+        """Check every field (``ContractError`` names the file and the field: ``keys.chat/1a2b3c4d.weight``)."""
+        d = _mapping(data, source, "(root)")
+        schema = d.get("schema")
+        if schema != ADMISSION_CONFIG_SCHEMA:
+            raise ContractError(
+                f"{_where(source, 'schema')}: {schema!r} is not an admission config schema this vllm-fleet "
+                f"reads ({ADMISSION_CONFIG_SCHEMA}); render it with the same vllm-fleet as the host runs"
+            )
+        cfg: AdmissionConfig = _dataclass_from(cls, d, source, "")
+
+        def fail(key: str, why: str) -> ContractError:
+            return ContractError(f"{_where(source, key)}: {why}")
+
+        for key in ("socket", "log_socket"):
+            if not getattr(cfg, key).startswith("/"):
+                raise fail(key, f"expected an absolute path, got {getattr(cfg, key)!r}")
+        host, _, port = cfg.metrics_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:  # 0: the system picks one (tests)
+            raise fail("metrics_address", f"expected HOST:PORT, got {cfg.metrics_address!r}")
+        for key in ("queue_wait_seconds", "max_queued_per_key", "max_queued"):
+            if getattr(cfg, key) < 0:
+                raise fail(key, f"must be >= 0, got {getattr(cfg, key)!r}")
+        if cfg.lease_seconds <= 0:
+            raise fail("lease_seconds", f"must be > 0, got {cfg.lease_seconds!r}")
+        budgets = {"default_key": cfg.default_key, "default_client": cfg.default_client}
+        for group in ("keys", "clients", "per_key"):
+            budgets.update({f"{group}.{k}": b for k, b in getattr(cfg, group).items()})
+        for where, b in budgets.items():
+            for name in ("max_in_flight", "requests_per_minute", "tokens_per_minute"):
+                if getattr(b, name) < 0:
+                    raise fail(f"{where}.{name}", f"must be >= 0 (0 = unlimited), got {getattr(b, name)!r}")
+            if b.weight <= 0:
+                raise fail(f"{where}.weight", f"must be > 0, got {b.weight!r}")
+        for model, n in cfg.capacity.items():
+            if n < 0:
+                raise fail(f"capacity.{model}", f"must be >= 0, got {n!r}")
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> AdmissionConfig:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        return cls.from_dict(*_contract_json(path))
 
 
 _T = TypeVar("_T")

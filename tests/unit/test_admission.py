@@ -168,3 +168,120 @@ def test_a_lost_release_frees_the_slot_when_the_lease_expires():
 def test_budget_validation(bad: dict[str, Any]):
     with pytest.raises(ValueError):
         Budget(**bad)
+
+
+def test_a_clients_per_key_budget_applies_to_each_of_its_keys_unless_the_key_has_its_own():
+    adm = Admission(
+        Settings(
+            default_key=Budget(max_in_flight=5),
+            per_key={"chat": Budget(max_in_flight=1)},
+            keys={"chat/00000002": Budget(max_in_flight=2)},
+        )
+    )
+    assert adm.budget_of("chat/00000001") == Budget(max_in_flight=1)
+    assert adm.budget_of("chat/00000002") == Budget(max_in_flight=2)
+    assert adm.budget_of("batch/00000001") == Budget(max_in_flight=5)
+    assert adm.budget_of("chat") == Budget(max_in_flight=5)  # no '/': no client
+    # each key of the client has the budget alone: two keys, one request each
+    got = verdicts(adm, [req("a1", key="chat/00000001"), req("a2", key="chat/00000001")])
+    got += verdicts(adm, [req("b1", key="chat/00000003"), req("b2", key="chat/00000003")])
+    got += verdicts(adm, [req("c1", key="chat/00000002"), req("c2", key="chat/00000002")])
+    assert got == ["admit", "queue", "admit", "queue", "admit", "admit"]
+
+
+def test_a_withdrawn_request_leaves_the_queue_and_lets_the_next_one_in():
+    adm = Admission(Settings(capacity={"m": 1}, default_key=Budget(max_in_flight=0)))
+    assert verdicts(adm, [req("a", key="x"), req("b", key="y"), req("c", key="z")]) == [
+        "admit",
+        "queue",
+        "queue",
+    ]
+    assert adm.withdraw("b", 1.0) == []  # the route is still full
+    assert adm.is_waiting("b") is False and adm.queued("y") == 0
+    assert adm.stats["y"].withdrawn == 1 and adm.stats["y"].refused == {} and adm.stats["y"].queued == 0
+    assert adm.withdraw("b", 1.0) == [] and adm.withdraw("nobody", 1.0) == []
+    assert [d.request_id for d in adm.release("a", 2.0)] == ["c"]
+    assert adm.tick(100.0) == []  # the withdrawn request is not refused at its deadline
+
+
+def test_withdrawing_the_head_of_a_key_queue_admits_a_cheaper_request_behind_it():
+    adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000), queue_wait_seconds=60))
+    assert adm.submit(req("a", cost=600), 0.0).verdict == "admit"
+    assert adm.submit(req("big", cost=500), 1.0).verdict == "queue"
+    assert (
+        adm.submit(req("small", cost=300), 2.0).verdict == "queue"
+    )  # behind "big" (same key, arrival order)
+    assert [(d.request_id, d.verdict, d.waited) for d in adm.withdraw("big", 3.0)] == [
+        ("small", "admit", 1.0)
+    ]
+
+
+def test_a_repeated_request_id_is_marked_again_and_counted_once():
+    adm = Admission(Settings(default_key=Budget(max_in_flight=1)))
+    first = adm.submit(req("a", cost=5), 0.0)
+    assert (first.verdict, first.again) == ("admit", False)
+    assert adm.submit(req("a", cost=5), 0.1).again is True
+    first = adm.submit(req("b"), 0.2)
+    assert (first.verdict, first.reason, first.again) == ("queue", "in_flight", False)
+    again = adm.submit(req("b"), 0.4)
+    assert (again.verdict, again.reason, again.again) == ("queue", "in_flight", True)
+    assert adm.stats["k"].admitted == 1 and adm.stats["k"].tokens_reserved == 5 and adm.queued("k") == 1
+
+
+def test_accessors_for_the_metrics():
+    adm = Admission(
+        Settings(
+            capacity={"m": 10},
+            default_key=Budget(max_in_flight=4, requests_per_minute=10, tokens_per_minute=1000),
+            keys={"free": Budget()},
+        )
+    )
+    adm.submit(req("a", cost=300), 0.0)
+    adm.submit(req("b", cost=200, route="n"), 1.0)
+    assert adm.route_in_flight() == {"m": 1, "n": 1}
+    assert adm.reservation("a") == 300 and adm.reservation("zz") is None
+    assert adm.key_of("a") == "k" and adm.key_of("zz") == ""
+    assert adm.budget_used("k", 1.0) == {"in_flight": 0.5, "rpm": 0.2, "tpm": 0.5}
+    assert adm.budget_used("free", 1.0) == {}  # nothing set, nothing to report
+    adm.release("a", 2.0, used_tokens=100)
+    assert adm.budget_used("k", 2.0) == {"in_flight": 0.25, "rpm": 0.2, "tpm": 0.3}
+    assert adm.route_in_flight() == {"m": 0, "n": 1}
+    # the minute passed: the windows are empty again
+    assert adm.budget_used("k", 61.0) == {"in_flight": 0.25, "rpm": 0.0, "tpm": 0.0}
+
+
+def test_settling_a_reservation_that_already_left_its_window_changes_nothing():
+    adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000), lease_seconds=1000))
+    adm.submit(req("old", cost=800), 0.0)
+    assert adm.budget_used("k", 61.0)["tpm"] == 0.0  # aged out while running
+    adm.submit(req("new", cost=400), 61.0)
+    adm.release("old", 62.0, used_tokens=50)  # would subtract 750 from the window if it still held it
+    assert adm.budget_used("k", 62.0)["tpm"] == 0.4
+    assert adm.stats["k"].tokens_settled == 50
+
+
+def test_tick_expires_leases_and_deadlines_in_time_order():
+    adm = Admission(Settings(lease_seconds=10, queue_wait_seconds=5, default_key=Budget(max_in_flight=2)))
+    adm.submit(req("a"), 0.0)
+    adm.submit(req("b"), 3.0)
+    adm.submit(req("w1"), 3.5)
+    adm.submit(req("w2"), 4.0)
+    out = adm.tick(8.6)  # w1's deadline (8.5) passed, w2's (9.0) not
+    assert [(d.request_id, d.reason) for d in out] == [("w1", "wait_timeout")]
+    # at 10: a's lease (until 10) expires, b's (until 13) not; w2 passed its deadline (9) first
+    out = adm.tick(10.0)
+    assert adm.leases_expired == 1
+    assert [(d.request_id, d.verdict, d.reason) for d in out] == [("w2", "refuse", "wait_timeout")]
+    assert adm.in_flight("k") == 1
+    adm.tick(13.0)
+    assert adm.leases_expired == 2 and adm.in_flight("k") == 0
+
+
+def test_no_waiting_at_all_when_queue_wait_seconds_is_0():
+    adm = Admission(Settings(queue_wait_seconds=0, capacity={"m": 1}, default_key=Budget(max_in_flight=1)))
+    assert adm.submit(req("a"), 0.0).verdict == "admit"
+    d = adm.submit(req("b"), 0.0)
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "in_flight", 1)
+    d = adm.submit(req("c", key="other"), 0.0)  # its key has room, the route has not
+    assert (d.verdict, d.reason, d.retry_after) == ("refuse", "capacity", 1)
+    assert adm.queued("k") == 0 and adm.queued("other") == 0

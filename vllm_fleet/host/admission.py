@@ -14,6 +14,13 @@ from the answer's usage. Per route (the upstream the router chose) ``capacity`` 
 the fleet can hold; when a route is full requests wait, and a freed slot goes to the waiting request whose key
 has the fewest requests in flight per unit of weight (its share), then the lower class priority value
 (vLLM's priority scheduling: lower runs first), then the earlier arrival.
+
+A key's budget: its own entry in ``Settings.keys``, else its client's ``per_key`` budget (each key of that
+client alone; a key id is ``CLIENT/HEX8``, its client the part before the first ``/``), else ``default_key``.
+
+Costs: ``submit`` and ``release`` are O(1) in the number of keys and of requests in flight, except the choice
+of the next waiting request (``_pick``), which looks at every key that has requests waiting (only those);
+``tick`` stops at the first lease and the first deadline still ahead (both are kept in time order).
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ class Settings:
     keys: Mapping[str, Budget] = field(default_factory=dict)
     default_client: Budget = UNLIMITED
     clients: Mapping[str, Budget] = field(default_factory=dict)
+    # client -> the budget of each of its keys (a key without its own entry in ``keys``)
+    per_key: Mapping[str, Budget] = field(default_factory=dict)
     # route -> requests in flight it can hold; a route not named is unlimited
     capacity: Mapping[str, int] = field(default_factory=dict)
 
@@ -87,26 +96,58 @@ class Decision:
     # seconds (>= 1) a refused client should wait; None when waiting cannot help (larger than the budget)
     retry_after: int | None = None
     waited: float = 0.0  # seconds in the queue before this decision
+    # the answer to a request id already admitted or waiting (an internal redirect asking again): nothing new
+    # was counted
+    again: bool = False
+
+
+def client_of(key: str) -> str:
+    """The client of a key id ``CLIENT/HEX8`` ("" when the id has no ``/``)."""
+    client, sep, _ = key.partition("/")
+    return client if sep else ""
+
+
+class _Entry:
+    __slots__ = ("amount", "live", "time")
+
+    def __init__(self, time: float, amount: float) -> None:
+        self.time = time
+        self.amount = amount
+        self.live = True  # still in its window
 
 
 class _Window:
-    """Amounts taken in the last WINDOW_SECONDS; an entry's amount can be settled later (its handle)."""
+    """Amounts taken in the last WINDOW_SECONDS, with their running total; an entry's amount can be settled
+    later (``settle``, through the entry ``take`` returned)."""
 
     def __init__(self) -> None:
-        self._entries: deque[list[float]] = deque()  # [time, amount]
+        self._entries: deque[_Entry] = deque()
+        self._total = 0.0
 
     def _expire(self, now: float) -> None:
-        while self._entries and self._entries[0][0] <= now - WINDOW_SECONDS:
-            self._entries.popleft()
+        while self._entries and self._entries[0].time <= now - WINDOW_SECONDS:
+            e = self._entries.popleft()
+            e.live = False
+            self._total -= e.amount
+        if not self._entries:
+            self._total = 0.0  # no drift once the window is empty
 
     def used(self, now: float) -> float:
         self._expire(now)
-        return sum(e[1] for e in self._entries)
+        return self._total
 
-    def take(self, now: float, amount: float) -> list[float]:
-        entry = [now, amount]
+    def take(self, now: float, amount: float) -> _Entry:
+        entry = _Entry(now, amount)
         self._entries.append(entry)
+        self._total += amount
         return entry
+
+    def settle(self, entry: _Entry, amount: float) -> None:
+        """The entry now holds ``amount`` (what was used, not what was reserved); nothing when it has left
+        the window already."""
+        if entry.live:
+            self._total += amount - entry.amount
+        entry.amount = amount
 
     def wait_for(self, now: float, amount: float, limit: int) -> float:
         """Seconds until ``amount`` fits under ``limit`` (0: now; inf: never)."""
@@ -118,10 +159,10 @@ class _Window:
         if excess <= 0:
             return 0.0
         freed = 0.0
-        for t, a in self._entries:
-            freed += a
+        for e in self._entries:
+            freed += e.amount
             if freed >= excess:
-                return t + WINDOW_SECONDS - now
+                return e.time + WINDOW_SECONDS - now
         return math.inf  # not reached: every entry ages out
 
 
@@ -152,7 +193,7 @@ class _Scope:
 class _Admitted:
     request: Request
     lease_until: float
-    token_entries: list[list[float]]
+    token_entries: list[tuple[_Window, _Entry]]
 
 
 @dataclass
@@ -162,6 +203,7 @@ class KeyStats:
     refused: dict[str, int] = field(default_factory=dict)  # by reason
     tokens_reserved: int = 0
     tokens_settled: int = 0
+    withdrawn: int = 0  # waiting requests whose client went away (``withdraw``)
 
 
 class Admission:
@@ -169,7 +211,9 @@ class Admission:
         self.settings = settings
         self._keys: dict[str, _Scope] = {}
         self._clients: dict[str, _Scope] = {}
-        self._queues: dict[str, list[Request]] = {}  # key -> waiting, ordered by (priority, arrival)
+        # key -> waiting, ordered by (priority, arrival); only keys with requests waiting have an entry
+        self._queues: dict[str, list[Request]] = {}
+        # in arrival order = deadline order; in admission order = lease order (``tick`` relies on both)
         self._waiting: dict[str, Request] = {}
         self._admitted: dict[str, _Admitted] = {}
         self._route_in_flight: dict[str, int] = {}
@@ -179,10 +223,19 @@ class Admission:
 
     # ------------------------------------------------------------------ scopes
 
+    def budget_of(self, key: str) -> Budget:
+        """The key's own budget, else its client's per-key budget, else the default one."""
+        s = self.settings
+        own = s.keys.get(key)
+        if own is not None:
+            return own
+        return s.per_key.get(client_of(key), s.default_key)
+
     def _key_scope(self, key: str) -> _Scope:
-        if key not in self._keys:
-            self._keys[key] = _Scope(self.settings.keys.get(key, self.settings.default_key))
-        return self._keys[key]
+        scope = self._keys.get(key)
+        if scope is None:
+            scope = self._keys[key] = _Scope(self.budget_of(key))
+        return scope
 
     def _scopes(self, req: Request) -> list[_Scope]:
         scopes = [self._key_scope(req.key)]
@@ -214,7 +267,41 @@ class Admission:
         return self._key_scope(key).in_flight
 
     def queued(self, key: str) -> int:
-        return len(self._queues.get(key, []))
+        return len(self._queues.get(key, ()))
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def key_of(self, request_id: str) -> str:
+        """The key of an admitted or waiting request ("" when it is neither)."""
+        adm = self._admitted.get(request_id)
+        if adm is not None:
+            return adm.request.key
+        req = self._waiting.get(request_id)
+        return "" if req is None else req.key
+
+    def reservation(self, request_id: str) -> int | None:
+        """The tokens an admitted request reserved (None: not admitted now)."""
+        adm = self._admitted.get(request_id)
+        return None if adm is None else adm.request.cost
+
+    def route_in_flight(self) -> dict[str, int]:
+        """Route -> requests admitted and not released (routes that had any)."""
+        return dict(self._route_in_flight)
+
+    def budget_used(self, key: str, now: float) -> dict[str, float]:
+        """The key's use of each budget that is set, 0..1: ``in_flight`` (of max_in_flight), ``rpm``, ``tpm``
+        (of the sliding minute)."""
+        scope = self._key_scope(key)
+        b = scope.budget
+        out = {}
+        if b.max_in_flight:
+            out["in_flight"] = min(1.0, scope.in_flight / b.max_in_flight)
+        if b.requests_per_minute:
+            out["rpm"] = min(1.0, scope.requests.used(now) / b.requests_per_minute)
+        if b.tokens_per_minute:
+            out["tpm"] = min(1.0, scope.tokens.used(now) / b.tokens_per_minute)
+        return out
 
     def retry_after(self, req: Request, now: float) -> int | None:
         """Seconds until the request's budgets could take it: the refill time of its RPM/TPM window, rounded up;
@@ -229,23 +316,24 @@ class Admission:
     def submit(self, req: Request, now: float) -> Decision:
         """A request asks to start (idempotent by request id: an internal redirect asks again)."""
         if req.request_id in self._admitted:
-            return Decision(req.request_id, "admit")
-        if req.request_id in self._waiting:
-            return Decision(req.request_id, "queue", self._blocked(req, now)[0] or "capacity")
+            return Decision(req.request_id, "admit", again=True)
+        waiting = self._waiting.get(req.request_id)
+        if waiting is not None:
+            return Decision(req.request_id, "queue", self._blocked(waiting, now)[0] or "capacity", again=True)
         reason, wait = self._blocked(req, now)
         if reason == "too_large":
             return self._refuse(req, now, "too_large")
-        queue = self._queues.setdefault(req.key, [])
+        queue = self._queues.get(req.key, ())
         if not reason and self._route_free(req.route) and not queue:
             req.arrival = now
             return self._admit(req, now)
-        if wait > self.settings.queue_wait_seconds:
-            return self._refuse(req, now, reason)
+        if wait > self.settings.queue_wait_seconds or self.settings.queue_wait_seconds <= 0:
+            return self._refuse(req, now, reason or "capacity")  # 0: no waiting at all
         if len(queue) >= self.settings.max_queued_per_key or len(self._waiting) >= self.settings.max_queued:
             return self._refuse(req, now, "queue_full")
         self._seq += 1
         req.arrival, req.deadline, req.seq = now, now + self.settings.queue_wait_seconds, self._seq
-        bisect.insort(queue, req, key=lambda r: (r.priority, r.arrival, r.seq))
+        bisect.insort(self._queues.setdefault(req.key, []), req, key=lambda r: (r.priority, r.arrival, r.seq))
         self._waiting[req.request_id] = req
         self._stats(req.key).queued += 1
         return Decision(req.request_id, "queue", reason or "capacity")
@@ -259,14 +347,34 @@ class Admission:
         self._finish(adm, used_tokens)
         return self._pump(now)
 
+    def withdraw(self, request_id: str, now: float) -> list[Decision]:
+        """A waiting request's client went away (nginx closed the connection): it leaves the queue, counted
+        as withdrawn, not refused. Returns the requests its leaving admits; nothing for an id not waiting."""
+        req = self._waiting.get(request_id)
+        if req is None:
+            return []
+        self._unqueue(req)
+        self._stats(req.key).withdrawn += 1
+        return self._pump(now)
+
     def tick(self, now: float) -> list[Decision]:
         """Time passed: waiting requests past their deadline are refused, lost releases' leases expire, and the
-        budgets' windows refill (which may admit waiting requests)."""
+        budgets' windows refill (which may admit waiting requests). ``now`` never goes back."""
         out: list[Decision] = []
-        for rid in [rid for rid, a in self._admitted.items() if a.lease_until <= now]:
+        expired = []
+        for rid, a in self._admitted.items():  # lease order: stop at the first still running
+            if a.lease_until > now:
+                break
+            expired.append(rid)
+        for rid in expired:
             self.leases_expired += 1
             self._finish(self._admitted.pop(rid), None)
-        for req in [r for r in self._waiting.values() if r.deadline <= now]:
+        late = []
+        for r in self._waiting.values():  # deadline order
+            if r.deadline > now:
+                break
+            late.append(r)
+        for req in late:
             self._unqueue(req)
             out.append(self._refuse(req, now, "wait_timeout"))
         return out + self._pump(now)
@@ -278,7 +386,7 @@ class Admission:
         for scope in self._scopes(req):
             scope.in_flight += 1
             scope.requests.take(now, 1)
-            entries.append(scope.tokens.take(now, req.cost))
+            entries.append((scope.tokens, scope.tokens.take(now, req.cost)))
         self._route_in_flight[req.route] = self._route_in_flight.get(req.route, 0) + 1
         self._admitted[req.request_id] = _Admitted(req, now + self.settings.lease_seconds, entries)
         st = self._stats(req.key)
@@ -292,8 +400,8 @@ class Admission:
             scope.in_flight -= 1
         self._route_in_flight[req.route] -= 1
         settled = req.cost if used_tokens is None else used_tokens
-        for entry in adm.token_entries:
-            entry[1] = settled  # the window now holds what was used, not what was reserved
+        for window, entry in adm.token_entries:
+            window.settle(entry, settled)  # the window now holds what was used, not what was reserved
         self._stats(req.key).tokens_settled += settled
 
     def _refuse(self, req: Request, now: float, reason: Reason) -> Decision:
@@ -303,7 +411,10 @@ class Admission:
         return Decision(req.request_id, "refuse", reason, self.retry_after(req, now), waited)
 
     def _unqueue(self, req: Request) -> None:
-        self._queues[req.key].remove(req)
+        queue = self._queues[req.key]
+        queue.remove(req)
+        if not queue:
+            del self._queues[req.key]
         del self._waiting[req.request_id]
         self._stats(req.key).queued -= 1
 
@@ -314,8 +425,6 @@ class Admission:
         best: tuple[float, int, float, int] | None = None
         chosen = None
         for key, queue in self._queues.items():
-            if not queue:
-                continue
             req = queue[0]
             if not self._route_free(req.route) or self._blocked(req, now)[0]:
                 continue
