@@ -42,6 +42,7 @@ def e(sim_engine_factory: Any) -> EngineProcess:
 
 
 def start(tmp: Path, e: EngineProcess, admission: bool = True, **limits: Any) -> Gateway:
+    tmp.mkdir(parents=True, exist_ok=True)
     keys = tmp / "keys"
     keys.write_text("".join(f'"{k}" {client};\n' for client, k in KEYS.items()))
     spec = gateway_spec(
@@ -80,7 +81,12 @@ def post(
     t0 = time.monotonic()
     c = http.client.HTTPConnection(host, int(port), timeout=120)
     try:
-        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        c.request(
+            "POST",
+            path,
+            json.dumps(body),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         r = c.getresponse()
         raw = r.read().decode()
         out: dict[str, Any] = {"status": r.status, "retry_after": r.getheader("Retry-After"), "text": raw}
@@ -223,7 +229,9 @@ def test_a_polite_key_is_not_starved_by_a_greedy_one(gw: Gateway) -> None:
         stop.set()
         for t in lanes:
             t.join(60)
-    assert all(r["status"] == 200 for r in polite + greedy), [r for r in polite + greedy if r["status"] != 200][:3]
+    assert all(r["status"] == 200 for r in polite + greedy), [
+        r for r in polite + greedy if r["status"] != 200
+    ][:3]
     p50 = statistics.median(r["seconds"] for r in polite)
     g50 = statistics.median(r["seconds"] for r in greedy[24:])
     print(f"fairness: polite p50 {p50:.2f} s vs greedy p50 {g50:.2f} s ({len(greedy)} greedy requests)")
