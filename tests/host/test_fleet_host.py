@@ -188,6 +188,19 @@ def test_gateway_config_valid(host: Any, vf: dict[str, Any]) -> None:
     assert host.service("nginx").is_running and host.service("nginx").is_enabled
     status, body = http_get(host, f"http://127.0.0.1:{vf['gateway']['port']}/v1/models")
     assert status in (200, 401), body
+    if vf["gateway_admission_on"]:
+        # gateway.limits: the admission service nginx asks before a request reaches an engine
+        adm = vf["gateway_admission"]
+        assert host.service("vllm-fleet-admission").is_running, "the admission service is not running"
+        assert host.service("vllm-fleet-admission").is_enabled
+        sock = host.file(adm["socket"])
+        assert sock.is_socket and sock.group == adm["socket_group"], adm["socket"]
+        ask = (
+            "import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1]); "
+            "s.sendall(b'GET /health HTTP/1.1\\r\\nHost: admission\\r\\n\\r\\n'); print(s.recv(256).decode())"
+        )
+        res = host.run("python3 -c %s %s", ask, adm["socket"])
+        assert res.rc == 0 and res.stdout.startswith("HTTP/1.1 200"), (res.stdout, res.stderr)
 
 
 def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
