@@ -186,8 +186,24 @@ def keyed(spec: FleetSpec, up: float = 1.0) -> list[Sample]:
         out += [
             ({"__name__": "vllm_fleet_gateway_key_in_flight", **lab}, float(inflight)),
             ({"__name__": "vllm_fleet_gateway_key_queued", **lab}, float(queued)),
-            ({"__name__": "vllm_fleet_status_key_admitted", "client": client, "key": key}, admitted),
-            ({"__name__": "vllm_fleet_status_key_refused", "client": client, "key": key}, refused),
+            (
+                {
+                    "__name__": (n := "vllm_fleet_status_key_admitted"),
+                    "vf_status": n,
+                    "client": client,
+                    "key": key,
+                },
+                admitted,
+            ),
+            (
+                {
+                    "__name__": (n := "vllm_fleet_status_key_refused"),
+                    "vf_status": n,
+                    "client": client,
+                    "key": key,
+                },
+                refused,
+            ),
         ]
         out += [
             ({"__name__": "vllm_fleet_gateway_key_budget_used_ratio", **lab, "budget": b}, v)

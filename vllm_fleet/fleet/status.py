@@ -65,7 +65,9 @@ KEY_METRICS = (
 ADMISSION_JOB = "vllm-fleet-admission"
 KEY_WINDOW = "5m"
 TOP_KEYS = 5
-# the per-key counters' increase over KEY_WINDOW, in the same query under names of their own
+# the per-key counters' increase over KEY_WINDOW, in the same query under names of their own; `or` matches
+# label sets without the metric name, so each also carries its name as the label vf_status (two sums by
+# (client, key) would otherwise be one series to `or`, the second dropped)
 KEY_INCREASES = {
     "vllm_fleet_status_key_admitted": "vllm_fleet_gateway_key_admitted_total",
     "vllm_fleet_status_key_refused": "vllm_fleet_gateway_key_refused_total",
@@ -75,8 +77,8 @@ QUERY = (
     + "|".join(METRICS + KEY_METRICS)
     + '"}'
     + "".join(
-        f" or label_replace(sum by (client, key) (increase({src}[{KEY_WINDOW}])), "
-        f'"__name__", "{name}", "", "")'
+        f" or label_replace(label_replace(sum by (client, key) (increase({src}[{KEY_WINDOW}])), "
+        f'"__name__", "{name}", "", ""), "vf_status", "{name}", "", "")'
         for name, src in KEY_INCREASES.items()
     )
 )
