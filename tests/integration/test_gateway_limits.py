@@ -253,3 +253,91 @@ def test_the_service_down_admits_and_on_failure_closed_refuses(e: EngineProcess,
         assert post(g.url, KEYS["greedy"], tokens=2)["status"] == 200
     finally:
         g.stop()
+
+
+class Echo:
+    """A stub engine that answers every POST with what reached it: its name, X-VF-Priority, the body."""
+
+    def __init__(self, name: str) -> None:
+        import http.server
+
+        echo = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                out = json.dumps(
+                    {
+                        "engine": echo.name,
+                        "priority": self.headers.get("X-VF-Priority"),
+                        "body": json.loads(raw),
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.name = name
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_request_classes_set_the_engine_priority_the_pool_and_the_permissions(tmp_path: Path) -> None:
+    """gateway.classes through the rendered router: X-Request-Class (or the client's default_class) becomes the
+    X-VF-Priority the engine's middleware writes into the body (a client's own header never passes), a class's
+    pool routes the request, a class the key may not use is a JSON 403, an unknown one a 400."""
+    a, long = Echo("a"), Echo("long")
+    keys = tmp_path / "keys"
+    chat, other = "sk-chat-" + "c" * 32, "sk-other-" + "o" * 32
+    keys.write_text(f'"{chat}" chat;\n"{other}" other;\n')
+    spec = gateway_spec(
+        [{"name": "a", "port": a.port}, {"name": "b", "port": long.port, "pool": "long"}],
+        tmp_path,
+        api_keys_file=str(keys),
+        classes={
+            "interactive": {"priority": 0},
+            "batch": {"priority": 10},
+            "long_context": {"priority": 5, "pool": "long"},
+        },
+        clients={"chat": {"classes": ["interactive", "batch"], "default_class": "interactive"}},
+    )
+    g = Gateway(spec, tmp_path).start()
+
+    def ask(key: str, **headers: str) -> tuple[int, Any]:
+        from vllm_fleet.devtools.testing import http_json
+
+        body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        return http_json("POST", g.url + "/v1/chat/completions", body,
+                         headers={"Authorization": f"Bearer {key}", **headers})  # fmt: skip
+
+    try:
+        st, got = ask(chat)
+        assert st == 200 and got["priority"] == "0" and got["engine"] == "a", got  # the default class
+        st, got = ask(chat, **{"X-Request-Class": "batch", "X-VF-Priority": "-99"})
+        assert st == 200 and got["priority"] == "10", got  # the client's own header is replaced
+        st, got = ask(other, **{"X-Request-Class": "long_context"})
+        assert st == 200 and got["priority"] == "5" and got["engine"] == "long", got  # the class's pool
+        st, got = ask(other, **{"X-VF-Priority": "-99"})
+        assert st == 200 and got["priority"] is None, got  # no class: no priority, none smuggled
+        st, err = ask(chat, **{"X-Request-Class": "long_context"})
+        assert st == 403 and err["error"]["type"] == "permission_error", err
+        st, err = ask(chat, **{"X-Request-Class": "gold"})
+        assert st == 400 and "gold" in err["error"]["message"], err
+        assert {e["class"] for e in g.find(lambda e: e["status"] == 200)} == {
+            "interactive",
+            "batch",
+            "long_context",
+            "",
+        }
+    finally:
+        g.stop()
+        a.server.shutdown()
+        long.server.shutdown()

@@ -285,3 +285,11 @@ def test_no_waiting_at_all_when_queue_wait_seconds_is_0():
     d = adm.submit(req("c", key="other"), 0.0)  # its key has room, the route has not
     assert (d.verdict, d.reason, d.retry_after) == ("refuse", "capacity", 1)
     assert adm.queued("k") == 0 and adm.queued("other") == 0
+
+
+def test_refusal_reasons_are_every_reason() -> None:
+    import typing
+
+    from vllm_fleet.host.admission import REFUSAL_REASONS, Reason
+
+    assert set(REFUSAL_REASONS) == set(typing.get_args(Reason)) - {""}

@@ -422,6 +422,9 @@ def test_metrics_show_each_keys_counters_gauges_and_ratios(start: Callable[..., 
     m = metrics(r)
     assert m[f"vllm_fleet_gateway_key_admitted_total{{{key}}}"] == 3
     assert m[f'vllm_fleet_gateway_key_refused_total{{{key},reason="wait_timeout"}}'] == 1
+    # the other reasons at 0 from the key's first request: an alert on refusals has series on any fleet
+    assert m[f'vllm_fleet_gateway_key_refused_total{{{key},reason="tpm"}}'] == 0
+    assert m[f'vllm_fleet_gateway_key_refused_total{{{key},reason="queue_full"}}'] == 0
     assert m[f"vllm_fleet_gateway_key_in_flight{{{key}}}"] == 2
     assert m[f"vllm_fleet_gateway_key_queued{{{key}}}"] == 1
     assert m[f'vllm_fleet_gateway_key_tokens_total{{{key},kind="reserved"}}'] == 510

@@ -199,6 +199,19 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_admission_on"] = spec.gateway.admission
     vf["gateway_admission_file"] = admission_config_path(spec)
     vf["gateway_admission_tag"] = ADMISSION_SYSLOG_TAG
+    # gateway.classes, as the router reads them (routes.json): each class's priority and pool, and per client
+    # the classes its keys may name (null: every one) and its default
+    vf["gateway_classes"] = (
+        {
+            "classes": {n: {"priority": c.priority, "pool": c.pool} for n, c in spec.gateway.classes.items()},
+            "clients": {
+                n: {"allowed": list(c.classes) or None, "default": c.default_class}
+                for n, c in spec.gateway.clients.items()
+            },
+        }
+        if spec.gateway.classes
+        else None
+    )
     vf["gateway_admission_runtime_directory"] = runtime_directory(spec.gateway.limits.runtime_dir)
     # nginx gives up an idle engine connection well before the engine does (vllm_fleet/contracts.py)
     vf["gateway_upstream_keepalive_seconds"] = GATEWAY_UPSTREAM_KEEPALIVE_SECONDS

@@ -11,6 +11,8 @@ from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS
 from vllm_fleet.fleet.engine_flags import negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
+# gateway.classes: the middleware that writes the gateway's X-VF-Priority into the request body's priority
+REQUEST_PRIORITY = "vllm_fleet.host.request_priority.RequestPriority"
 # the engine middleware that answers an overload refusal with 503 + Retry-After before a stream's first byte
 # (vllm_fleet/host/stream_guard.py; loaded by vLLM's API server, named here as a string: fleet never imports host)
 STREAM_GUARD = "vllm_fleet.host.stream_guard.StreamGuard"
@@ -120,6 +122,14 @@ def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
     a += ["--shutdown-timeout", str(m.shutdown_timeout)]
     if release_has("--middleware", stack.profile, stack.vllm_version):
         a += ["--middleware", STREAM_GUARD]
+        if (
+            spec.gateway.enabled
+            and spec.gateway.classes
+            and release_has("--scheduling-policy", stack.profile, stack.vllm_version)
+        ):
+            # gateway.classes: the request's class priority, set in its body from the gateway's header
+            # (plan refuses classes on a release without these flags)
+            a += ["--scheduling-policy", "priority", "--middleware", REQUEST_PRIORITY]
     a += list(m.extra_args)
     return a
 

@@ -25,11 +25,13 @@ from vllm_fleet.fleet.plan_checks import (
     MemoryPlan,
     Placed,
     check_alerts,
+    check_class_pools,
     check_dtypes,
     check_engine_keepalive,
     check_extra_args,
     check_gateway_auth,
     check_primaries,
+    check_request_classes,
     check_revision,
     host_layout,
     load_flag_tables,
@@ -261,7 +263,7 @@ def _plan_instance(
     notes are the notes among them. ``cpu_weights``: weights of the cpu-profile instances planned before it."""
     spec, seen, host = x.spec, x.detected.get(m.host, {}), x.host_of[m.host]
     facts = facts_for(m, x.search_dirs, _fetched_facts(seen, m))
-    found = check_revision(i, m) + check_engine_keepalive(i, m)
+    found = check_revision(i, m) + check_engine_keepalive(i, m) + check_request_classes(spec, i, m)
     if spec.stack_of(m).profile == "gpu":  # the gpu profile's rules for gpu-profile instances only
         found += check_dtypes(host, i, m, facts, bool(seen.get("gpus")))
     on_host = x.by_host[m.host]
@@ -324,7 +326,7 @@ def make_plan(
     )
     instances, per_instance = _plan_instances(inputs)
     found += stacks.findings + flags.findings + per_instance
-    found += check_alerts(spec) + check_primaries(spec) + check_gateway_auth(spec)
+    found += check_alerts(spec) + check_primaries(spec) + check_gateway_auth(spec) + check_class_pools(spec)
     return Plan(
         fleet=spec.name,
         profile=spec.stack.profile,

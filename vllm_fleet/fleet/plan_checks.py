@@ -307,6 +307,41 @@ def check_engine_keepalive(i: int, m: ModelInstance) -> list[Finding]:
     return []
 
 
+def check_request_classes(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
+    """``gateway.classes`` runs every engine with ``--scheduling-policy priority`` and the priority middleware:
+    the instance's release must have both flags; a class's pool that no instance of the fleet has is a typo."""
+    if not spec.gateway.classes or not spec.gateway.enabled:
+        return []
+    stack = spec.stack_of(m)
+    missing = [
+        f
+        for f in ("--scheduling-policy", "--middleware")
+        if not engine_flags.release_has(f, stack.profile, stack.vllm_version)
+    ]
+    if missing:
+        return [
+            _problem(
+                "gateway.classes",
+                f"gateway.classes needs the engines' priority scheduling, but vLLM {stack.vllm_version} of "
+                f"models[{i}] ({m.name}) has no {' / '.join(missing)}: pin a release that has them or remove the "
+                "classes",
+            )
+        ]
+    return []
+
+
+def check_class_pools(spec: FleetSpec) -> list[Finding]:
+    pools = {m.pool for m in spec.models}
+    return [
+        _problem(
+            f"gateway.classes.{name}.pool",
+            f"pool {c.pool!r} is not the pool of any instance ({', '.join(sorted(pools))})",
+        )
+        for name, c in spec.gateway.classes.items()
+        if c.pool and c.pool not in pools
+    ]
+
+
 class QueuePlan(NamedTuple):
     bound: int | None  # requests in flight before the engine answers 503 (--max-num-queued-reqs)
     findings: list[Finding]

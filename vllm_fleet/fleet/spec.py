@@ -451,6 +451,15 @@ class Limits(_Model):
         return v.rstrip("/")
 
 
+class RequestClass(_Model):
+    """A request class (docs/gateway.md "Request classes"): its vLLM priority (engines run
+    ``--scheduling-policy priority``; lower runs first) and its place in the gateway's waiting queue, and
+    optionally the ``X-Priority`` pool its requests go to."""
+
+    priority: int = 0
+    pool: str = ""
+
+
 class GatewayClient(_Model):
     """What one client (a name of the API key file's second column) may use; a client not listed may use
     every model and pool."""
@@ -463,6 +472,10 @@ class GatewayClient(_Model):
     limits: KeyBudget | None = None
     # each key of this client (None: gateway.limits.default_key)
     per_key: KeyBudget | None = None
+    # the request classes its keys may name in X-Request-Class (empty: every class of gateway.classes)
+    classes: list[str] = []
+    # the class of its requests without X-Request-Class ("" : none, priority 0)
+    default_class: str = ""
 
 
 class Gateway(_Model):
@@ -478,6 +491,9 @@ class Gateway(_Model):
     api_keys_file: str = "/etc/nginx/vllm-fleet-api-keys"
     # per client (the key file's second column): allowed models and priority pools (403 otherwise)
     clients: dict[Annotated[str, Field(pattern=NAME_RE)], GatewayClient] = {}
+    # request classes (e.g. interactive, batch, long_context): a request names one in X-Request-Class (or gets
+    # its client's default_class); empty = no classes, no priority scheduling
+    classes: dict[Annotated[str, Field(pattern=NAME_RE)], RequestClass] = {}
     rate_limit: RateLimit = RateLimit()
     limits: Limits = Limits()
     max_body_size: str = "8m"
@@ -512,6 +528,18 @@ class Gateway(_Model):
                 "api_keys_file is empty: give the key file's path, or write `auth: none` for a gateway without "
                 "authentication"
             )
+        for name, c in self.clients.items():
+            for i, cls in enumerate(c.classes):
+                if cls not in self.classes:
+                    raise ValueError(f"clients.{name}.classes[{i}]: {cls!r} is not a name of gateway.classes")
+            if c.default_class and c.default_class not in self.classes:
+                raise ValueError(
+                    f"clients.{name}.default_class: {c.default_class!r} is not a name of gateway.classes"
+                )
+            if c.default_class and c.classes and c.default_class not in c.classes:
+                raise ValueError(
+                    f"clients.{name}.default_class: {c.default_class!r} is not one of its classes"
+                )
         if self.limits.queue_wait_seconds >= self.read_timeout_seconds:
             raise ValueError(
                 f"limits.queue_wait_seconds ({self.limits.queue_wait_seconds}) must be below read_timeout_seconds "

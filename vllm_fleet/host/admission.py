@@ -38,6 +38,16 @@ UNKNOWN_WAIT_RETRY_AFTER = 1  # Retry-After when the wait depends on requests en
 Verdict = Literal["admit", "queue", "refuse"]
 # why a request waits or was refused
 Reason = Literal["", "in_flight", "rpm", "tpm", "capacity", "too_large", "queue_full", "wait_timeout"]
+# the reasons a request is refused for (every non-empty Reason)
+REFUSAL_REASONS: tuple[Reason, ...] = (
+    "in_flight",
+    "rpm",
+    "tpm",
+    "capacity",
+    "too_large",
+    "queue_full",
+    "wait_timeout",
+)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vllm_fleet.contracts import AdmissionBudget, AdmissionConfig, ContractError
-from vllm_fleet.host.admission import Admission, Budget, Decision, Request, Settings
+from vllm_fleet.host.admission import REFUSAL_REASONS, Admission, Budget, Decision, Request, Settings
 from vllm_fleet.host.notify import Notifier
 
 TICK_SECONDS = 0.1
@@ -280,8 +280,10 @@ class _Collector(Collector):
         for key, st in core.stats.items():
             client = svc.client_of(key)
             admitted.add_metric([client, key], st.admitted)
-            for reason, n in sorted(st.refused.items()):
-                refused.add_metric([client, key, reason], n)
+            # every reason from the key's first request on, at 0 until it counts: an alert or panel on a reason
+            # has series on a fleet where no key was ever refused
+            for reason in REFUSAL_REASONS:
+                refused.add_metric([client, key, reason], st.refused.get(reason, 0))
             withdrawn.add_metric([client, key], st.withdrawn)
             tokens.add_metric([client, key, "reserved"], st.tokens_reserved)
             tokens.add_metric([client, key, "settled"], st.tokens_settled)
