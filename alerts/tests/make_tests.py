@@ -356,6 +356,56 @@ def build() -> str:
             ],
         ),
     )
+    adm = 'job="vllm-fleet-admission", host="h1", instance="h1"'
+    k1 = adm + ', client="chat", key="chat/1a2b3c4d"'
+    k2 = adm + ', client="chat", key="chat/5e6f7a8b"'
+    k3 = adm + ', client="batch", key="batch/0c0d0e0f"'
+    at_budget = (
+        "Key chat/1a2b3c4d (client chat) has used 100% of its rpm budget for 10m, and the gateway refused "
+        "some of its requests (429) in the last 5m."
+    )
+    doc += case(
+        "key at budget: chat/1a2b3c4d at its rpm budget and refused for it (fires after 10m); chat/5e6f7a8b at "
+        "its in_flight budget, never refused (silent); batch/0c0d0e0f refused while below its budgets (silent)",
+        series("vllm_fleet_gateway_key_budget_used_ratio", k1 + ', budget="rpm"', "1x30")
+        + series("vllm_fleet_gateway_key_budget_used_ratio", k1 + ', budget="tpm"', "0.4x30")
+        + series("vllm_fleet_gateway_key_refused_total", k1 + ', reason="rpm"', "0+5x30")
+        + series("vllm_fleet_gateway_key_budget_used_ratio", k2 + ', budget="in_flight"', "1x30")
+        + series("vllm_fleet_gateway_key_refused_total", k2 + ', reason="wait_timeout"', "3x30")
+        + series("vllm_fleet_gateway_key_budget_used_ratio", k3 + ', budget="tpm"', "0.5x30")
+        + series("vllm_fleet_gateway_key_refused_total", k3 + ', reason="queue_full"', "0+2x30"),
+        fires_after(
+            "VllmFleetKeyAtBudget",
+            "10m",
+            "12m",
+            [({"client": "chat", "key": "chat/1a2b3c4d", "budget": "rpm"}, at_budget)],
+        ),
+    )
+    doc += case(
+        "key at budget: refusals stop after 5m while the key stays at its budget (silent once the window passes)",
+        series("vllm_fleet_gateway_key_budget_used_ratio", k1 + ', budget="rpm"', "1x30")
+        + series("vllm_fleet_gateway_key_refused_total", k1 + ', reason="rpm"', "0+5x5 25x25"),
+        alert("VllmFleetKeyAtBudget", "12m", []) + alert("VllmFleetKeyAtBudget", "20m", []),
+    )
+    admission_down = (
+        "Prometheus cannot scrape the admission service of the gateway on h1 (vllm-fleet-admission.service) "
+        "for 2m: nginx admits every request unlimited (gateway.limits.on_failure: open) or answers 503 (closed)."
+    )
+    doc += case(
+        "admission service down: not scraped from the start (fires after 2m)",
+        series("up", adm, "0x10"),
+        fires_after(
+            "VllmFleetGatewayAdmissionDown",
+            "1m",
+            "3m",
+            [({"job": "vllm-fleet-admission", "host": "h1", "instance": "h1"}, admission_down)],
+        ),
+    )
+    doc += case(
+        "admission service: scraped, or missing one scrape and back (silent)",
+        series("up", adm, "1 1 0 1x7"),
+        alert("VllmFleetGatewayAdmissionDown", "3m", []) + alert("VllmFleetGatewayAdmissionDown", "8m", []),
+    )
     doc += case(
         "Watchdog always fires",
         series("up", 'job="vllm", instance="tiny"', "1x5"),

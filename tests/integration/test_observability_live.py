@@ -166,6 +166,75 @@ def missing_series(port: int, expr: str) -> list[str]:
     return [s for s in selectors(expr) if not prom_query(port, f"count({s})")]
 
 
+class FakeAdmission:
+    """The gateway admission service's ``/metrics`` (``vllm-fleet admission``, gateway.limits), as it exports
+    them: the families of ``ADMISSION_METRICS`` with their labels (client, key; refused by reason; tokens by
+    kind; budget used by budget, only the budgets set; route by model), counters growing with time. This
+    fleet's nginx runs without keys (``auth: none``), so no real service runs here; the service's own tests
+    check its exposition, this one that every alert and panel reading it finds series in Prometheus."""
+
+    KEYS = (("chat", "chat/1a2b3c4d", ("in_flight", "rpm")), ("batch", "batch/0c0d0e0f", ("tpm",)))
+    WAIT_BUCKETS = ("0.001", "0.005", "0.01", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "20.0",
+                    "30.0", "60.0", "+Inf")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.started = time.time()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = fake.exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def exposition(self) -> str:
+        t = int(time.time() - self.started)
+        p = "vllm_fleet_gateway_"
+        out = [f"# TYPE {p}key_admitted counter", f"# TYPE {p}key_refused counter", f"# TYPE {p}key_tokens counter",
+               f"# TYPE {p}key_in_flight gauge", f"# TYPE {p}key_queued gauge",
+               f"# TYPE {p}key_budget_used_ratio gauge", f"# TYPE {p}key_queue_wait_seconds histogram"]  # fmt: skip
+        for n, (client, key, budgets) in enumerate(self.KEYS, start=1):
+            lab = f'client="{client}",key="{key}"'
+            out += [
+                f"{p}key_admitted_total{{{lab}}} {10 * n * t}",
+                f'{p}key_refused_total{{{lab},reason="rpm"}} {n * t}',
+                f'{p}key_tokens_total{{{lab},kind="reserved"}} {900 * n * t}',
+                f'{p}key_tokens_total{{{lab},kind="settled"}} {700 * n * t}',
+                f"{p}key_in_flight{{{lab}}} {n}",
+                f"{p}key_queued{{{lab}}} {n - 1}",
+            ]
+            out += [
+                f'{p}key_budget_used_ratio{{{lab},budget="{b}"}} {1.0 if b == "rpm" else 0.5}'
+                for b in budgets
+            ]
+            out += [
+                f'{p}key_queue_wait_seconds_bucket{{{lab},le="{le}"}} {(k + 1) * n * t if k < 8 else 9 * n * t}'
+                for k, le in enumerate(self.WAIT_BUCKETS)
+            ]
+            out += [f"{p}key_queue_wait_seconds_count{{{lab}}} {9 * n * t}",
+                    f"{p}key_queue_wait_seconds_sum{{{lab}}} {2 * n * t}"]  # fmt: skip
+        out += [
+            f"# TYPE {p}admission_leases_expired counter", f"{p}admission_leases_expired_total 0",
+            f"# TYPE {p}route_capacity gauge", f'{p}route_capacity{{model="tiny-qwen3"}} 8',
+            f"# TYPE {p}route_in_flight gauge", f'{p}route_in_flight{{model="tiny-qwen3"}} 3',
+            f"# TYPE {p}admission_up gauge", f"{p}admission_up 1",
+        ]  # fmt: skip
+        return "\n".join(out) + "\n"
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ fixture
 @dataclass
 class Live:
@@ -178,6 +247,7 @@ class Live:
     bounded: EngineProcess
     gateway_url: str
     rules: list[dict[str, Any]]
+    keyed: FleetSpec | None = None  # the spec the monitoring side was rendered from (a gateway with keys)
 
 
 def distinct_ports(n: int) -> list[int]:
@@ -336,7 +406,15 @@ def live(
     url_file.write_text(slack.url + "\n")
     spec = live_spec(engine, bounded_engine, tiny_model, work, url_file)
     mon = spec.monitoring
-    render_monitoring(spec, work / "out", folders=("alerts", "monitoring", "dashboards", "nginx", "units"))
+    render_monitoring(spec, work / "out", folders=("nginx", "units"))
+    # the monitoring side as for a gateway with keys and limits (the admission job, its alerts, the "Keys"
+    # row), its metrics port the fake service's; nginx stays keyless (no admission service runs here)
+    admission = FakeAdmission()
+    keyed = spec.model_dump(mode="json", exclude_unset=True)
+    keyed["gateway"] = {**keyed["gateway"], "auth": "api_keys", "limits": {"metrics_port": admission.port}}
+    keyed_spec = parse_spec(keyed, "observability-live (keyed)")
+    assert keyed_spec.gateway.admission
+    render_monitoring(keyed_spec, work / "out", folders=("alerts", "monitoring", "dashboards"))
     h1 = work / "out" / "h1"
     etc = h1 / "etc" / "prometheus"
     procs = Procs()
@@ -412,13 +490,23 @@ def live(
         groups = yaml.safe_load((etc / "rules" / "vllm-fleet.rules.yml").read_text())["groups"]
         rules = [r for g in groups for r in g["rules"]]
         yield Live(
-            spec, h1, mon.prometheus_port, mon.alertmanager_port, slack, engine, bounded_engine, gw_url, rules
+            spec,
+            h1,
+            mon.prometheus_port,
+            mon.alertmanager_port,
+            slack,
+            engine,
+            bounded_engine,
+            gw_url,
+            rules,
+            keyed_spec,
         )
     finally:
         stop.set()
         procs.stop()
         nginx.stop()
         slack.close()
+        admission.close()
         for name, _ in procs.procs:
             log = work / f"{name}.log"
             if log.exists() and os.environ.get("VLLM_FLEET_SHOW_LOGS"):
@@ -440,7 +528,15 @@ def test_every_target_is_scraped(live: Live) -> None:
 
     assert wait_until(ok, 30), _targets_up(live)
     jobs = {k.split("/")[0] for k in _targets_up(live)}
-    assert jobs == {"prometheus", "alertmanager", "vllm", "node", "vllm-fleet-exporter", "nginx"}
+    assert jobs == {
+        "prometheus",
+        "alertmanager",
+        "vllm",
+        "node",
+        "vllm-fleet-exporter",
+        "nginx",
+        "vllm-fleet-admission",
+    }
     # the engine series carry the fleet labels
     s = prom_query(live.prom_port, 'vllm:num_requests_running{instance="tiny"}')[0]["metric"]
     assert (s["host"], s["model"], s["role"], s["pool"]) == ("h1", "tiny-qwen3", "primary", "default")
@@ -496,6 +592,22 @@ def test_fleet_status_from_the_live_prometheus(live: Live) -> None:
         assert rows["tiny"].rotation == "in" and rows["tiny"].verdict == "serving"
     finally:
         drained.unlink()
+
+
+def test_fleet_status_top_keys_from_the_live_prometheus(live: Live) -> None:
+    """The "Top keys" section from the same one query: the admission service's keys, busiest first, the
+    budget at 100 %."""
+    assert live.keyed is not None
+    url = f"http://127.0.0.1:{live.prom_port}"
+
+    def keys() -> list[tuple[str, str, list[str]]]:
+        st = judge(live.keyed, query(url, QUERY), url)  # type: ignore[arg-type]
+        return [(k.key, k.client, k.at_budget) for k in st.keys if k.admitted > 0 and k.refused > 0]
+
+    assert wait_until(lambda: len(keys()) == 2, 30), (keys(), judge(live.keyed, query(url, QUERY), url))  # type: ignore[arg-type]
+    assert keys() == [("batch/0c0d0e0f", "batch", []), ("chat/1a2b3c4d", "chat", ["rpm"])]
+    st = judge(live.keyed, query(url, QUERY), url)
+    assert st.admission_up is True and "Top keys (gateway admission, last 5m):" in table(st)
 
 
 def test_metric_name_typo_is_caught(live: Live) -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from vllm_fleet.fleet.context import build_context
-from vllm_fleet.fleet.observability import VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.fleet.observability import ADMISSION_METRICS, VLLM_METRICS, check_alert_thresholds
 from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, markdown_table
 from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
@@ -31,6 +31,7 @@ EXPORTER_METRICS = {
     "vllm_fleet_instance_nodes",
     "vllm_fleet_worker_state",
 } | {PREFIX + name + ("_total" if kind == "counter" else "") for kind, name, _help, _key in STATE_METRICS}
+EXPORTER_METRICS |= set(ADMISSION_METRICS)  # the gateway admission service's (gateway.limits)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"
@@ -80,6 +81,8 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     data["alerts"]["queue_wait_p99_seconds"] = 10.0
     data["alerts"]["kv_cache_warning"] = 0.97
     data["alerts"]["multinode_partial_for"] = "10m"
+    data["alerts"]["key_at_budget_for"] = "13m"
+    data["alerts"]["admission_down_for"] = "5m"
     changed = render_rules(data, tmp_path / "changed")
     shutil.copy(changed, tmp_path / "vllm-fleet.rules.yml")
     shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
@@ -89,6 +92,8 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     assert r.returncode != 0
     assert "VllmQueueWaitHigh" in r.stdout + r.stderr and "VllmKvCacheUsageHigh" in r.stdout + r.stderr
     assert "VllmMultiNodeGroupPartial" in r.stdout + r.stderr
+    assert "VllmFleetKeyAtBudget" in r.stdout + r.stderr
+    assert "VllmFleetGatewayAdmissionDown" in r.stdout + r.stderr
 
 
 def test_generated_test_file_is_current() -> None:
@@ -170,6 +175,8 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
         "decode_stall_for": "3m",
         "rate_window": "4m",
         "kv_cache_for": "13m",
+        "key_at_budget_for": "17m",
+        "admission_down_for": "3m",
     }
     data["alerts"].update(odd)
     data["models"][1]["alerts"] = {"decode_rate_floor": 55.5, "ttft_p99_slo_seconds": 0.25}
@@ -188,6 +195,42 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
     assert {r["for"] for r in rules if r["alert"] == "VllmMultiNodeGroupPartial"} == {"11m"}
     assert "[3m]" in _expr(rules, "VllmDecodeStalled")
     assert {r["for"] for r in rules if r["alert"].startswith("VllmKvCache")} == {"13m"}
+    assert {r["for"] for r in rules if r["alert"] == "VllmFleetKeyAtBudget"} == {"17m"}
+    assert "refused_total[4m]" in _expr(rules, "VllmFleetKeyAtBudget")
+    assert {r["for"] for r in rules if r["alert"] == "VllmFleetGatewayAdmissionDown"} == {"3m"}
+
+
+ADMISSION_ALERTS = {"VllmFleetKeyAtBudget", "VllmFleetGatewayAdmissionDown"}
+
+
+@pytest.mark.parametrize(
+    "gateway",
+    [
+        {"host": "h1", "limits": {"enabled": False}},
+        {"host": "h1", "auth": "none"},
+        {"host": "h1", "enabled": False},
+    ],
+)
+def test_admission_alerts_only_where_the_gateway_runs_the_admission_service(
+    tmp_path: Path, gateway: dict[str, Any]
+) -> None:
+    """The per-key alerts read the admission service's series: a fleet without it (limits off, an open
+    gateway, no gateway) gets neither rule, and every other alert as before."""
+    base = {r["alert"] for r in rules_of(render_rules(spec_data(), tmp_path / "on"))}
+    assert base >= ADMISSION_ALERTS
+    data = spec_data()
+    data["gateway"] = gateway
+    names = {r["alert"] for r in rules_of(render_rules(data, tmp_path / "off"))}
+    assert names == base - ADMISSION_ALERTS
+
+
+def test_alerts_needs_names_a_context_flag() -> None:
+    """``needs`` is a key of the context's ``vf`` (a typo would otherwise fail only at render time)."""
+    vf = build_context(parse_spec(spec_data()), "h1")["vf"]
+    needing = [a for a in ALERTS if a.needs]
+    assert {a.name for a in needing} == ADMISSION_ALERTS
+    for a in needing:
+        assert isinstance(vf[a.needs], bool), a.name
 
 
 def test_decode_floor_zero_disables_the_rule(tmp_path: Path) -> None:
@@ -240,7 +283,12 @@ def test_rendered_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path, 
     assert "SUCCESS: 1 rule files found" in r.stdout + r.stderr
     prom = yaml.safe_load((etc / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    assert set(jobs) == {"prometheus", "alertmanager", "vllm", "node", "vllm-fleet-exporter", "nginx", "gpu"}
+    assert set(jobs) == {
+        "prometheus", "alertmanager", "vllm", "node", "vllm-fleet-exporter", "nginx", "gpu", "vllm-fleet-admission"
+    }  # fmt: skip
+    # the test spec's gateway runs the admission service (auth api_keys, limits on: the defaults)
+    adm = jobs["vllm-fleet-admission"]["static_configs"][0]
+    assert adm["targets"] == ["127.0.0.1:9402"] and adm["labels"] == {"host": "h1", "instance": "h1"}
     engines = {c["labels"]["instance"]: c for c in jobs["vllm"]["static_configs"]}
     assert engines["tiny"]["targets"] == ["127.0.0.1:8101"]  # on the monitoring host: loopback
     assert (

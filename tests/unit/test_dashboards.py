@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from vllm_fleet.fleet.observability import VLLM_METRICS
-from vllm_fleet.fleet.observability.dashboards import INSTANCE_UID, OVERVIEW_UID, panel_queries
+from vllm_fleet.fleet.observability.dashboards import (
+    INSTANCE_UID,
+    KEYS_ROW,
+    OVERVIEW_UID,
+    key_panels,
+    panel_queries,
+)
 from vllm_fleet.fleet.render import render_monitoring
 from vllm_fleet.fleet.spec import parse_spec
 
@@ -284,6 +290,9 @@ def test_dashboards_shape_and_datasource(out: Path) -> None:
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids)) and len(ids) >= 9
         for p in d["panels"]:
+            if p["type"] == "row":  # a row header (the overview's "Keys"): no query of its own
+                assert p["title"] and p["gridPos"]["w"] == 24
+                continue
             assert p["datasource"] == {"type": "prometheus", "uid": ds}
             assert p["targets"] and all(t["expr"] for t in p["targets"])
             assert p["gridPos"]["w"] > 0
@@ -316,6 +325,57 @@ def test_panel_queries_use_only_real_metric_names() -> None:
         for name in re.findall(r"(?<![\w:$])([a-zA-Z_][\w:]*)\s*\{", expr):
             assert name in VLLM_METRICS or exporter.match(name) or name == "up", (where, name)
         assert "gpu_cache_usage" not in expr and "time_per_output_token_seconds" not in expr
+
+
+def _cells(d: dict[str, Any]) -> set[tuple[int, int]]:
+    """Every grid cell a panel covers: panels must not overlap."""
+    cells: list[tuple[int, int]] = []
+    for p in d["panels"]:
+        g = p["gridPos"]
+        cells += [(g["x"] + i, g["y"] + j) for i in range(g["w"]) for j in range(g["h"])]
+    assert len(cells) == len(set(cells)), "overlapping panels"
+    return set(cells)
+
+
+def test_keys_row_only_where_the_gateway_runs_the_admission_service(out: Path, tmp_path: Path) -> None:
+    """The test spec's gateway has keys and limits (the defaults): the overview ends with the "Keys" row, its
+    panels below it, each query one of panel_queries; without the admission service, no row."""
+    ov = _dash(out, OVERVIEW_UID)
+    _cells(ov)
+    titles = [p["title"] for p in ov["panels"]]
+    at = titles.index(KEYS_ROW)
+    row = ov["panels"][at]
+    assert row["type"] == "row" and all(
+        p["gridPos"]["y"] > row["gridPos"]["y"] for p in ov["panels"][at + 1 :]
+    )
+    keyed = ov["panels"][at + 1 :]
+    assert [p["title"] for p in keyed] == [p.title for p in key_panels({})] and len(keyed) == 6
+    exprs = {t["expr"] for p in keyed for t in p["targets"]}
+    assert all("vllm_fleet_gateway_key_" in e for e in exprs)
+    for family in (
+        "admitted_total",
+        "queued",
+        "refused_total",
+        'kind="settled"',
+        "wait_seconds_bucket",
+        "used_ratio",
+    ):
+        assert any(family in e for e in exprs), family
+    assert "topk(10," in " ".join(exprs) and "histogram_quantile(0.9," in " ".join(exprs)
+    listed = {e for _w, e, _g in panel_queries(parse_spec(spec_data()).alerts.model_dump())}
+    assert exprs <= listed and not exprs & {
+        e for _w, e, _g in panel_queries(parse_spec(spec_data()).alerts.model_dump(), admission=False)
+    }
+    assert _steps(ov, "Top 10 keys: budget used") == [1.0]
+    data = spec_data()
+    data["gateway"]["limits"] = {"enabled": False}
+    render_monitoring(parse_spec(data), tmp_path, folders=("dashboards",))
+    off = _dash(tmp_path / "h1", OVERVIEW_UID)
+    assert KEYS_ROW not in [p["title"] for p in off["panels"]]
+    assert not any(
+        "vllm_fleet_gateway_key_" in t["expr"] for p in off["panels"] for t in p.get("targets", [])
+    )
+    assert len(off["panels"]) == at
 
 
 def test_generator_entries_are_importable() -> None:

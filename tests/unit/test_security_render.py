@@ -170,7 +170,7 @@ def test_firewall_rules_from_the_spec() -> None:
         'tcp dport { 8000 } accept comment "the gateway (clients)"',
         "ip saddr { 192.168.7.1, 192.168.7.2 } tcp dport { 8101, 8102 } accept comment "
         '"engines: the gateway and monitoring hosts"',
-        'ip saddr { 192.168.7.2 } tcp dport { 9100, 9113, 9400 } accept comment "exporters: the monitoring host"',
+        'ip saddr { 192.168.7.2 } tcp dport { 9100, 9113, 9400, 9402 } accept comment "exporters: the monitoring host"',
     ]
     # h2: no gateway port; its engine for the gateway (h1) and Prometheus (itself); no admin sources: Prometheus
     # and Alertmanager only from the host itself

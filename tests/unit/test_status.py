@@ -163,6 +163,106 @@ def test_spec_drift_is_shown(spec: FleetSpec) -> None:
     assert f"host h2: deployed spec 0123456789ab, this spec is {spec_hash(spec)} (drift)" in table(st)
 
 
+# ------------------------------------------------------------------------- gateway keys (admission service)
+
+ADM = {"job": "vllm-fleet-admission", "host": "h1", "instance": "h1"}
+
+
+def keyed(spec: FleetSpec, up: float = 1.0) -> list[Sample]:
+    """A healthy fleet whose gateway's admission service reports seven keys: what Prometheus answers to
+    QUERY (the gauges as scraped, the counters' increases under status' own names, by client and key)."""
+    out = [*healthy(spec), ({"__name__": "up", **ADM}, up)]
+    keys = [  # key, client, in flight, queued, admitted 5m, refused 5m, {budget: used}
+        ("chat/1a2b3c4d", "chat", 8, 3, 412.0, 37.0, {"in_flight": 1.0, "rpm": 0.5}),
+        ("chat/5e6f7a8b", "chat", 1, 0, 90.0, 0.0, {"in_flight": 0.125}),
+        ("batch/0c0d0e0f", "batch", 2, 0, 120.0, 4.0, {"tpm": 1.0, "rpm": 1.0}),
+        ("web/00000001", "web", 0, 0, 5.0, 0.0, {}),
+        ("web/00000002", "web", 0, 0, 5.0, 0.0, {}),
+        ("web/00000003", "web", 0, 1, 1.0, 0.0, {"rpm": 1.0}),  # sixth: at its budget, outside the top 5
+        ("idle/ffffffff", "idle", 0, 0, 0.0, 0.0, {"in_flight": 0.0}),  # nothing in the window
+    ]
+    for key, client, inflight, queued, admitted, refused, used in keys:
+        lab = {**ADM, "client": client, "key": key}
+        out += [
+            ({"__name__": "vllm_fleet_gateway_key_in_flight", **lab}, float(inflight)),
+            ({"__name__": "vllm_fleet_gateway_key_queued", **lab}, float(queued)),
+            (
+                {
+                    "__name__": (n := "vllm_fleet_status_key_admitted"),
+                    "vf_status": n,
+                    "client": client,
+                    "key": key,
+                },
+                admitted,
+            ),
+            (
+                {
+                    "__name__": (n := "vllm_fleet_status_key_refused"),
+                    "vf_status": n,
+                    "client": client,
+                    "key": key,
+                },
+                refused,
+            ),
+        ]
+        out += [
+            ({"__name__": "vllm_fleet_gateway_key_budget_used_ratio", **lab, "budget": b}, v)
+            for b, v in used.items()
+        ]
+    return out
+
+
+def test_the_busiest_keys_under_the_table(spec: FleetSpec) -> None:
+    assert spec.gateway.admission  # auth api_keys and limits on: the defaults
+    st = judge(spec, keyed(spec), "http://p", now=NOW)
+    assert st.admission and st.admission_up is True and st.exit_code == EXIT_SERVING
+    assert [
+        (k.key, k.client, k.in_flight, k.queued, k.admitted, k.refused, k.at_budget) for k in st.keys
+    ] == [
+        ("chat/1a2b3c4d", "chat", 8, 3, 412.0, 37.0, ["in_flight"]),
+        ("batch/0c0d0e0f", "batch", 2, 0, 120.0, 4.0, ["rpm", "tpm"]),
+        ("chat/5e6f7a8b", "chat", 1, 0, 90.0, 0.0, []),
+        ("web/00000001", "web", 0, 0, 5.0, 0.0, []),
+        ("web/00000002", "web", 0, 0, 5.0, 0.0, []),
+    ]
+    assert [(k.key, k.at_budget) for k in st.keys_at_budget] == [("web/00000003", ["rpm"])]
+    lines = table(st).splitlines()
+    at = lines.index("Top keys (gateway admission, last 5m):")
+    assert at > 3 and lines[at + 1].split() == [
+        "KEY", "CLIENT", "IN-FLIGHT", "QUEUED", "ADMITTED(5m)", "REFUSED(5m)", "AT", "BUDGET",
+    ]  # fmt: skip
+    assert lines[at + 2].split() == ["chat/1a2b3c4d", "chat", "8", "3", "412", "37", "in_flight"]
+    assert lines[at + 3].split() == ["batch/0c0d0e0f", "batch", "2", "0", "120", "4", "rpm,tpm"]
+    assert lines[at + 4].split()[-1] == "-"
+    assert lines[at + 7] == "key web/00000003 (client web): at its rpm budget"
+    assert lines[-1].startswith("3/3 instances serving")  # the summary stays last
+    doc = json.loads(json.dumps(st.to_dict()))
+    assert doc["admission"] is True and doc["admission_up"] is True
+    assert doc["keys"][0] == {
+        "key": "chat/1a2b3c4d", "client": "chat", "in_flight": 8, "queued": 3, "admitted": 412.0,
+        "refused": 37.0, "at_budget": ["in_flight"],
+    }  # fmt: skip
+    assert [k["key"] for k in doc["keys_at_budget"]] == ["web/00000003"]
+
+
+def test_keys_when_the_admission_service_is_down_idle_or_absent(spec: FleetSpec) -> None:
+    st = judge(spec, keyed(spec, up=0.0), now=NOW)
+    assert st.admission_up is False and st.exit_code == EXIT_SERVING  # the instances still serve
+    assert "gateway admission service: not scraped" in table(st) and "Top keys (" not in table(st)
+    st = judge(spec, [*healthy(spec), ({"__name__": "up", **ADM}, 1.0)], now=NOW)
+    assert (
+        st.keys == []
+        and "Top keys: no key admitted, refused, in flight or queued in the last 5m" in table(st)
+    )
+    # limits off (or an open gateway): no admission service, no section, whatever Prometheus holds
+    doc = spec_doc()
+    doc["gateway"]["limits"] = {"enabled": False}
+    off = parse_spec(doc, "t")
+    st = judge(off, keyed(off), now=NOW)
+    assert (st.admission, st.admission_up, st.keys) == (False, None, [])
+    assert "Top keys" not in table(st) and "admission" not in table(st)
+
+
 class _FakePrometheus(BaseHTTPRequestHandler):
     samples: list[Sample] = []
     queries: list[str] = []
@@ -214,6 +314,14 @@ def test_the_command_asks_once_and_exits_by_verdict(tmp_path: Path, fake_prometh
     doc = json.loads(out.stdout)
     assert doc["exit_code"] == 0 and [r["instance"] for r in doc["rows"]] == ["a", "b", "c"]
     assert _FakePrometheus.queries == [QUERY]  # one round trip
+    assert doc["admission"] is True and doc["keys"] == [] and doc["admission_up"] is False
+    _FakePrometheus.samples = keyed(parse_spec(spec_doc(), "t"))
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    doc = json.loads(out.stdout)
+    assert [k["key"] for k in doc["keys"]][:2] == ["chat/1a2b3c4d", "batch/0c0d0e0f"], doc
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert "Top keys (gateway admission, last 5m):" in out.stdout and "rpm,tpm" in out.stdout, out
+    assert len(_FakePrometheus.queries) == 3  # still one query a run
     _FakePrometheus.samples = healthy(parse_spec(spec_doc(), "t"), h2=0)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == EXIT_DOWN and "host h2: unreachable" in out.stdout, out

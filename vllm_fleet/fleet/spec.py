@@ -612,6 +612,10 @@ class AlertThresholds(_Model):
     # VllmSaturated: the engine's queue bound (max_num_queued_reqs) turns requests away
     saturation_rejections_per_second: float = Field(0, ge=0)
     saturation_for: str = "2m"
+    # VllmFleetKeyAtBudget: a key at one of its gateway.limits budgets, and refused, for this long
+    key_at_budget_for: str = "10m"
+    # VllmFleetGatewayAdmissionDown: the gateway's admission service not scraped for this long
+    admission_down_for: str = "2m"
     rate_window: str = "5m"
     # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
     group_wait: str = "30s"

@@ -4,7 +4,11 @@ One instant query (``QUERY``) brings every series the table needs: the host expo
 (state, phase and failure reason, ready since, probe, restarts), each engine's own load (running / waiting
 requests, KV cache), the gateway's drained set and what each host has deployed (the manifest's spec hash).
 Rows are the spec's instances, so an instance Prometheus knows nothing about still shows — as unknown; a host
-whose exporter is not scraped is named as unreachable. A multi-node instance's ranks > 0 get a worker row
+whose exporter is not scraped is named as unreachable.
+Where the gateway runs the admission service (``gateway.limits``: ``Gateway.admission``), the same query brings
+its per-key series too, and a "Top keys" section follows the table: the ``TOP_KEYS`` keys with the most requests
+admitted in the last ``KEY_WINDOW`` (in flight, queued, admitted, refused, the budgets at 100 %), and a line for
+each other key at a budget. A multi-node instance's ranks > 0 get a worker row
 each, under their instance (``vllm-worker@NAME`` on the rank's host: its state file via that host's exporter).
 
 Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
@@ -52,7 +56,32 @@ METRICS = (
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
 )
-QUERY = '{__name__=~"' + "|".join(METRICS) + '"}'
+# the gateway admission service's per-key gauges (vllm_fleet.fleet.observability.ADMISSION_METRICS)
+KEY_METRICS = (
+    "vllm_fleet_gateway_key_in_flight",
+    "vllm_fleet_gateway_key_queued",
+    "vllm_fleet_gateway_key_budget_used_ratio",
+)
+ADMISSION_JOB = "vllm-fleet-admission"
+KEY_WINDOW = "5m"
+TOP_KEYS = 5
+# the per-key counters' increase over KEY_WINDOW, in the same query under names of their own; `or` matches
+# label sets without the metric name, so each also carries its name as the label vf_status (two sums by
+# (client, key) would otherwise be one series to `or`, the second dropped)
+KEY_INCREASES = {
+    "vllm_fleet_status_key_admitted": "vllm_fleet_gateway_key_admitted_total",
+    "vllm_fleet_status_key_refused": "vllm_fleet_gateway_key_refused_total",
+}
+QUERY = (
+    '{__name__=~"'
+    + "|".join(METRICS + KEY_METRICS)
+    + '"}'
+    + "".join(
+        f" or label_replace(label_replace(sum by (client, key) (increase({src}[{KEY_WINDOW}])), "
+        f'"__name__", "{name}", "", ""), "vf_status", "{name}", "", "")'
+        for name, src in KEY_INCREASES.items()
+    )
+)
 
 Sample = tuple[dict[str, str], float]
 
@@ -103,6 +132,19 @@ WORKER_VERDICTS = {"joined": "serving", "waiting": "degraded"}  # any other stat
 
 
 @dataclass
+class KeyRow:
+    """An API key at the gateway (``CLIENT/8 hex digits``), from the admission service's series."""
+
+    key: str
+    client: str
+    in_flight: int | None = None
+    queued: int | None = None
+    admitted: float = 0.0  # requests admitted in the last KEY_WINDOW
+    refused: float = 0.0  # requests refused (429) in the last KEY_WINDOW
+    at_budget: list[str] = field(default_factory=list)  # budgets used at 100 % now: in_flight, rpm, tpm
+
+
+@dataclass
 class HostStatus:
     name: str
     reachable: bool
@@ -120,6 +162,10 @@ class FleetStatus:
     workers: list[WorkerRow] = field(default_factory=list)  # ranks > 0 of multi-node instances
     hosts: list[HostStatus] = field(default_factory=list)
     models_down: list[str] = field(default_factory=list)  # served models without a serving instance
+    admission: bool = False  # the gateway runs the admission service (gateway.limits)
+    admission_up: bool | None = None  # its metrics scraped (None: not asked, or no admission service)
+    keys: list[KeyRow] = field(default_factory=list)  # the busiest keys (TOP_KEYS), most admitted first
+    keys_at_budget: list[KeyRow] = field(default_factory=list)  # other keys at a budget
 
     @property
     def exit_code(self) -> int:
@@ -273,7 +319,47 @@ def judge(
             row.phase = "rank " + ", ".join(str(r) for r in missing) + " not joined"
     models = dict.fromkeys(r.model for r in st.rows)
     st.models_down = [x for x in models if not any(r.model == x and r.verdict == "serving" for r in st.rows)]
+    if spec.gateway.admission:
+        st.admission = True
+        st.admission_up = idx.one("up", job=ADMISSION_JOB) == 1
+        st.keys, st.keys_at_budget = _keys(idx)
     return st
+
+
+def _keys(idx: _Index) -> tuple[list[KeyRow], list[KeyRow]]:
+    """The busiest keys (most admitted in KEY_WINDOW, then most refused, in flight, queued) and the other
+    keys at a budget. A key with nothing admitted, refused, in flight or queued is left out."""
+    rows: dict[str, KeyRow] = {}
+
+    def row(labels: dict[str, str]) -> KeyRow | None:
+        key = labels.get("key", "")
+        if not key:
+            return None
+        return rows.setdefault(key, KeyRow(key, labels.get("client", "")))
+
+    for labels, v in idx.by_name.get("vllm_fleet_gateway_key_in_flight", []):
+        if (r := row(labels)) is not None:
+            r.in_flight = (r.in_flight or 0) + int(v)
+    for labels, v in idx.by_name.get("vllm_fleet_gateway_key_queued", []):
+        if (r := row(labels)) is not None:
+            r.queued = (r.queued or 0) + int(v)
+    for labels, v in idx.by_name.get("vllm_fleet_status_key_admitted", []):
+        if (r := row(labels)) is not None:
+            r.admitted += v
+    for labels, v in idx.by_name.get("vllm_fleet_status_key_refused", []):
+        if (r := row(labels)) is not None:
+            r.refused += v
+    for labels, v in idx.by_name.get("vllm_fleet_gateway_key_budget_used_ratio", []):
+        if (r := row(labels)) is not None and v >= 1 and labels.get("budget", "") not in r.at_budget:
+            r.at_budget.append(labels.get("budget", ""))
+    active = [
+        r for r in rows.values() if r.admitted > 0 or r.refused > 0 or r.in_flight or r.queued or r.at_budget
+    ]
+    active.sort(key=lambda r: (-r.admitted, -r.refused, -(r.in_flight or 0), -(r.queued or 0), r.key))
+    for r in active:
+        r.at_budget.sort()
+    top = active[:TOP_KEYS]
+    return top, [r for r in active[TOP_KEYS:] if r.at_budget]
 
 
 def _fill_worker(w: WorkerRow, idx: _Index, host_up: bool) -> None:
@@ -423,6 +509,8 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
         elif not h.deployed_spec:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
+    if st.admission:
+        out += _keys_table(st)
     serving = sum(r.verdict == "serving" for r in st.rows)
     summary = f"{serving}/{len(st.rows)} instances serving"
     if st.workers:
@@ -432,6 +520,46 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
     return "\n".join(out)
+
+
+_KEY_COLUMNS = (
+    "KEY",
+    "CLIENT",
+    "IN-FLIGHT",
+    "QUEUED",
+    f"ADMITTED({KEY_WINDOW})",
+    f"REFUSED({KEY_WINDOW})",
+    "AT BUDGET",
+)
+
+
+def _keys_table(st: FleetStatus) -> list[str]:
+    """The "Top keys" section: the busiest keys, then a line for each other key at a budget."""
+    if not st.admission_up:
+        return [
+            "gateway admission service: not scraped (per-key figures unknown; VllmFleetGatewayAdmissionDown)"
+        ]
+    if not st.keys:
+        return [f"Top keys: no key admitted, refused, in flight or queued in the last {KEY_WINDOW}"]
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    lines = [
+        [r.key, r.client or "-", num(r.in_flight), num(r.queued), num(r.admitted), num(r.refused),
+         ",".join(r.at_budget) or "-"]
+        for r in st.keys
+    ]  # fmt: skip
+    widths = [max(len(c), *(len(row[k]) for row in lines)) for k, c in enumerate(_KEY_COLUMNS)]
+    out = [f"Top keys (gateway admission, last {KEY_WINDOW}):"]
+    out += [
+        "  ".join(c.ljust(widths[k]) for k, c in enumerate(row)).rstrip() for row in [_KEY_COLUMNS, *lines]
+    ]
+    out += [
+        f"key {r.key} (client {r.client or '-'}): at its {', '.join(r.at_budget)} budget"
+        for r in st.keys_at_budget
+    ]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ command

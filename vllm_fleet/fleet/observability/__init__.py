@@ -16,3 +16,22 @@ from vllm_fleet.vllm_metrics import VLLM_COUNTERS as VLLM_COUNTERS
 from vllm_fleet.vllm_metrics import VLLM_GAUGES as VLLM_GAUGES
 from vllm_fleet.vllm_metrics import VLLM_HISTOGRAMS as VLLM_HISTOGRAMS
 from vllm_fleet.vllm_metrics import VLLM_METRICS as VLLM_METRICS
+
+# The gateway admission service's families (``vllm-fleet admission``, gateway.limits; scraped by the job
+# ``vllm-fleet-admission`` with labels host, instance). Per key: labels client, key (``CLIENT/8 hex digits``);
+# refused by reason (in_flight, rpm, tpm, too_large, queue_full, wait_timeout, capacity); tokens by kind
+# (reserved, settled); budget used by budget (in_flight, rpm, tpm: the budgets that are set). Per route: model.
+ADMISSION_METRICS = (
+    "vllm_fleet_gateway_key_admitted_total",
+    "vllm_fleet_gateway_key_refused_total",
+    "vllm_fleet_gateway_key_in_flight",
+    "vllm_fleet_gateway_key_queued",
+    "vllm_fleet_gateway_key_tokens_total",
+    "vllm_fleet_gateway_key_queue_wait_seconds",  # a histogram: _bucket, _sum, _count
+    "vllm_fleet_gateway_key_budget_used_ratio",
+    "vllm_fleet_gateway_admission_leases_expired_total",
+    "vllm_fleet_gateway_route_capacity",
+    "vllm_fleet_gateway_route_in_flight",
+    "vllm_fleet_gateway_admission_up",
+)
+ADMISSION_JOB = "vllm-fleet-admission"  # monitoring/prometheus.yml.j2

@@ -21,6 +21,8 @@ Per-instance variants: an alert with ``per_instance=True`` reads its threshold f
 where an instance sets it (``KEY`` = ``threshold``): such an instance gets its own rule (``${sel}`` =
 ``{instance="NAME"}``, labelled ``threshold: "VALUE"``); the fleet-wide rule excludes these instances.
 ``zero_disables``: a threshold of 0 leaves the rule out (fleet-wide or for that instance).
+``needs``: a key of the template context's ``vf`` (e.g. ``gateway_admission_on``); the rule is rendered only
+where it is true (an alert on series that only a part of the fleet the spec may leave out exports).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Alert:
     grafana_uid: str | None = None  # also a Grafana-managed rule, with this uid
     group: str = "vllm-fleet"
     section: str = ""  # a comment line above the alert in the rules file
+    needs: str = ""  # a key of ``vf``: the alert is rendered only where ``vf[needs]`` is true ("": always)
 
     @property
     def runbook(self) -> str:
@@ -256,6 +259,29 @@ ALERTS: tuple[Alert, ...] = (
         op=">", threshold="saturation_rejections_per_second", for_="saturation_for",
     ),
     Alert(
+        # gateway.limits (docs/gateway.md, "Per-key limits"): the admission service's per-key series; a key at
+        # 100 % of a budget while nothing is refused is a tenant using exactly what it was given
+        "VllmFleetKeyAtBudget", "warning", section="per-key limits (gateway admission service)", scope="fleet",
+        needs="gateway_admission_on",
+        summary="An API key is held at one of its gateway budgets and refused",
+        description="Key {{ $labels.key }} (client {{ $labels.client }}) has used {{ $value | humanizePercentage }} "
+                    "of its {{ $labels.budget }} budget for ${key_at_budget_for}, and the gateway refused some of "
+                    "its requests (429) in the last ${rate_window}.",
+        value="max by (client, key, budget) (vllm_fleet_gateway_key_budget_used_ratio)",
+        op=">=", threshold=1, for_="key_at_budget_for",
+        expr="${value} ${op} ${threshold}\n"
+             "and on (client, key)\n"
+             "sum by (client, key) (increase(vllm_fleet_gateway_key_refused_total[${rate_window}])) > 0",
+    ),
+    Alert(
+        "VllmFleetGatewayAdmissionDown", "critical", scope="fleet", needs="gateway_admission_on",
+        summary="Gateway admission service unreachable: per-key limits not applied",
+        description="Prometheus cannot scrape the admission service of the gateway on {{ $labels.host }} "
+                    "(vllm-fleet-admission.service) for ${admission_down_for}: nginx admits every request "
+                    "unlimited (gateway.limits.on_failure: open) or answers 503 (closed).",
+        value='up{job="vllm-fleet-admission"}', op="==", threshold=0, for_="admission_down_for",
+    ),
+    Alert(
         "Watchdog", "none", section="pipeline", scope="fleet",
         summary="Always firing: proves Prometheus -> Alertmanager works",
         description="This alert always fires. If it stops arriving at its receiver, the alerting pipeline is "
@@ -321,6 +347,8 @@ def rules(vf: dict[str, Any], alerts: tuple[Alert, ...] = ALERTS) -> list[Rule]:
     a = vf["alerts"]
     out: list[Rule] = []
     for alert in alerts:
+        if alert.needs and not vf[alert.needs]:
+            continue
         fleet = a[alert.threshold] if isinstance(alert.threshold, str) else alert.threshold
         if not alert.per_instance:
             out.append(_rule(vf, alert, "", fleet))
@@ -420,6 +448,8 @@ def markdown_table() -> str:
             notes.append("0 disables")
         if a.grafana_uid:
             notes.append("also a Grafana rule")
+        if a.needs:
+            notes.append(f"only where `vf.{a.needs}`")
         cell = f"`{_cell(expr)}`" + (f" ({'; '.join(notes)})" if notes else "")
         for_ = f"`{a.for_}`" if a.for_ else "-"
         rows.append(

@@ -162,6 +162,69 @@ def overview_panels(a: dict[str, Any]) -> list[PanelDef]:
     ]
 
 
+KEYS_ROW = "Keys"  # the overview's row of the gateway admission service's per-key series (gateway.limits)
+TOP = 10  # keys per panel
+KEY = "{{key}} ({{client}})"
+
+
+def key_panels(a: dict[str, Any]) -> list[PanelDef]:
+    """The overview's "Keys" row, where the gateway runs the admission service (``vf.gateway_admission_on``):
+    the busiest keys by client and key id (``CLIENT/8 hex digits``)."""
+    adm = "vllm_fleet_gateway_key_"
+    return [
+        PanelDef(
+            f"Top {TOP} keys: requests admitted/s",
+            [(f"topk({TOP}, sum by (client, key) (rate({adm}admitted_total[{RI}])))", KEY)],
+            "reqps",
+        ),
+        PanelDef(
+            f"Top {TOP} keys: requests queued for admission",
+            [(f"topk({TOP}, sum by (client, key) ({adm}queued))", KEY)],
+            "short",
+        ),
+        PanelDef(
+            "Requests refused/s by reason",
+            [
+                (f"sum by (reason) (rate({adm}refused_total[{RI}]))", "{{reason}}"),
+                (
+                    f"topk({TOP}, sum by (client, key, reason) (rate({adm}refused_total[{RI}])))",
+                    KEY + " {{reason}}",
+                ),
+            ],
+            "reqps",
+            description="429 from the gateway's admission service: in_flight, rpm, tpm, too_large, queue_full, "
+            "wait_timeout, capacity",
+        ),
+        PanelDef(
+            f"Top {TOP} keys: tokens/min settled",
+            [
+                (
+                    f'topk({TOP}, sum by (client, key) (rate({adm}tokens_total{{kind="settled"}}[{RI}])) * 60)',
+                    KEY,
+                )
+            ],
+            "short",
+            description="prompt + completion tokens of finished requests (what the tokens_per_minute budget counts)",
+        ),
+        PanelDef(
+            f"Top {TOP} keys: admission wait p50 / p90",
+            [
+                (f"topk({TOP}, {_p(0.5, adm + 'queue_wait_seconds', '', 'client, key')})", KEY + " p50"),
+                (f"topk({TOP}, {_p(0.9, adm + 'queue_wait_seconds', '', 'client, key')})", KEY + " p90"),
+            ],
+            "s",
+        ),
+        PanelDef(
+            f"Top {TOP} keys: budget used",
+            [(f"topk({TOP}, max by (client, key, budget) ({adm}budget_used_ratio))", KEY + " {{budget}}")],
+            "percentunit",
+            [("red", 1.0)],
+            description="share of each budget the key has set (in_flight now, rpm and tpm over the sliding "
+            "minute); at 100 % its requests wait or are refused (VllmFleetKeyAtBudget)",
+        ),
+    ]
+
+
 def instance_panels(a: dict[str, Any]) -> list[PanelDef]:
     by = "instance"
     g = "gpu, host"
@@ -262,12 +325,12 @@ def instance_panels(a: dict[str, Any]) -> list[PanelDef]:
     ]
 
 
-def _panel(p: PanelDef, ds: dict[str, str], n: int) -> G.Panel:
+def _panel(p: PanelDef, ds: dict[str, str], n: int, y0: int = 0) -> G.Panel:
     targets = [
         G.Target(expr=e, legendFormat=legend, refId=chr(ord("A") + k), datasource=ds)
         for k, (e, legend) in enumerate(p.exprs)
     ]
-    pos = G.GridPos(h=8, w=12, x=(n % 2) * 12, y=(n // 2) * 8)
+    pos = G.GridPos(h=8, w=12, x=(n % 2) * 12, y=y0 + (n // 2) * 8)
     steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
     steps += [{"color": c, "value": v} for c, v in (p.thresholds or [])]
     desc = p.description or None
@@ -291,9 +354,21 @@ def _ds(vf: dict[str, Any]) -> dict[str, str]:
 
 
 def _dashboard(
-    vf: dict[str, Any], title: str, uid: str, panels: list[PanelDef], templates: list[G.Template]
+    vf: dict[str, Any],
+    title: str,
+    uid: str,
+    panels: list[PanelDef],
+    templates: list[G.Template],
+    rows: list[tuple[str, list[PanelDef]]] = [],  # noqa: B006 - read only
 ) -> str:
+    """The panels two a line, then each row (a row header, its panels two a line)."""
     ds = _ds(vf)
+    out: list[G.Panel] = [_panel(p, ds, n) for n, p in enumerate(panels)]
+    y = (len(panels) + 1) // 2 * 8
+    for row_title, row_panels in rows:
+        out.append(G.RowPanel(title=row_title, gridPos=G.GridPos(h=1, w=24, x=0, y=y)))
+        out += [_panel(p, ds, n, y + 1) for n, p in enumerate(row_panels)]
+        y += 1 + (len(row_panels) + 1) // 2 * 8
     d = G.Dashboard(
         title=title,
         uid=uid,
@@ -301,7 +376,7 @@ def _dashboard(
         timezone="utc",
         refresh="30s",
         schemaVersion=39,
-        panels=[_panel(p, ds, n) for n, p in enumerate(panels)],
+        panels=out,
         templating=G.Templating(list=templates),
         time=G.Time("now-3h", "now"),
     ).auto_panel_ids()
@@ -326,8 +401,14 @@ def overview_json(ctx: dict[str, Any]) -> str:
     vf = ctx["vf"]
     ds = _ds(vf)
     templates = [_var("model", "label_values(vllm:num_requests_running, model)", ds, include_all=True)]
+    rows = [(KEYS_ROW, key_panels(vf["alerts"]))] if vf["gateway_admission_on"] else []
     return _dashboard(
-        vf, f"vLLM fleet / overview ({vf['name']})", OVERVIEW_UID, overview_panels(vf["alerts"]), templates
+        vf,
+        f"vLLM fleet / overview ({vf['name']})",
+        OVERVIEW_UID,
+        overview_panels(vf["alerts"]),
+        templates,
+        rows,
     )
 
 
@@ -343,10 +424,12 @@ def instance_json(ctx: dict[str, Any]) -> str:
     )
 
 
-def panel_queries(alerts: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """(dashboard uid / panel title, expr, gpu_only) for every query of both dashboards."""
+def panel_queries(alerts: dict[str, Any], admission: bool = True) -> list[tuple[str, str, bool]]:
+    """(dashboard uid / panel title, expr, gpu_only) for every query of both dashboards; with ``admission``
+    (a fleet whose gateway runs the admission service) the overview's "Keys" row too."""
     out: list[tuple[str, str, bool]] = []
-    for uid, panels in ((OVERVIEW_UID, overview_panels(alerts)), (INSTANCE_UID, instance_panels(alerts))):
+    overview = overview_panels(alerts) + (key_panels(alerts) if admission else [])
+    for uid, panels in ((OVERVIEW_UID, overview), (INSTANCE_UID, instance_panels(alerts))):
         for p in panels:
             out += [(f"{uid} / {p.title}", e, p.gpu_only) for e, _ in p.exprs]
     return out

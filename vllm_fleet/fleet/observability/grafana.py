@@ -66,7 +66,9 @@ def _rule(vf: dict[str, Any], alert: Alert) -> G.AlertRulev9:
 
 def rules(vf: dict[str, Any]) -> list[G.AlertRulev9]:
     """One Grafana rule per table alert with a ``grafana_uid``."""
-    return [_rule(vf, alert) for alert in ALERTS if alert.grafana_uid]
+    return [
+        _rule(vf, alert) for alert in ALERTS if alert.grafana_uid and (not alert.needs or vf[alert.needs])
+    ]
 
 
 def flatten_rule(rule: G.AlertRulev9) -> dict[str, Any]:
