@@ -16,6 +16,7 @@ ORDER = [
     "fresh-machine",
     "gpu",
     "gateway",
+    "gateway-limits",
     "gateway-scale",
     "routing",
     "engine-service",
