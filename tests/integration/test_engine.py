@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -93,3 +94,56 @@ def test_doctor_decodes_in_float32_with_the_cpu_isa_verdict(tiny_model: Path) ->
     assert load["status"] == "ok" and load["facts"]["dtype"] == "float32" and load["facts"]["tokens"] >= 1, (
         load
     )
+
+
+def test_the_gateway_priority_orders_a_real_engine_queue(engine_factory: type) -> None:
+    """gateway.classes on a real engine (what the launcher starts then: ``--scheduling-policy priority`` and the
+    middleware that writes the gateway's X-VF-Priority into the body): one request runs (``--max-num-seqs 1``),
+    a batch request (priority 10) queues, then an interactive one (0): the interactive one is served first.
+    The same two without the header are served in arrival order: the header, through the body, made the
+    difference."""
+    import threading
+    import time
+
+    from vllm_fleet.fleet.engine import REQUEST_PRIORITY
+
+    extra = ["--max-num-seqs", "1", "--scheduling-policy", "priority", "--middleware", REQUEST_PRIORITY]
+    e: EngineProcess = engine_factory(extra=extra).wait_ready(900)  # type: ignore[operator]
+
+    def waiting() -> float:
+        text = urllib.request.urlopen(e.url + "/metrics", timeout=10).read().decode()
+        return sum(float(v) for v in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.M))
+
+    def send(name: str, tokens: int, priority: str | None, done: list[str]) -> threading.Thread:
+        body = {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": tokens, "ignore_eos": True}
+        headers = {"X-VF-Priority": priority} if priority is not None else {}
+
+        def run() -> None:
+            status, answer = http_json("POST", e.url + "/v1/completions", body, timeout=300, headers=headers)
+            assert status == 200, answer
+            done.append(name)
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    def until(n: float) -> None:
+        deadline = time.monotonic() + 60
+        while waiting() < n:
+            assert time.monotonic() < deadline, f"never {n} waiting"
+            time.sleep(0.05)
+
+    for prio_batch, prio_chat, expected in (
+        ("10", "0", ["long", "chat", "batch"]),
+        (None, None, ["long", "batch", "chat"]),
+    ):
+        done: list[str] = []
+        threads = [send("long", 400, None, done)]
+        time.sleep(0.5)  # the long one is running (max_num_seqs 1)
+        threads.append(send("batch", 8, prio_batch, done))
+        until(1)
+        threads.append(send("chat", 8, prio_chat, done))
+        until(2)
+        for t in threads:
+            t.join(300)
+        assert done == expected, (prio_batch, done)
