@@ -21,10 +21,10 @@ JS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 MAIN_CONF = """\
 load_module {js_module};
 {user}worker_processes {workers};
-pid {prefix}/nginx.pid;
+{rlimit}pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
 daemon off;
-events {{ worker_connections 4096; }}
+events {{ worker_connections {worker_connections}; }}
 http {{
     client_body_temp_path {prefix}/tmp/body;
     proxy_temp_path {prefix}/tmp/proxy;
@@ -40,7 +40,17 @@ http {{
 class NginxGateway:
     """nginx -p PREFIX -c ETC_NGINX/vf-local-nginx.conf, in the foreground of its own process group."""
 
-    def __init__(self, etc_nginx: Path, prefix: Path, workers: int = 2) -> None:
+    def __init__(
+        self,
+        etc_nginx: Path,
+        prefix: Path,
+        workers: int = 2,
+        worker_connections: int = 4096,
+        rlimit_nofile: int | None = None,
+    ) -> None:
+        """``worker_connections``: each worker's connections, clients and upstreams (engines, the admission
+        service) together; ``rlimit_nofile``: the workers' open-file limit (``worker_rlimit_nofile``), which
+        must cover them (None: the limit nginx inherits)."""
         self.etc_nginx = Path(etc_nginx)
         self.prefix = Path(prefix)
         self.conf = self.etc_nginx / "vf-local-nginx.conf"
@@ -50,7 +60,14 @@ class NginxGateway:
         # test folder; production workers (www-data) read /etc/vllm-fleet/gateway/drained.json (0644)
         user = "user root;\n" if os.geteuid() == 0 else ""
         self.conf.write_text(
-            MAIN_CONF.format(js_module=JS_MODULE, workers=workers, prefix=self.prefix, user=user)
+            MAIN_CONF.format(
+                js_module=JS_MODULE,
+                workers=workers,
+                prefix=self.prefix,
+                user=user,
+                worker_connections=worker_connections,
+                rlimit=f"worker_rlimit_nofile {rlimit_nofile};\n" if rlimit_nofile else "",
+            )
         )
 
     @property
