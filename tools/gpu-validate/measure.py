@@ -11,9 +11,13 @@ Everything lives under /root/vf (the spec tools/gpu-validate/h200.yml points the
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
 import re
+import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -82,6 +86,134 @@ def render() -> dict[str, Any]:
     (VF / "etc/instances").mkdir(parents=True, exist_ok=True)
     shutil.copy(inst, VF / "etc/instances" / f"{NAME}.json")
     return dict(json.loads(inst.read_text()))
+
+
+# The gateway under 2,000 lanes: each request holds a client connection, an upstream one and (while it is
+# admitted) one to the admission service, spread over GW_WORKERS workers; the workers' open-file limit covers them
+GW_WORKERS = 4
+GW_WORKER_CONNECTIONS = 16384
+GW_NOFILE = 65536
+LAB_CLIENT = "lab"
+
+
+def raise_nofile() -> tuple[int, int]:
+    """RLIMIT_NOFILE to its hard limit (inherited by what we start: the admission service, the clients' side);
+    the limits before."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, hard
+
+
+def key_file_includes(conf: Path) -> list[str]:
+    """The absolute paths the rendered gateway config includes outside its own folder (the API key file)."""
+    return re.findall(r"^\s*include\s+(/\S+);", conf.read_text(), re.M)
+
+
+class LabGateway:
+    """The rendered gateway as the gateway host runs it: the API key file it includes (one generated key, client
+    ``lab``), the admission service on the rendered admission.json (``vllm-fleet admission``; its sockets under
+    the spec's gateway.limits.runtime_dir), then nginx (Debian's, unpacked under /root/vf/nginx) on the rendered
+    conf. ``key`` is sent with every request through it. ``host_root``: the render's host folder (OUT/h200)."""
+
+    def __init__(self, host_root: Path, prefix: Path, log: Path) -> None:
+        from vllm_fleet.devtools import gateway_nginx
+
+        self.host_root, self.prefix, self.log = host_root, prefix, log
+        conf = host_root / "etc/nginx/conf.d/vllm-fleet.conf"
+        self.info: dict[str, Any] = {"includes": key_file_includes(conf)}
+        self.key = "sk-lab-" + secrets.token_hex(24)
+        for path in self.info["includes"]:  # the key file: an nginx map fragment `"KEY" CLIENT;`
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(f'"{self.key}" {LAB_CLIENT};\n')
+            os.chmod(path, 0o600)  # nginx's workers run as root here (NginxGateway: `user root`)
+        rendered = next(host_root.glob("**/etc/gateway/admission.json"), None)
+        self.admission_cfg: dict[str, Any] = json.loads(rendered.read_text()) if rendered else {}
+        self.admission: subprocess.Popen[bytes] | None = None
+        if rendered:
+            cfg = dict(self.admission_cfg)
+            try:
+                grp.getgrnam(cfg.get("socket_group") or "root")
+            except KeyError:  # no www-data group on this machine: the sockets keep root's group
+                self.info["socket_group_missing"] = cfg["socket_group"]
+                cfg["socket_group"] = ""
+            live = VF / "etc/gateway/admission.json"
+            live.parent.mkdir(parents=True, exist_ok=True)
+            live.write_text(json.dumps(cfg, indent=2))
+            self.admission_path = live
+            for s in (cfg["socket"], cfg["log_socket"]):
+                Path(s).parent.mkdir(parents=True, exist_ok=True)
+        gateway_nginx.NGINX = str(VF / "nginx/usr/sbin/nginx")
+        gateway_nginx.JS_MODULE = str(VF / "nginx/usr/lib/nginx/modules/ngx_http_js_module.so")
+        self.nginx = gateway_nginx.NginxGateway(
+            host_root / "etc/nginx",
+            prefix,
+            workers=GW_WORKERS,
+            worker_connections=GW_WORKER_CONNECTIONS,
+            rlimit_nofile=GW_NOFILE,
+        )
+        self.info.update(
+            nginx=gateway_nginx.NGINX,
+            workers=GW_WORKERS,
+            worker_connections=GW_WORKER_CONNECTIONS,
+            worker_rlimit_nofile=GW_NOFILE,
+            admission_socket=self.admission_cfg.get("socket"),
+        )
+
+    @property
+    def admission_metrics_url(self) -> str:
+        return f"http://{self.admission_cfg.get('metrics_address', '127.0.0.1:9402')}/metrics"
+
+    def start(self, port: int, timeout: float = 15) -> None:
+        """Admission service (until its metrics answer), ``nginx -t``, nginx (until /health answers)."""
+        if self.admission_cfg:
+            code = "import sys; from vllm_fleet.cli import main; sys.exit(main())"
+            self.admission = subprocess.Popen(
+                [PY, "-c", code, "admission", "--config", str(self.admission_path)],
+                cwd=REPO,
+                stdout=self.log.open("ab"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + timeout
+            while get(self.admission_metrics_url) != 200:
+                if self.admission.poll() is not None or time.monotonic() > deadline:
+                    tail = self.log.read_text(errors="replace")[-1500:]
+                    raise RuntimeError(f"admission service not up (rc {self.admission.poll()}): {tail}")
+                time.sleep(0.1)
+            self.info["admission"] = "up"
+        chk = self.nginx.check()
+        self.info["nginx_check"] = {"rc": chk.returncode, "stderr": chk.stderr[-800:]}
+        self.nginx.start(health_url=f"http://127.0.0.1:{port}/health", timeout=timeout)
+        self.info["gateway"] = "up"
+
+    def admission_metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(self.admission_metrics_url, timeout=5) as r:
+                return str(r.read().decode())
+        except OSError as exc:
+            return f"unreachable: {exc}"
+
+    def stop(self) -> None:
+        self.nginx.stop()
+        if self.admission is not None and self.admission.poll() is None:
+            self.admission.terminate()
+            try:
+                self.admission.wait(10)
+            except subprocess.TimeoutExpired:
+                self.admission.kill()
+                self.admission.wait(5)
+
+
+def admission_connect_failures(error_log: Path, since: int = 0) -> tuple[int, int]:
+    """Failed connects to the admission socket in the gateway's error log after byte ``since`` (each one a
+    request admitted by on_failure: open); and the log's size now."""
+    if not error_log.exists():
+        return 0, 0
+    with error_log.open("rb") as f:
+        f.seek(since)
+        data = f.read().decode(errors="replace")
+    n = sum(1 for ln in data.splitlines() if "admit.sock" in ln and "connect()" in ln)
+    return n, since + len(data.encode())
 
 
 def start_bare(wait: float) -> int:
@@ -224,12 +356,15 @@ def bench(out: Path, name: str, profile: str, *extra: str, timeout: float = 400)
 
 
 def measure(out: Path) -> int:
-    from vllm_fleet.devtools import gateway_nginx
     from vllm_fleet.host.notify import NotifyListener
 
+    res_nofile = raise_nofile()
     out.mkdir(parents=True, exist_ok=True)
     LOG.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "nofile": res_nofile,
+    }
     bare = json.loads((VF / "bare.json").read_text())
     res["bare"] = {"pid": bare["pid"], "healthy_after_s": bare.get("healthy_after_s"), "argv": bare["argv"]}
     if get(f"http://127.0.0.1:{BARE_PORT}/health") != 200:
@@ -243,7 +378,7 @@ def measure(out: Path) -> int:
 
     # --- the launcher, with a NOTIFY_SOCKET we own (what systemd would give it)
     sock = str(VF / "notify.sock")
-    with __import__("contextlib").suppress(OSError):
+    with contextlib.suppress(OSError):
         os.unlink(sock)
     lis = NotifyListener(sock)
     env = dict(os.environ, NOTIFY_SOCKET=sock, WATCHDOG_USEC="60000000")
@@ -284,29 +419,29 @@ def measure(out: Path) -> int:
             for p in session_pids(os.getsid(eng))
         ]
 
-    gw = None
+    gw: LabGateway | None = None
     if ready_s is not None:
-        # --- the gateway: Debian's nginx + njs unpacked under /root/vf/nginx
-        gateway_nginx.NGINX = str(VF / "nginx/usr/sbin/nginx")
-        gateway_nginx.JS_MODULE = str(VF / "nginx/usr/lib/nginx/modules/ngx_http_js_module.so")
-        gw = gateway_nginx.NginxGateway(VF / "render/h200/etc/nginx", VF / "nginx-prefix", workers=4)
-        chk = gw.check()
-        res["nginx_check"] = {"rc": chk.returncode, "stderr": chk.stderr[-800:]}
+        # --- the gateway: its key file, the admission service, Debian's nginx + njs under /root/vf/nginx
+        gw = LabGateway(VF / "render/h200", VF / "nginx-prefix", LOG / "admission.log")
         try:
-            gw.start(health_url=f"http://127.0.0.1:{GW_PORT}/v1/models", timeout=15)
+            gw.start(GW_PORT)
             res["gateway"] = "up"
         except (RuntimeError, TimeoutError) as exc:
             res["gateway"] = f"failed: {exc}"
+            gw.stop()
             gw = None
+        res["gateway_setup"] = gw.info if gw else None
         b_url = f"http://127.0.0.1:{GW_PORT}" if gw else f"http://127.0.0.1:{INST_PORT}"
         res["compare_b"] = "launcher + gateway" if gw else "launcher only (gateway failed)"
         a_url = f"http://127.0.0.1:{BARE_PORT}"
         rounds = os.environ.get("VF_ROUNDS", "3")
         rdur = os.environ.get("VF_ROUND_S", "20")
+        key = ("--api-key", gw.key) if gw else ()
         res["compare"] = bench(
             out,
             "compare",
             "bench-gpu.yml",
+            *key,
             "--compare",
             a_url,
             b_url,
@@ -316,7 +451,17 @@ def measure(out: Path) -> int:
             rdur,
         )
         res["batch1"] = bench(
-            out, "batch1", "batch1.yml", "--compare", a_url, b_url, "--rounds", "2", "--round-duration", "10"
+            out,
+            "batch1",
+            "batch1.yml",
+            *key,
+            "--compare",
+            a_url,
+            b_url,
+            "--rounds",
+            "2",
+            "--round-duration",
+            "10",
         )
         res["nvidia_smi_after"] = subprocess.run(["nvidia-smi"], text=True, capture_output=True).stdout
 
@@ -326,7 +471,7 @@ def measure(out: Path) -> int:
     res["stop"] = {"rc": rc, "seconds": took, "messages": len(lis.messages) - n_before}
     if gw:
         gw.stop()
-    with __import__("contextlib").suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(bare["pid"], signal.SIGTERM)
     res["notify"] = [{"t": round(t - t0, 3), **f} for t, f in lis.messages]
     lis.close()
