@@ -71,7 +71,8 @@ def sse_payloads(text: str) -> list[str]:
 
 
 def event_has_content(payload: str) -> bool:
-    """A chat completion chunk that carries text (content, or a reasoning model's reasoning)."""
+    """A chunk that carries text: a chat completion's delta (content, or a reasoning model's reasoning), or a
+    text completion's (``/v1/completions``) ``text``."""
     try:
         ev = json.loads(payload)
     except ValueError:
@@ -79,7 +80,11 @@ def event_has_content(payload: str) -> bool:
     if not isinstance(ev, dict):
         return False
     for choice in ev.get("choices") or []:
-        delta = (choice.get("delta") or {}) if isinstance(choice, dict) else {}
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta") or {}
         if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")):
             return True
     return False

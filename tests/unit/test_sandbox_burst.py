@@ -40,6 +40,16 @@ def test_a_full_stream_with_content_is_complete(burst: ModuleType) -> None:
     assert r["kind"] == "complete" and r["content_events"] == 2
 
 
+def test_a_text_completion_stream_counts_its_text(burst: ModuleType) -> None:
+    # /v1/completions streams choices[].text (tools/gpu-validate/churn.py's requests)
+    def text(t: str) -> dict[str, object]:
+        return {"object": "text_completion", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
+
+    r = burst.classify(200, sse(text("once"), text(" upon"), text("")), content_type=SSE)
+    assert r["kind"] == "complete" and r["content_events"] == 2
+    assert burst.classify(200, sse(text("")), content_type=SSE)["kind"] == "empty_200"
+
+
 def test_a_200_stream_carrying_an_error_event_is_the_defect(burst: ModuleType) -> None:
     # what vLLM sends when its second admission check fails after the 200 (host/stream_guard.py's docstring)
     err = {"error": {"message": "The server is currently busy", "type": "ServiceUnavailable", "code": 503}}
