@@ -4,6 +4,8 @@
 #   run-device.sh install       reassemble the bundle, install vLLM + deps into /tmp/site, nginx, model
 #   run-device.sh start-bare    start a bare `vllm serve` (own session: it outlives the call), wait healthy
 #   run-device.sh measure OUT   launcher + gateway + bench + logs (tools/gpu-validate/measure.py)
+#   run-device.sh churn OUT     liveness under connection churn: 2,000 lanes, a new connection per request,
+#                               through the gateway then at the engine (tools/gpu-validate/churn.py)
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
@@ -40,5 +42,8 @@ start-bare)
   python3 tools/gpu-validate/measure.py start-bare "${2:-480}" ;;
 measure)
   python3 tools/gpu-validate/measure.py measure "$2" ;;
-*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT" >&2; exit 2 ;;
+churn)
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 2,000 client connections + the gateway's
+  python3 tools/gpu-validate/churn.py "$2" ;;
+*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT" >&2; exit 2 ;;
 esac
