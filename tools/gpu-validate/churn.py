@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -360,7 +361,9 @@ def device(out: Path) -> int:
                 res["gateway"] = phase(name, f"http://127.0.0.1:{GW_PORT}", gw.key, lis, lab, knobs)
             elif name == "direct":
                 res["direct"] = phase(name, f"http://127.0.0.1:{ENGINE_PORT}", None, lis, {}, knobs)
-            res[f"idle_after_{name}_s"] = wait_idle(30)
+            # what is measured so far survives a call cut at its time limit
+            (out / "churn-results.json").write_text(json.dumps(res, indent=2, default=str))
+            res[f"idle_after_{name}_s"] = wait_idle(20)
         res["launcher_alive"] = lp.poll() is None
         res["same_engine"] = state().get("engine_pid") == pid_before
         res["restarts_seen"] = sum(1 for _, f in lis.messages if f.get("READY") == "1") - 1
@@ -430,6 +433,8 @@ def client_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (`timeout` at the end of the call): the finally blocks stop the launcher and write the results
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if len(sys.argv) > 1 and sys.argv[1] == "client":
         sys.exit(client_main(sys.argv[2:]))
     sys.exit(device(Path(sys.argv[1])))

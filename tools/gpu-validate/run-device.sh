@@ -44,6 +44,6 @@ measure)
   python3 tools/gpu-validate/measure.py measure "$2" ;;
 churn)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 2,000 client connections + the gateway's
-  python3 tools/gpu-validate/churn.py "$2" ;;
+  exec python3 tools/gpu-validate/churn.py "$2" ;;  # exec: a `timeout` TERM reaches it
 *) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT" >&2; exit 2 ;;
 esac
