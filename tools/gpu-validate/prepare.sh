@@ -25,8 +25,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d $G/bundle/deps -r tools/gpu-validate/deps-py312.txt
 # 3. nginx + njs as Debian packages, unpacked there with dpkg -x (no apt on the device)
 (cd $G/bundle/nginx && [ -n "$(ls ./*.deb 2>/dev/null)" ] || apt-get download nginx nginx-common libnginx-mod-http-js)
-# 4. the Qwen3-8B-shaped model folder (config + padded tokenizer; weights come from --load-format dummy)
-[ -f $G/bundle/model/config.json ] || python3 tools/gpu-validate/make_model.py $G/bundle/model
+# 4. the Qwen3-8B-shaped model folder (config + padded tokenizer; weights come from --load-format dummy);
+#    MODEL_PY: a Python with `tokenizers` (e.g. the repo venv's) where python3 lacks it
+[ -f $G/bundle/model/config.json ] || ${MODEL_PY:-python3} tools/gpu-validate/make_model.py $G/bundle/model
 # 5. one tar, split into parts that fit one call each (working tree ≈ 2.5 MiB + 45 MiB < 64 MiB)
 rm -rf $G/p[0-9] && mkdir -p $G/split
 tar -cf - -C $G/bundle . | split -b 45M -d -a 1 - $G/split/bundle.part-
