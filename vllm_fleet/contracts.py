@@ -553,13 +553,7 @@ class HostContract:
     @classmethod
     def from_dict(cls, data: Any, source: str = "") -> HostContract:
         """Check every field (``ContractError`` names the file and the field: ``models[0].source.revision``)."""
-        d = _mapping(data, source, "(root)")
-        schema = d.get("schema")
-        if schema != HOST_CONTRACT_SCHEMA:
-            raise ContractError(
-                f"{_where(source, 'schema')}: {schema!r} is not a host contract schema this vllm-fleet reads "
-                f"({HOST_CONTRACT_SCHEMA}); render it with the same vllm-fleet as the host runs"
-            )
+        d = _schema_checked(data, source, HOST_CONTRACT_SCHEMA, "a host contract")
         contract: HostContract = _dataclass_from(cls, d, source, "")
         if not contract.stacks:
             raise ContractError(f"{_where(source, 'stacks')}: at least one stack is required")
@@ -581,6 +575,18 @@ class HostContract:
         return cls.from_dict(*_contract_json(path))
 
 
+def _schema_checked(data: Any, source: str, expected: int, what: str) -> dict[str, Any]:
+    """``data`` as a mapping whose ``schema`` is ``expected`` (``ContractError`` otherwise)."""
+    d = _mapping(data, source, "(root)")
+    schema = d.get("schema")
+    if schema != expected:
+        raise ContractError(
+            f"{_where(source, 'schema')}: {schema!r} is not {what} schema this vllm-fleet reads ({expected}); "
+            "render it with the same vllm-fleet as the host runs"
+        )
+    return d
+
+
 def dumps_host_contract(data: dict[str, Any]) -> str:
     """A host contract's text from its ``to_dict()``: sorted keys, two spaces, a final newline."""
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
@@ -589,6 +595,8 @@ def dumps_host_contract(data: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------- the gateway's admission service
 
 ADMISSION_CONFIG_SCHEMA = 1  # raised when a field changes meaning
+# the syslog tag of nginx's end-of-request lines to the admission service (the rendered access_log, the parser)
+ADMISSION_SYSLOG_TAG = "vfadmit"
 
 
 @dataclass(frozen=True)
@@ -633,13 +641,7 @@ class AdmissionConfig:
     @classmethod
     def from_dict(cls, data: Any, source: str = "") -> AdmissionConfig:
         """Check every field (``ContractError`` names the file and the field: ``keys.chat/1a2b3c4d.weight``)."""
-        d = _mapping(data, source, "(root)")
-        schema = d.get("schema")
-        if schema != ADMISSION_CONFIG_SCHEMA:
-            raise ContractError(
-                f"{_where(source, 'schema')}: {schema!r} is not an admission config schema this vllm-fleet "
-                f"reads ({ADMISSION_CONFIG_SCHEMA}); render it with the same vllm-fleet as the host runs"
-            )
+        d = _schema_checked(data, source, ADMISSION_CONFIG_SCHEMA, "an admission config")
         cfg: AdmissionConfig = _dataclass_from(cls, d, source, "")
 
         def fail(key: str, why: str) -> ContractError:

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_fleet.contracts import ADMISSION_CONFIG_SCHEMA
 from vllm_fleet.fleet.network import exporter_address
 from vllm_fleet.fleet.plan import Plan
 from vllm_fleet.fleet.spec import FleetSpec, KeyBudget
 
-ADMISSION_CONFIG_SCHEMA = (
-    1  # contracts.ADMISSION_CONFIG_SCHEMA: the same number, checked by test_admission_config
-)
 ADMISSION_SOCKET = "admit.sock"  # in gateway.limits.runtime_dir
 ADMISSION_LOG_SOCKET = "log.sock"
-ADMISSION_SYSLOG_TAG = "vfadmit"
 # nginx's workers (Debian) connect to the sockets
 NGINX_GROUP = "www-data"
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from vllm_fleet import __version__
 from vllm_fleet.contracts import (
+    ADMISSION_SYSLOG_TAG,
     ENGINE_HTTP_KEEPALIVE_SECONDS,
     GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
     SERVICE_DEFAULTS,
 )
 from vllm_fleet.fleet.admission_config import (
-    ADMISSION_SYSLOG_TAG,
     admission_config,
     admission_config_path,
     runtime_directory,

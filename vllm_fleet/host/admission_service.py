@@ -38,12 +38,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from vllm_fleet.contracts import AdmissionBudget, AdmissionConfig, ContractError
+from vllm_fleet.contracts import ADMISSION_SYSLOG_TAG, AdmissionBudget, AdmissionConfig, ContractError
 from vllm_fleet.host.admission import REFUSAL_REASONS, Admission, Budget, Decision, Request, Settings
 from vllm_fleet.host.notify import Notifier
 
 TICK_SECONDS = 0.1
-LOG_TAG = "vfadmit"
+LOG_TAG = ADMISSION_SYSLOG_TAG
 SOCKET_MODE = 0o660
 MAX_HEADER_BYTES = 16384
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
