@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
-from vllm_fleet.host.churn import Conns, flooded, parse_tcp, read_port
+from vllm_fleet.host.churn import Conns, flooded, parse_tcp, read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import CpuReading
 
 HEAD = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
@@ -113,3 +114,48 @@ def test_read_port_sees_a_real_accept_queue_and_real_connections() -> None:
         for cl in clients:
             cl.close()
         srv.close()
+
+
+# ------------------------------------------------------------------ sample_or_flooded: a check ends early when flooded
+def test_a_check_the_api_server_does_not_answer_ends_at_the_flood_judgement_when_the_kernel_shows_a_flood() -> (
+    None
+):
+    release, asked = threading.Event(), []
+
+    def sample() -> str:
+        release.wait(30)  # the API server answers only after the test is over
+        return "late answer"
+
+    def kernel() -> tuple[CpuReading, Conns | None]:
+        asked.append(1)
+        return cpu(11, 100.9, 200.8), Conns(0, 2000)
+
+    try:
+        got, after, conns = sample_or_flooded(sample, kernel, (cpu(10, 100, 200), Conns(50, 1900)), 0.05)
+    finally:
+        release.set()
+    assert got is None  # judged by the kernel's readings, the late answer dropped
+    assert (after.at, conns, len(asked)) == (11, Conns(0, 2000), 1)
+
+
+def test_without_a_flood_the_check_waits_for_the_answer_and_reads_the_kernel_after_it() -> None:
+    release, asked = threading.Event(), []
+
+    def sample() -> str:
+        assert release.wait(30)  # answers only once the kernel was asked (the check kept waiting)
+        return "answer"
+
+    def kernel() -> tuple[CpuReading, Conns | None]:
+        asked.append(1)
+        release.set()
+        return cpu(11 + len(asked), 100.9, 200.8), Conns(0, 3)  # 3 connections: no flood
+
+    got, after, conns = sample_or_flooded(sample, kernel, (cpu(10, 100, 200), Conns(0, 3)), 0.05)
+    assert (got, after.at, conns, len(asked)) == ("answer", 13, Conns(0, 3), 2)
+
+
+def test_a_quick_answer_is_taken_without_a_flood_judgement() -> None:
+    got, after, _ = sample_or_flooded(
+        lambda: 7, lambda: (cpu(12, 100, 200), None), (cpu(10, 100, 200), None), 30
+    )
+    assert (got, after.at) == (7, 12)

@@ -5,6 +5,7 @@ write, start, signal, and when)."""
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import re
 import signal
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from vllm_fleet.contracts import InstanceConfig, ServiceConfig
-from vllm_fleet.host.churn import Conns
+from vllm_fleet.host.churn import FLOOD_JUDGE_AFTER, Conns
 from vllm_fleet.host.cpu_wait import CpuReading
 from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
+    CHECK_MARGIN,
     EXIT_CONFIG,
     EXIT_ENGINE_DIED,
     EXIT_LOAD_TIMEOUT,
@@ -32,6 +34,7 @@ from vllm_fleet.host.launcher_state import (
     StartProbe,
     Supervisor,
     Terminate,
+    next_check_at,
     state_file,
 )
 from vllm_fleet.host.probe import ProbeResult, Progress
@@ -259,12 +262,15 @@ FLOOD = Conns(pending=120, established=2000)
 
 
 def churn_check(
-    t: float, api: float, core: float, conns: Conns = FLOOD, stopped: tuple[int, ...] = ()
+    t: float, api: float, core: float, conns: Conns = FLOOD, stopped: tuple[int, ...] = (), took: float = 5.0
 ) -> Check:
-    """``/metrics`` timed out (5 s) while the API server ran ``api`` and the engine core ``core`` seconds."""
+    """``/metrics`` unanswered for ``took`` s (its 5 s timeout, or the flood judgement's 1 s) while the API
+    server ran ``api`` and the engine core ``core`` seconds."""
     before = CpuReading(t, 0.0, 1000.0, (PID, PID + 1), (), True, api_ran=400.0)
-    after = CpuReading(t + 5, 0.0, 1000.0 + api + core, (PID, PID + 1), stopped, True, api_ran=400.0 + api)
-    return Check(5.0, before, after, None, METRICS_TIMEOUT, conns, conns)
+    after = CpuReading(t + took, 0.0, 1000.0 + api + core, (PID, PID + 1), stopped, True, api_ran=400.0 + api)
+    answer = METRICS_TIMEOUT if took == 5.0 else ProbeResult(False, took, f"/metrics: no answer in {took:.1f}s",
+                                                             "metrics", True)  # fmt: skip
+    return Check(took, before, after, None, answer, conns, conns)
 
 
 def test_a_flooded_api_server_with_a_working_engine_core_keeps_the_pings_going() -> None:
@@ -294,10 +300,32 @@ def test_a_flood_that_begins_after_an_idle_check_is_busy_from_its_first_check() 
     """The last reading showed no requests (the decode answered); then 2,000 lanes connect at once and neither
     ``/metrics`` nor the decode is answered: the port and the two processes are the evidence."""
     sm, c = ready(at=3.0)
-    idle = Check(0.1, cpu(13), cpu(13.1), Progress(0, 0, 10, 13), ProbeResult(True, 0.1, "", "decode"))
-    assert check_at(c, 13.0, 0.1, idle) == [Save(), PING]
-    got = check_at(c, 23.0, 5.0, churn_check(23.0, api=5.0, core=4.0))
+    idle = Check(0.5, cpu(13), cpu(13.5), Progress(0, 0, 10, 13), ProbeResult(True, 0.5, "", "decode"))
+    assert check_at(c, 13.0, 0.5, idle) == [Save(), PING]
+    # the quick check is followed early enough (10 - 1.5 + 0.5 s) that a flooded one, judged after 1 s and
+    # some reading of /proc, still pings within the interval (a third of WatchdogSec) of the last ping
+    got = check_at(c, 22.0, 1.5, churn_check(22.0, api=1.0, core=0.9, took=1.5))
     assert got[:2] == [Save(), PING] and sm.probes.last_kind == "flooded"
+    assert c.times(PING)[-2:] == [13.5, 23.5]
+    # flooded from now on: each check takes the flood judgement's time, one interval after the last start
+    for t in (32.0, 42.0, 52.0):
+        got = check_at(c, t, 1.5, churn_check(t, api=1.0, core=0.9, took=1.5))
+        assert got[:2] == [Save(), PING]
+    pings = c.times(PING)
+    assert max(b - a for a, b in itertools.pairwise(pings[1:])) <= sm.probe_interval == 10.0
+
+
+def test_the_next_check_starts_early_enough_for_a_flooded_one_to_ping_within_an_interval() -> None:
+    """``next_check_at``: an interval after the last start, less what a flood-judged check may take beyond
+    this one; never sooner than half an interval after this one ended."""
+    budget = FLOOD_JUDGE_AFTER + CHECK_MARGIN
+    assert next_check_at(100.0, 100.1, 10.0) == pytest.approx(110.0 - budget + 0.1)
+    assert next_check_at(100.0, 101.6, 10.0) == 110.0  # a check that took the budget or longer: the interval
+    assert next_check_at(100.0, 105.0, 10.0) == 110.0
+    assert next_check_at(100.0, 109.0, 10.0) == 114.0  # a slow check: half an interval after it ended
+    assert next_check_at(100.0, 100.0, 2.0) == 101.0  # a short interval: half of it
+    for d in (0.0, 0.3, 0.9, 1.5):  # quick, then flood-judged: the two pings an interval apart at most
+        assert next_check_at(0.0, d, 10.0) + budget - d <= 10.0 + 1e-9
 
 
 def test_both_processes_idle_with_requests_pending_is_hung_at_the_first_check() -> None:
@@ -345,22 +373,22 @@ def test_kernel_evidence_alone_keeps_the_pings_going_for_at_most_ten_watchdog_pe
 
 def test_a_hung_engine_stops_the_pings_at_the_first_failed_check_and_the_watchdog_kills_it() -> None:
     sm, c = ready(at=0.0)
-    ok = Check(0.1, cpu(10), cpu(10.1), Progress(0, 0, 10, 10), ProbeResult(True, 0.1, "", "decode"))
-    assert check_at(c, 10.0, 0.1, ok) == [Save(), PING]
+    ok = Check(1.5, cpu(10), cpu(11.5), Progress(0, 0, 10, 10), ProbeResult(True, 1.5, "", "decode"))
+    assert check_at(c, 10.0, 1.5, ok) == [Save(), PING]
     # stopped with SIGSTOP: the decode times out, the kernel says stopped (not starved): a failure, no ping
     timeout = ProbeResult(False, 5.0, "/v1/completions: TimeoutError: timed out", "decode", True)
     stopped = Check(5.0, cpu(20), cpu(25, stopped=(PID,)), Progress(0, 0, 10, 20), timeout)
     got = check_at(c, 20.0, 5.0, stopped)
     assert statuses(got) == [f"Probe failing (1x): {timeout.error} (engine process {PID} stopped (SIGSTOP?))"]
-    assert c.times(PING) == [0.0, 10.1] and sm.watchdog_deadline == 40.1
+    assert c.times(PING) == [0.0, 11.5] and sm.watchdog_deadline == 41.5
     # the next check hangs in the launcher's thread: counted as failed once it outlives timeout + 5 s
     assert c.tick_to(30.0)[-1:] == [StartProbe(first=False)]
     assert c.tick_to(40.0) == []
     got = c.tick_to(40.25)
     assert got == [Notify(("STATUS=Probe failing (2x): probe stuck",)), Save()]
-    assert sm.probes.consecutive_failures == 2 and PING not in [a for t, a in c.seen if t > 10.1]
+    assert sm.probes.consecutive_failures == 2 and PING not in [a for t, a in c.seen if t > 11.5]
     # systemd's watchdog fires at the deadline (SIGABRT): kill the group, exit 134
-    got = c.at(40.1 + 0.25).feed(sm.watchdog_fired(c.now))
+    got = c.at(41.5 + 0.25).feed(sm.watchdog_fired(c.now))
     assert got[0] == Kill(wait=True) and got[-1] == Exit(EXIT_WATCHDOG) == Exit(134)
     assert sm.state == "failed" and "watchdog timeout" in sm.failure_reason
 
@@ -519,7 +547,7 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
         "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn", "vllm_fleet.host.cpu_wait",
         "vllm_fleet.host.engine_death", "vllm_fleet.host.probe",
     }  # fmt: skip
-    assert {a for m, a in names if m == "vllm_fleet.host.churn"} == {"Conns", "flooded"}  # not read_port
+    assert {a for m, a in names if m == "vllm_fleet.host.churn"} == {"Conns", "FLOOD_JUDGE_AFTER", "flooded"}
     assert {a for m, a in names if m == "vllm_fleet.host.probe"} == {"ProbeResult", "Progress", "judge"}
     assert {a for m, a in names if m == "vllm_fleet.host.cpu_wait"} == {"CpuReading", "starvation"}
     for mod in (launcher, launcher_state):

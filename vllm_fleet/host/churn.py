@@ -11,16 +11,23 @@ readings (no I/O).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from vllm_fleet.host.cpu_wait import CpuReading
 
 API_RAN_PER_SECOND = 0.5  # the API server's loop works: on a CPU at least half of the window
 CORE_RAN_PER_SECOND = 0.1  # the engine core works: its processes on a CPU at least a tenth of the window
 FLOOD_CONNECTIONS = 256  # this many established connections to the port count as a flood (no accept queue)
+# a liveness check waits this long for the API server's ``/metrics`` before it asks the kernel; flooded, it ends
+# there (the answer would come after the check's timeout, if at all: the request waits in the accept queue)
+FLOOD_JUDGE_AFTER = 1.0
 
 _LISTEN, _ESTABLISHED = "0A", "01"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,3 +106,28 @@ def flooded(before: CpuReading, after: CpuReading, conns: tuple[Conns | None, Co
     if pending == 0 and established < FLOOD_CONNECTIONS:
         return Flood(False, f"no connection flood: {figures}")
     return Flood(True, f"flooded with connections, engine core working: {figures}")
+
+
+def sample_or_flooded(
+    sample: Callable[[], T],
+    kernel: Callable[[], tuple[CpuReading, Conns | None]],
+    before: tuple[CpuReading, Conns | None],
+    judge_after: float = FLOOD_JUDGE_AFTER,
+) -> tuple[T | None, CpuReading, Conns | None]:
+    """Run ``sample`` (a liveness check's HTTP part) and wait for it; when it has not answered after
+    ``judge_after`` seconds, read the kernel (``kernel``: the engine's CPU figures and port) and, when the
+    readings since ``before`` show a flood (``flooded``), stop waiting: returns (None, the readings) at once and
+    the late answer is dropped. Otherwise waits for ``sample`` (bounded by its own timeouts) and returns its
+    answer with readings taken after it. A flooded API server so costs a check ``judge_after``, not its timeout:
+    the watchdog's pings stay about one check interval apart (``launcher_state.next_check_at``)."""
+    box: list[T] = []
+    worker = threading.Thread(target=lambda: box.append(sample()), name="liveness-sample", daemon=True)
+    worker.start()
+    worker.join(judge_after)
+    if worker.is_alive():
+        cpu, conns = kernel()
+        if flooded(before[0], cpu, (before[1], conns)).flooded:
+            return None, cpu, conns
+        worker.join()
+    cpu, conns = kernel()
+    return (box[0] if box else None), cpu, conns

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from vllm_fleet.contracts import InstanceConfig, StateFile
-from vllm_fleet.host.churn import read_port
+from vllm_fleet.host.churn import read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import read_group
 from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
@@ -297,9 +297,16 @@ class Launcher:
         assert self.proc is not None
         cfg, pgid = self.cfg, self.proc.pid
         conns, before, t0 = read_port(cfg.port), read_group(pgid), time.monotonic()
-        reading, answer = sample(cfg.probe_host, cfg.port, cfg.served_model_name, self.sm.probe_timeout)
-        after = read_group(pgid)
-        check = Check(time.monotonic() - t0, before, after, reading, answer, conns, read_port(cfg.port))
+        got, after, conns_after = sample_or_flooded(
+            lambda: sample(cfg.probe_host, cfg.port, cfg.served_model_name, self.sm.probe_timeout),
+            lambda: (read_group(pgid), read_port(cfg.port)),
+            (before, conns),
+        )
+        took = time.monotonic() - t0
+        if got is None:  # flooded: the API server's answer would come late; the kernel's readings judge
+            got = None, ProbeResult(False, took, f"/metrics: no answer in {took:.1f}s", "metrics", True)
+        reading, answer = got
+        check = Check(took, before, after, reading, answer, conns, conns_after)
         return lambda now: self.sm.check_done(now, check)
 
     def _count_inflight(self) -> Callable[[float], list[Action]]:

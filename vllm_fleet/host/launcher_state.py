@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_fleet.contracts import InstanceConfig, StateFile, probe_timing, stack_of
-from vllm_fleet.host.churn import Conns, flooded
+from vllm_fleet.host.churn import FLOOD_JUDGE_AFTER, Conns, flooded
 from vllm_fleet.host.cpu_wait import CpuReading, starvation
 from vllm_fleet.host.engine_death import Death
 from vllm_fleet.host.probe import ProbeResult, Progress, judge
@@ -38,6 +38,19 @@ KILL_AFTER_DRAIN = 10.0  # SIGKILL when the engine outlives SIGTERM by shutdown_
 # under connection churn the kernel's figures alone keep the pings going for at most this many WatchdogSec
 # after the engine last answered on its own (docs/design/liveness-under-churn.md)
 FLOOD_GRACE_WATCHDOGS = 10
+CHECK_MARGIN = (
+    0.5  # seconds a flood-judged check may take beyond FLOOD_JUDGE_AFTER (reading /proc, the threads)
+)
+
+
+def next_check_at(started: float, done: float, interval: float) -> float:
+    """When the next liveness check starts, after one that ran from ``started`` to ``done``: ``interval`` after
+    the last start, but early enough that a next check ending in the flood judgement (``FLOOD_JUDGE_AFTER``
+    plus ``CHECK_MARGIN``) still pings within ``interval`` of this one's ping — so a quick check followed by a
+    flooded one does not stretch the gap between two WATCHDOG=1 beyond the interval (a third of WatchdogSec).
+    Never later than ``interval`` after the last start; never sooner than half an interval after ``done``."""
+    budget = FLOOD_JUDGE_AFTER + CHECK_MARGIN
+    return max(done + interval / 2, started + interval - max(0.0, budget - (done - started)))
 
 
 def exit_code_of(returncode: int) -> int:
@@ -433,7 +446,7 @@ class Supervisor:
         res = self.liveness.judge(now, check)
         was_failing = self.probes.consecutive_failures > 0
         self.probes.record(now, res)  # state stays "ready": last_probe_ok carries the outcome
-        self.next_probe = self.probe_started + self.probe_interval
+        self.next_probe = next_check_at(self.probe_started, now, self.probe_interval)
         out: list[Action] = [Save()]  # the state file is current before the notification
         if not res.ok:
             msg = f"Probe failing ({self.probes.consecutive_failures}x): {res.error}"
