@@ -87,13 +87,16 @@ class Result:
 MESSAGE = re.compile(rb'"message"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
+MODEL = "tiny-qwen3"  # the sim engine's served name
+
+
 async def request(
-    host: str, port: int, key: str, cls: str, tokens: int, stream: bool, t_phase: float
+    host: str, port: int, key: str, cls: str, tokens: int, stream: bool, t_phase: float, model: str = MODEL
 ) -> Result:
     """One completion on a new connection (Connection: close; the answer is read to EOF)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    body = {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": tokens, "ignore_eos": True}
+    body = {"model": model, "prompt": "once upon a time", "max_tokens": tokens, "ignore_eos": True}
     if stream:
         body["stream"] = True
     raw = json.dumps(body).encode()
@@ -134,29 +137,54 @@ class Group:
     """``lanes`` clients of one key, each sending its next request when the last one ended."""
 
     name: str
-    key: str  # a name of KEYS
+    key: str  # a name of KEYS (or of run_phase's ``keys``)
     lanes: int
     cls: str = ""  # X-Request-Class ("" : none)
+    tokens: int = 0  # max_tokens of its requests (0: the phase's)
 
 
 async def run_phase(
-    url: str, groups: list[Group], seconds: float, warmup: float, tokens: int
+    url: str,
+    groups: list[Group],
+    seconds: float,
+    warmup: float,
+    tokens: int,
+    *,
+    keys: dict[str, str] | None = None,
+    model: str = MODEL,
+    drain: float | None = None,
 ) -> dict[str, list[Result]]:
-    """The groups' lanes for warmup + seconds; the requests started in [warmup, warmup + seconds) per group."""
+    """The groups' lanes for warmup + seconds; the requests started in [warmup, warmup + seconds) per group.
+    Lanes stop sending at the end and every started request is awaited; with ``drain``, what still runs
+    ``drain`` s after the end is cut (a failed Result of status ``cut``)."""
     host, port = url.removeprefix("http://").split(":")
     loop = asyncio.get_running_loop()
     t_phase = loop.time()
     end = t_phase + warmup + seconds
     out: dict[str, list[Result]] = {g.name: [] for g in groups}
+    keys = KEYS if keys is None else keys
 
     async def lane(g: Group) -> None:
         while loop.time() < end:
-            r = await request(host, int(port), KEYS[g.key], g.cls, tokens, True, t_phase)
+            t = loop.time()
+            try:
+                r = await request(
+                    host, int(port), keys[g.key], g.cls, g.tokens or tokens, True, t_phase, model
+                )
+            except asyncio.CancelledError:
+                out[g.name].append(Result(round(t - t_phase, 4), "cut", None, loop.time() - t, False))
+                raise
             out[g.name].append(r)
             if not r.ok and r.seconds < 0.05:
                 await asyncio.sleep(0.05)  # a refusal at once: do not spin (a real client would back off)
 
-    await asyncio.gather(*(lane(g) for g in groups for _ in range(g.lanes)))
+    tasks = [asyncio.create_task(lane(g)) for g in groups for _ in range(g.lanes)]
+    done, pending = await asyncio.wait(tasks, timeout=None if drain is None else warmup + seconds + drain)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        t.result()  # a lane's own error (not a failed request: those are Results) is raised
     return {name: [r for r in rs if r.start >= warmup] for name, rs in out.items()}
 
 

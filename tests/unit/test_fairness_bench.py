@@ -1,13 +1,17 @@
 """tools/fairness_bench.py's readings of the admission service's metrics, on known samples: the wait
-histogram's quantiles between two scrapes, refusals by reason, the summary of a phase's requests."""
+histogram's quantiles between two scrapes, refusals by reason, the summary of a phase's requests; and its lanes
+(per-group max_tokens, their own key and model, the drain that cuts) against a small local server."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -68,3 +72,55 @@ def test_a_phase_summary_counts_only_complete_answers_and_groups_the_failures(fb
     assert (s["requests"], s["ok"], s["success"]) == (5, 2, 0.4)
     assert s["ttft_p50"] == 0.02 and s["ttft_p90"] == 0.04 and s["ttft_max"] == 0.04
     assert s["failed"] == {"200": 1, "429 Waited N s for a slot of model tiny-qwenN": 2}
+
+
+# ---- the lanes as tools/gpu-validate/classes.py drives them
+
+
+async def _engine(
+    seen: list[dict[str, Any]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A stream of max_tokens events, one every 10 ms; the request's body and headers are recorded."""
+    await reader.readline()
+    headers = {}
+    while (h := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = h.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = json.loads(await reader.readexactly(int(headers["content-length"])))
+    seen.append(
+        {**body, "authorization": headers.get("authorization"), "class": headers.get("x-request-class")}
+    )
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+    try:
+        for _ in range(body["max_tokens"]):
+            writer.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+    finally:
+        writer.close()
+
+
+def test_lanes_take_their_groups_tokens_key_and_model_and_the_drain_cuts(fb: ModuleType) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def run() -> dict[str, list[Any]]:
+        server = await asyncio.start_server(lambda r, w: _engine(seen, r, w), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        groups = [fb.Group("short", "k", 1, "interactive", 2), fb.Group("long", "k", 1, "batch", 1000)]
+        try:
+            return await fb.run_phase(
+                f"http://127.0.0.1:{port}", groups, 0.3, 0.0, 5, keys={"k": "sk-x"}, model="m", drain=0.5
+            )
+        finally:
+            server.close()
+
+    res = asyncio.run(run())
+    short, long_ = res["short"], res["long"]
+    assert len(short) >= 3 and all(r.ok and r.ttft is not None for r in short)
+    # the 1,000-token stream (10 s) still ran 0.5 s after the phase: cut, a failure of its own status
+    assert len(long_) == 1 and long_[0].status == "cut" and not long_[0].ok
+    assert fb.summary(long_)["failed"] == {"cut": 1}
+    assert {s["model"] for s in seen} == {"m"} and {s["authorization"] for s in seen} == {"Bearer sk-x"}
+    assert {(s["class"], s["max_tokens"]) for s in seen} == {("interactive", 2), ("batch", 1000)}

@@ -43,9 +43,9 @@ WATCHDOG_S = 20.0
 PY = sys.executable
 
 
-def metrics() -> dict[str, float]:
+def metrics(port: int = PORT) -> dict[str, float]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return {}
@@ -109,9 +109,11 @@ async def _lanes(n: int, tokens: int, hold: float) -> dict[str, Any]:
 
 
 class Sampler:
-    """Every 0.5 s: the launcher's verdict and the engine's queue, while a phase runs."""
+    """Every 0.5 s: the launcher's verdict and the engine's queue (its /metrics on ``port``), while a phase
+    runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = PORT) -> None:
+        self.port = port
         self.rows: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self.t = threading.Thread(target=self.run, daemon=True)
@@ -121,7 +123,7 @@ class Sampler:
         while not self.stop.is_set():
             s = state()
             self.rows.append({"t": time.monotonic(), "kind": s.get("last_probe_kind"), "ok": s.get("last_probe_ok"),
-                              **metrics()})  # fmt: skip
+                              **metrics(self.port)})  # fmt: skip
             time.sleep(0.5)
 
     def done(self) -> list[dict[str, Any]]:

@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -278,12 +277,13 @@ def phase(
     return res
 
 
-def wait_idle(timeout: float) -> float:
+def wait_idle(timeout: float, port: int = ENGINE_PORT) -> float:
+    """Seconds until the engine on ``port`` runs and queues nothing (at most ``timeout``)."""
     from burst import metrics
 
     t = time.monotonic()
     while time.monotonic() - t < timeout:
-        m = metrics()
+        m = metrics(port)
         if m and m.get("num_requests_running", 1) == 0 and m.get("num_requests_waiting", 1) == 0:
             break
         time.sleep(1)
@@ -292,9 +292,7 @@ def wait_idle(timeout: float) -> float:
 
 def device(out: Path) -> int:
     from burst import SPEC, state
-    from measure import LAB, LOG, PY, VF, LabGateway, raise_nofile, stop_launcher, vf_cli
-
-    from vllm_fleet.host.notify import NotifyListener
+    from measure import LOG, VF, LabGateway, raise_nofile, render_instance, start_launcher, stop_launcher
 
     knobs = {
         "lanes": int(os.environ.get("VF_LANES", "2000")),
@@ -307,27 +305,9 @@ def device(out: Path) -> int:
     LOG.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"nofile": raise_nofile(), "knobs": knobs, "phases": phases}
     render_dir = VF / "render-churn"
-    subprocess.run(["rm", "-rf", str(render_dir)], check=False)
-    r = vf_cli("render", str(SPEC), "--out", str(render_dir), *LAB)
-    if r.returncode:
-        print(r.stdout, r.stderr)
-        return 1
-    inst = render_dir / "h200" / str(VF).lstrip("/") / "etc/instances" / f"{NAME}.json"
-    (VF / "etc/instances").mkdir(parents=True, exist_ok=True)
-    (VF / "etc/instances" / f"{NAME}.json").write_text(inst.read_text())
-    res["service"] = json.loads(inst.read_text())["service"]
+    res["service"] = render_instance(SPEC, render_dir)["service"]
 
-    sock = str(VF / "notify-churn.sock")
-    with contextlib.suppress(OSError):
-        os.unlink(sock)
-    lis = NotifyListener(sock)
-    env = dict(os.environ, NOTIFY_SOCKET=sock, WATCHDOG_USEC=str(int(WATCHDOG_S * 1e6)))
-    t0 = time.monotonic()
-    lp = subprocess.Popen(
-        [PY, "-m", "vllm_fleet.host.launcher", NAME, "--config-dir", str(VF / "etc")],
-        env=env, cwd=REPO, stdout=(LOG / "launcher-churn.log").open("wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    lp, lis, t0 = start_launcher("churn", WATCHDOG_S)
     gw: Any = None
     try:
         try:

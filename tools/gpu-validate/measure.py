@@ -76,16 +76,43 @@ def get(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
-def render() -> dict[str, Any]:
-    out = VF / "render"
+def render_instance(spec: Path, out: Path, install: bool = True) -> dict[str, Any]:
+    """``vllm-fleet render SPEC --out OUT`` (the lab's flags, OUT emptied first); with ``install`` the instance
+    file the launcher reads goes to VF/etc/instances. The rendered instance config (command, environment …)."""
     shutil.rmtree(out, ignore_errors=True)
-    r = vf_cli("render", str(SPEC), "--out", str(out), *LAB)
+    r = vf_cli("render", str(spec), "--out", str(out), *LAB)
     if r.returncode:
         raise SystemExit(f"render failed: {r.stdout}{r.stderr}")
     inst = out / "h200" / str(VF).lstrip("/") / "etc/instances" / f"{NAME}.json"
-    (VF / "etc/instances").mkdir(parents=True, exist_ok=True)
-    shutil.copy(inst, VF / "etc/instances" / f"{NAME}.json")
+    if install:
+        (VF / "etc/instances").mkdir(parents=True, exist_ok=True)
+        shutil.copy(inst, VF / "etc/instances" / f"{NAME}.json")
     return dict(json.loads(inst.read_text()))
+
+
+def render() -> dict[str, Any]:
+    return render_instance(SPEC, VF / "render")
+
+
+def start_launcher(tag: str, watchdog_s: float) -> tuple[subprocess.Popen[bytes], Any, float]:
+    """The launcher of the installed instance as systemd starts it: a NOTIFY_SOCKET we own
+    (``vllm_fleet.host.notify.NotifyListener`` on VF/notify-TAG.sock) and WATCHDOG_USEC, in its own session,
+    its output in LOG/launcher-TAG.log. (the process, the listener, its start on the monotonic clock)"""
+    from vllm_fleet.host.notify import NotifyListener
+
+    LOG.mkdir(parents=True, exist_ok=True)
+    sock = str(VF / f"notify-{tag}.sock")
+    with contextlib.suppress(OSError):
+        os.unlink(sock)
+    lis = NotifyListener(sock)
+    env = dict(os.environ, NOTIFY_SOCKET=sock, WATCHDOG_USEC=str(int(watchdog_s * 1e6)))
+    t0 = time.monotonic()
+    lp = subprocess.Popen(
+        [PY, "-m", "vllm_fleet.host.launcher", NAME, "--config-dir", str(VF / "etc")],
+        env=env, cwd=REPO, stdout=(LOG / f"launcher-{tag}.log").open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    return lp, lis, t0
 
 
 # The gateway under 2,000 lanes: each request holds a client connection, an upstream one and (while it is

@@ -6,6 +6,8 @@
 #   run-device.sh measure OUT   launcher + gateway + bench + logs (tools/gpu-validate/measure.py)
 #   run-device.sh churn OUT     liveness under connection churn: 2,000 lanes, a new connection per request,
 #                               through the gateway then at the engine (tools/gpu-validate/churn.py)
+#   run-device.sh classes OUT   request classes on the real engine: interactive TTFT while batch saturates it,
+#                               gateway with and without classes (tools/gpu-validate/classes.py)
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
@@ -45,5 +47,8 @@ measure)
 churn)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 2,000 client connections + the gateway's
   exec python3 tools/gpu-validate/churn.py "$2" ;;  # exec: a `timeout` TERM reaches it
-*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT" >&2; exit 2 ;;
+classes)
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 204 client connections + the gateway's
+  exec python3 tools/gpu-validate/classes.py "$2" ;;  # exec: a `timeout` TERM reaches it
+*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT" >&2; exit 2 ;;
 esac
