@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import statistics
 import threading
 import time
@@ -324,6 +325,32 @@ def test_a_stream_settles_its_usage_or_its_events_plus_the_prompt_estimate(gw: G
         json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith('data: {"type":"message_delta"')
     ]
     assert settled(gw, "stream") - before == delta["usage"]["input_tokens"] + delta["usage"]["output_tokens"]
+
+
+def test_a_stream_the_client_leaves_settles_what_was_sent_not_its_reservation(gw: Gateway) -> None:
+    """No last buffer reaches the filter when the client goes away; the log phase still reads what it saw:
+    the prompt estimate plus the events sent so far, not the 900 tokens reserved."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    sent = json.dumps(
+        {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": 900, "stream": True}
+    )
+    before = settled(gw, "stream")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("POST", "/v1/completions", sent, {"Content-Type": "application/json",
+                                                 "Authorization": f"Bearer {KEYS['stream']}"})  # fmt: skip
+    r = c.getresponse()
+    read = 0
+    while read < 10:
+        read += r.readline().startswith(b"data: {")
+    c.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream (900 tokens take ~5 s)
+    c.close()
+    kid = key_id("stream")
+    assert wait_for(lambda: sample(metrics(gw), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 15)
+    prompt = -(-len(sent) // 3)
+    # nginx logs the status it sent (200); the stream ended long before its ~5 s
+    (entry,) = gw.find(lambda e: e["client"] == "stream" and e["uri"] == "/v1/completions")
+    assert entry["status"] == 200 and entry["request_time"] < 3, entry
+    assert prompt + read <= settled(gw, "stream") - before < prompt + 300
 
 
 def test_the_service_down_admits_and_on_failure_closed_refuses(e: EngineProcess, tmp_path: Path) -> None:
