@@ -493,7 +493,7 @@ def test_the_usage_filter_passes_every_byte_and_reads_only_what_it_can_trust(tmp
     """Through the rendered gateway, against answers made to be awkward: the client gets every byte as sent
     (a UTF-8 character and an event line split over buffers); events split over buffers count once, `data: {`
     and an escaped `"total_tokens"` inside model text count for nothing; a JSON answer without usage keeps the
-    reservation, a 4xx settles nothing, and an answer past the filter's 1 MiB keeps the reservation (the
+    reservation, a 4xx settles nothing, and an answer past the filter's 256 KiB keeps the reservation (the
     filter stepped aside: it did not see the usage at its end)."""
     event = 'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n'
     split = [b"da", b'ta: {"choices":[{"delta":{"content":"caf\xc3', b'\xa9"}}]}\n', b"\nd",
