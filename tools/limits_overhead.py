@@ -11,14 +11,21 @@ gateway's own work):
   kept-alive unix socket before each request and the log-phase datagram that releases it; a budget that never
   refuses (``default_key: {max_in_flight: 0}``: unlimited; the stub has no queue bound, so no capacity).
 
-Both keep the per-IP bucket, set out of the way. Sequential non-streaming chat requests with a realistic body
-(a system prompt of --system-chars characters and a short question), one persistent connection per gateway, in
-pairs whose order alternates (A B, B A, …) so that load swings hit both sides alike. Per round: p50 and p99 of
-each side and of the paired differences (limits − before); over the rounds: median and spread. At the end the
-admission service's own counters must show every request of the ``limits`` side admitted (else the figure
-measured nothing). Light: no engines.
+With ``--baseline no-filter`` the ``before`` side is limits on too, but with the usage filter taken out of its
+rendered config (no ``js_body_filter vf.tally``, a release line without ``$vf_usage``): what the filter that
+settles tokens from the answer adds on its own.
+
+Both keep the per-IP bucket, set out of the way. Sequential chat requests with a realistic body (a system
+prompt of --system-chars characters and a short question), one persistent connection per gateway, in pairs
+whose order alternates (A B, B A, …) so that load swings hit both sides alike. The stub's answer carries
+vLLM's ``usage``; with ``--stream-events N`` the requests stream and the answer is N events (each its own HTTP
+chunk, as vLLM sends them), then the usage event and ``[DONE]``. Per round: p50 and p99 of each side and of
+the paired differences (limits − before); over the rounds: median and spread. At the end the admission
+service's own counters must show every request of the ``limits`` side admitted (else the figure measured
+nothing). Light: no engines.
 
     .venv/bin/python tools/limits_overhead.py --rounds 5 --pairs 400 --json /tmp/limits-overhead.json
+    .venv/bin/python tools/limits_overhead.py --baseline no-filter --stream-events 200 --rounds 3 --pairs 100
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -49,8 +57,20 @@ SIDES = {
     "limits": {"default_key": {"max_in_flight": 0}},
 }
 WARMUP = 200
+USAGE = {"prompt_tokens": 1000, "total_tokens": 1002, "completion_tokens": 2}
 ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {
-    "role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()  # fmt: skip
+    "role": "assistant", "content": "ok"}, "finish_reason": "stop"}], "usage": USAGE},
+    separators=(",", ":")).encode()  # fmt: skip
+EVENT = (
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":0,"model":"tiny-qwen3","choices":'
+    b'[{"index":0,"delta":{"content":" token"},"logprobs":null,"finish_reason":null}]}\n\n'
+)
+LAST = b'data: {"id":"chatcmpl-x","choices":[],"usage":%s}\n\ndata: [DONE]\n\n' % json.dumps(USAGE).encode()
+STREAM_EVENTS = [0]  # --stream-events
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 class H(BaseHTTPRequestHandler):
@@ -61,13 +81,29 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(ANSWER)))
+        if not STREAM_EVENTS[0]:
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(ANSWER)))
+            self.end_headers()
+            self.wfile.write(ANSWER)
+            return
+        # one HTTP chunk per event (nginx hands each to its filters as a buffer), written at once
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.wfile.write(ANSWER)
+        self.wfile.write(b"".join([chunk(EVENT)] * STREAM_EVENTS[0]) + chunk(LAST) + b"0\r\n\r\n")
 
     def log_message(self, *a: Any) -> None:
         pass
+
+
+def without_usage_filter(g: Gateway) -> None:
+    """Take the usage filter out of a rendered gateway (before it starts): no body filter, no $vf_usage."""
+    conf = g.nginx.etc_nginx / "conf.d" / "vllm-fleet.conf"
+    text = conf.read_text()
+    out = re.sub(r"^\s*js_body_filter vf\.tally;\n", "", text, flags=re.M).replace("|$vf_usage'", "|-'")
+    assert "js_body_filter" not in out and "|$vf_usage'" not in out and out != text
+    conf.write_text(out)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -79,15 +115,31 @@ def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def admitted(metrics_url: str) -> float:
-    """Requests the admission service admitted, all keys together (its Prometheus counter)."""
+def counter(metrics_url: str, name: str = "key_admitted_total", label: str = "") -> float:
+    """A counter of the admission service, all keys together (``label``: only samples with it, e.g.
+    ``kind="settled"``)."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
     return sum(
         float(ln.rsplit(" ", 1)[1])
         for ln in text.splitlines()
-        if not ln.startswith("#") and ln.split("{", 1)[0].endswith("key_admitted_total")
+        if not ln.startswith("#") and ln.split("{", 1)[0].endswith(name) and label in ln
     )
+
+
+def admitted(metrics_url: str) -> float:
+    """Requests the admission service admitted, all keys together (its Prometheus counter)."""
+    return counter(metrics_url)
+
+
+def settled(metrics_url: str, n: int) -> float:
+    """Tokens settled, all keys together, once the last of ``n`` requests' release has arrived."""
+    deadline = time.monotonic() + 5
+    while True:
+        got = counter(metrics_url, "key_tokens_total", 'kind="settled"')
+        if got >= n * USAGE["total_tokens"] or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -96,21 +148,32 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=400)
     ap.add_argument("--system-chars", type=int, default=4000)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", choices=("limits-off", "no-filter"), default="limits-off",
+                    help="the `before` side: limits off (default), or limits on without the usage filter")  # fmt: skip
+    ap.add_argument("--stream-events", type=int, default=0, help="stream answers of N events (0: one JSON)")
     a = ap.parse_args()
+    STREAM_EVENTS[0] = a.stream_events
+    sides = dict(SIDES)
+    if a.baseline == "no-filter":
+        sides["before"] = sides["limits"]
     stub = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     work = Path(tempfile.mkdtemp(prefix="vf-limits-overhead-"))
     servers = [{"name": "s0", "port": stub.server_address[1]}]
     gws: dict[str, Gateway] = {}
     try:
-        for label, limits in SIDES.items():
+        for label, limits in sides.items():
             wd = work / label
             wd.mkdir()
             keys = wd / "keys"
             keys.write_text(f'"{KEY}" bench;\n')
             spec = gateway_spec(servers, wd, api_keys_file=str(keys), rate_limit=RATE, limits=limits)
-            gws[label] = Gateway(spec, wd, admission=True).start()
-        assert gws["limits"].admission is not None and gws["before"].admission is None
+            g = Gateway(spec, wd, admission=True)
+            if label == "before" and a.baseline == "no-filter":
+                without_usage_filter(g)
+            gws[label] = g.start()
+        assert gws["limits"].admission is not None
+        assert (gws["before"].admission is None) == (a.baseline == "limits-off")
     except BaseException:
         for g in gws.values():
             g.stop()
@@ -123,7 +186,7 @@ def main() -> int:
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
 
     def one(label: str, i: int) -> float:
-        body = json.dumps({"model": "tiny-qwen3", "max_tokens": 8, "messages": [
+        body = json.dumps({"model": "tiny-qwen3", "max_tokens": 8, "stream": bool(a.stream_events), "messages": [
             {"role": "system", "content": system + str(i % 50)},
             {"role": "user", "content": f"question {i}"}]})  # fmt: skip
         c = conns[label]
@@ -158,6 +221,7 @@ def main() -> int:
                 "paired_diff_p99_ms": pct(diffs, 99),
             })  # fmt: skip
         n_admitted = admitted(gws["limits"].admission_metrics_url)
+        n_settled = settled(gws["limits"].admission_metrics_url, WARMUP + a.rounds * a.pairs)
     finally:
         for c in conns.values():
             c.close()
@@ -167,22 +231,29 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     sent = WARMUP + a.rounds * a.pairs
     out = {
+        "baseline": a.baseline,
+        "stream_events": a.stream_events,
         "rounds": rounds,
         "pairs_per_round": a.pairs,
         "system_chars": a.system_chars,
         "limits_side_admitted": n_admitted,
         "limits_side_sent": sent,
+        "limits_side_settled_tokens": n_settled,
         "loadavg_end": os.getloadavg(),
         "over_rounds": {k: spread([r[k] for r in rounds]) for k in rounds[0]},
     }
     for k, s in out["over_rounds"].items():
         print(f"{k:<22} median {s['median']:7.3f}  min {s['min']:7.3f}  max {s['max']:7.3f}")
     print(f"admitted by the admission service: {n_admitted:.0f} of {sent} requests of the limits side")
+    print(f"tokens settled: {n_settled:.0f} (the answers' usage: {sent * USAGE['total_tokens']})")
     print(f"load average at the end: {out['loadavg_end']}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")
     if n_admitted < sent:
         print("the limits side did not go through the admission service for every request", file=sys.stderr)
+        return 1
+    if n_settled != sent * USAGE["total_tokens"]:
+        print("the limits side did not settle every answer's usage (the usage filter)", file=sys.stderr)
         return 1
     return 0
 

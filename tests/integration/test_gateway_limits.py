@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import statistics
 import threading
 import time
@@ -29,10 +30,14 @@ KEYS = {
     "polite": "sk-polite-" + "p" * 32,
     "rpm": "sk-rpm-" + "r" * 32,
     "tpm": "sk-tpm-" + "t" * 32,
+    "usage": "sk-usage-" + "u" * 32,
+    "stream": "sk-stream-" + "s" * 32,
 }
 CLIENTS = {
     "rpm": {"per_key": {"requests_per_minute": 2}},
     "tpm": {"per_key": {"tokens_per_minute": 300}},
+    "usage": {"per_key": {"tokens_per_minute": 1000}},
+    "stream": {"per_key": {"tokens_per_minute": 100000}},
 }
 
 
@@ -238,6 +243,116 @@ def test_a_polite_key_is_not_starved_by_a_greedy_one(gw: Gateway) -> None:
     assert p50 < g50 / 2, (p50, g50)
 
 
+# the sim engine has no end of sequence: these stop sequences end its answer after a token or a few (most of
+# its vocabulary holds one of them), far below max_tokens
+STOPS = [" ", "(", ")", ":"]
+
+
+def ask(url: str, key: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[int, str, str]:
+    """POST ``body`` as sent (its bytes are what the gateway estimates the prompt from): status, the answer's
+    text, the JSON sent."""
+    host, port = url.removeprefix("http://").split(":")
+    sent = json.dumps(body)
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request("POST", path, sent, {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        r = c.getresponse()
+        return r.status, r.read().decode(), sent
+    finally:
+        c.close()
+
+
+def settled(g: Gateway, client: str) -> float:
+    kid = key_id(client)
+    assert wait_for(lambda: sample(metrics(g), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 10)
+    return sample(metrics(g), "vllm_fleet_gateway_key_tokens_total", key=kid, kind="settled")
+
+
+def test_a_non_streamed_answer_settles_its_usage_not_max_tokens(gw: Gateway) -> None:
+    """max_tokens 900 reserves ~940 of the key's 1000 tokens per minute; the answer used a few dozen
+    (``usage.total_tokens``): that is what the key's minute holds once it ended, so a second such request fits
+    at once (with the reservation kept it would wait ~60 s for the window: a 429)."""
+    kid = key_id("usage")
+    body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
+            "stop": STOPS}  # fmt: skip
+    st, raw, sent = ask(gw.url, KEYS["usage"], body)
+    assert st == 200, raw
+    used = json.loads(raw)["usage"]
+    assert used["total_tokens"] < 100 and len(sent) // 3 + 900 > 900, used
+    assert settled(gw, "usage") == used["total_tokens"]
+    m = metrics(gw)
+    assert sample(m, "vllm_fleet_gateway_key_tokens_total", key=kid, kind="reserved") >= 900
+    ratio = sample(m, "vllm_fleet_gateway_key_budget_used_ratio", key=kid, budget="tpm")
+    assert ratio == pytest.approx(used["total_tokens"] / 1000), ratio
+    again, raw, _ = ask(gw.url, KEYS["usage"], body)
+    assert again == 200, raw
+    # the Messages API's usage (input_tokens + output_tokens) too
+    msg = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
+           "stop_sequences": STOPS}  # fmt: skip
+    before = settled(gw, "usage")
+    st, raw, _ = ask(gw.url, KEYS["usage"], msg, "/v1/messages")
+    assert st == 200, raw
+    u = json.loads(raw)["usage"]
+    assert settled(gw, "usage") - before == u["input_tokens"] + u["output_tokens"]
+
+
+def test_a_stream_settles_its_usage_or_its_events_plus_the_prompt_estimate(gw: Gateway) -> None:
+    """A stream with stream_options.include_usage settles its final usage chunk; one without settles the
+    router's prompt estimate (the body's bytes / 3) plus its events (vLLM: one per token, plus the chat's first
+    role event); an Anthropic stream its message_delta's usage. Each far below its reservation."""
+    base = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
+            "stop": STOPS, "stream": True}  # fmt: skip
+    before = settled(gw, "stream")
+    st, raw, _ = ask(gw.url, KEYS["stream"], {**base, "stream_options": {"include_usage": True}})
+    assert st == 200 and raw.rstrip().endswith("data: [DONE]"), raw
+    events = [json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith("data: {")]
+    assert events[-1]["choices"] == [], events[-1]  # vLLM's usage chunk
+    total = events[-1]["usage"]["total_tokens"]
+    assert settled(gw, "stream") - before == total < 100
+
+    before = settled(gw, "stream")
+    st, raw, sent = ask(gw.url, KEYS["stream"], base)
+    assert st == 200 and "usage" not in raw, raw
+    n_events = sum(1 for ln in raw.splitlines() if ln.startswith("data: {"))
+    assert settled(gw, "stream") - before == -(-len(sent) // 3) + n_events < 100
+
+    msg = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
+           "stop_sequences": STOPS, "stream": True}  # fmt: skip
+    before = settled(gw, "stream")
+    st, raw, _ = ask(gw.url, KEYS["stream"], msg, "/v1/messages")
+    assert st == 200 and "message_stop" in raw, raw
+    (delta,) = [
+        json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith('data: {"type":"message_delta"')
+    ]
+    assert settled(gw, "stream") - before == delta["usage"]["input_tokens"] + delta["usage"]["output_tokens"]
+
+
+def test_a_stream_the_client_leaves_settles_what_was_sent_not_its_reservation(gw: Gateway) -> None:
+    """No last buffer reaches the filter when the client goes away; the log phase still reads what it saw:
+    the prompt estimate plus the events sent so far, not the 900 tokens reserved."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    sent = json.dumps(
+        {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": 900, "stream": True}
+    )
+    before = settled(gw, "stream")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("POST", "/v1/completions", sent, {"Content-Type": "application/json",
+                                                 "Authorization": f"Bearer {KEYS['stream']}"})  # fmt: skip
+    r = c.getresponse()
+    read = 0
+    while read < 10:
+        read += r.readline().startswith(b"data: {")
+    c.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream (900 tokens take ~5 s)
+    c.close()
+    kid = key_id("stream")
+    assert wait_for(lambda: sample(metrics(gw), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 15)
+    prompt = -(-len(sent) // 3)
+    # nginx logs the status it sent (200); the stream ended long before its ~5 s
+    (entry,) = gw.find(lambda e: e["client"] == "stream" and e["uri"] == "/v1/completions")
+    assert entry["status"] == 200 and entry["request_time"] < 3, entry
+    assert prompt + read <= settled(gw, "stream") - before < prompt + 300
+
+
 def test_the_service_down_admits_and_on_failure_closed_refuses(e: EngineProcess, tmp_path: Path) -> None:
     g = start(tmp_path / "open", e, admission=False)
     try:
@@ -341,3 +456,105 @@ def test_request_classes_set_the_engine_priority_the_pool_and_the_permissions(tm
         g.stop()
         a.server.shutdown()
         long.server.shutdown()
+
+
+class Scripted:
+    """A stub engine that answers a POST with the script its body names (``"script": NAME``): a status, a
+    Content-Type and the body's pieces, each sent as its own HTTP chunk (so nginx hands each to its filters as
+    a buffer of its own)."""
+
+    def __init__(self, scripts: dict[str, tuple[int, str, list[bytes]]]) -> None:
+        import http.server
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                status, ctype, pieces = scripts[body["script"]]
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for p in pieces:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(p), p))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_usage_filter_passes_every_byte_and_reads_only_what_it_can_trust(tmp_path: Path) -> None:
+    """Through the rendered gateway, against answers made to be awkward: the client gets every byte as sent
+    (a UTF-8 character and an event line split over buffers); events split over buffers count once, `data: {`
+    and an escaped `"total_tokens"` inside model text count for nothing; a JSON answer without usage keeps the
+    reservation, a 4xx settles nothing, and an answer past the filter's 256 KiB keeps the reservation (the
+    filter stepped aside: it did not see the usage at its end)."""
+    event = 'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n'
+    split = [b"da", b'ta: {"choices":[{"delta":{"content":"caf\xc3', b'\xa9"}}]}\n', b"\nd",
+             (event % "data: {" + event % '\\"total_tokens\\": 7').encode()[1:], b"\n", b"data: [DONE]\n\n"]  # fmt: skip
+    big = [(event % ("x" * 200)).encode()] * 6000 + [b'data: {"choices":[],"usage":{"total_tokens":11}}\n\n',
+                                                     b"data: [DONE]\n\n"]  # fmt: skip
+    no_usage = [b'{"id":"x","choices":[{"message":{"content":"\\"total_tokens\\": 3"}}]}']
+    scripts = {
+        "split": (200, "text/event-stream", split),
+        "no_usage": (200, "application/json", no_usage),
+        "bad": (400, "application/json", [b'{"error":{"message":"no","usage":{"total_tokens":5}}}']),
+        "big": (200, "text/event-stream", big),
+        # usage split over buffers, a space before its number
+        "usage": (
+            200,
+            "application/json",
+            [b'{"id":"x","usage":{"prompt_tokens":3,', b'"total_tokens":', b" 11}}"],
+        ),
+    }
+    stub = Scripted(scripts)
+    keys = tmp_path / "keys"
+    keys.write_text(f'"{KEYS["usage"]}" usage;\n')
+    spec = gateway_spec([{"name": "s", "port": stub.port}], tmp_path, api_keys_file=str(keys),
+                        limits={"default_key": {"max_in_flight": 8}})  # fmt: skip
+    g = Gateway(spec, tmp_path).start()
+    kid = key_id("usage")
+
+    def one(script: str) -> tuple[int, bytes, float, float]:
+        """status, the bytes received, the tokens settled and reserved for it"""
+        body = json.dumps({"model": "tiny-qwen3", "max_tokens": 500, "script": script, "stream": True})
+        m0 = metrics(g)
+        c = http.client.HTTPConnection("127.0.0.1", spec.gateway.port, timeout=60)
+        try:
+            c.request("POST", "/v1/chat/completions", body,
+                      {"Content-Type": "application/json", "Authorization": f"Bearer {KEYS['usage']}"})  # fmt: skip
+            r = c.getresponse()
+            status, raw = r.status, r.read()
+        finally:
+            c.close()
+        assert wait_for(lambda: sample(metrics(g), "vllm_fleet_gateway_key_in_flight", key=kid) == 0, 10)
+        m1 = metrics(g)
+        got = {
+            k: sample(m1, "vllm_fleet_gateway_key_tokens_total", key=kid, kind=k)
+            - sample(m0, "vllm_fleet_gateway_key_tokens_total", key=kid, kind=k)
+            for k in ("settled", "reserved")
+        }
+        assert got["reserved"] == -(-len(body) // 3) + 500
+        return status, raw, got["settled"], -(-len(body) // 3)
+
+    try:
+        status, raw, used, prompt = one("split")
+        assert status == 200 and raw == b"".join(split)
+        assert used == prompt + 3  # three events; neither text inside one counts
+        status, raw, used, prompt = one("usage")
+        assert (status, used) == (200, 11)
+        status, raw, used, prompt = one("no_usage")
+        assert status == 200 and raw == no_usage[0] and used == prompt + 500  # the reservation
+        status, raw, used, prompt = one("bad")
+        assert (status, used) == (400, 0)
+        status, raw, used, prompt = one("big")
+        assert status == 200 and raw == b"".join(big) and used == prompt + 500
+    finally:
+        g.stop()
+        stub.server.shutdown()

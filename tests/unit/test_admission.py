@@ -63,6 +63,22 @@ def test_tokens_reserved_at_admission_and_settled_from_usage():
     assert adm.stats["k"].tokens_reserved == 1100 and adm.stats["k"].tokens_settled == 200
 
 
+def test_usage_above_the_reservation_is_what_the_key_and_client_windows_hold():
+    """The reservation's prompt is an estimate: an answer can use more. The settled amount replaces it in
+    every scope the request counted in (key and client), up or down."""
+    budget = Budget(tokens_per_minute=1000)
+    adm = Admission(Settings(default_key=budget, default_client=budget))
+    assert adm.submit(req("a", cost=100, client="c"), 0.0).verdict == "admit"
+    adm.release("a", now=1.0, used_tokens=700)
+    assert adm.budget_used("k", 1.0)["tpm"] == 0.7
+    assert adm.stats["k"].tokens_reserved == 100 and adm.stats["k"].tokens_settled == 700
+    # 700 + 400 > 1000 for the key and for the client, until the 700 age out at t=60
+    assert adm.submit(req("b", cost=400, client="c"), 2.0).verdict == "refuse"
+    assert adm.retry_after(req("b", cost=400, client="c"), 2.0) == 58
+    # another key of the client: its own minute is empty, the client's is not
+    assert adm.submit(req("b", cost=400, key="k2", client="c"), 2.0).verdict == "refuse"
+
+
 def test_release_without_usage_keeps_the_reservation():
     adm = Admission(Settings(default_key=Budget(tokens_per_minute=1000)))
     adm.submit(req("a", cost=800), 0.0)

@@ -116,6 +116,15 @@ def test_every_location_that_proxies_to_an_engine_first_asks_the_service(tmp_pat
     assert re.search(
         r"access_log syslog:server=unix:\S+/log\.sock,nohostname,tag=vfadmit vf_admit if=\$vf_admitted;", conf
     )
+    # the tokens the answer used: every location that proxies to an engine (the spill-over, fallback and
+    # drained walk too) passes the answer through the usage filter; the release line carries what it saw
+    proxying = [n for n, body in locs.items() if "proxy_pass http://" in body and n != "/_vf_admit"]
+    assert len(proxying) > len(entries)
+    for name in proxying:
+        assert locs[name].count("js_body_filter vf.tally;") == 1, name
+    assert "js_body_filter" not in admit
+    assert "js_set $vf_usage vf.usage;" in conf
+    assert "log_format vf_admit '$request_id|$status|$upstream_status|$vf_usage';" in conf
     # the per-key leaky bucket is replaced, the per-IP one stays
     assert "zone=vf_per_key burst" not in conf and "zone=vf_per_ip burst" in conf
     closed = _files(_spec(tmp_path, limits={"on_failure": "closed"}))["/etc/nginx/conf.d/vllm-fleet.conf"]
@@ -131,6 +140,7 @@ def test_no_admission_without_keys_or_when_disabled(tmp_path: Path) -> None:
         files = _files(spec)
         conf = files["/etc/nginx/conf.d/vllm-fleet.conf"]
         assert "auth_request" not in conf and "vf_admit" not in conf
+        assert "js_body_filter" not in conf and "vf_usage" not in conf
         assert not any("admission" in dest for dest in files)
         assert json.loads(files["/etc/nginx/vllm-fleet/routes.json"])["admission"] is None
     conf = _files(_spec(tmp_path, limits={"enabled": False}))["/etc/nginx/conf.d/vllm-fleet.conf"]

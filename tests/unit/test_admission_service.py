@@ -373,6 +373,8 @@ def test_a_release_of_a_waiting_id_ends_its_wait(start: Callable[..., Running]) 
         ("abc|499|-|-", ("abc", 0)),
         ("abc|403||", ("abc", 0)),
         ("abc|200|200|0", ("abc", 0)),
+        ("abc|200|200|\u00b2", ("abc", None)),  # a digit to str.isdigit, not to int(): not a usage
+        ("abc|200|200|12x", ("abc", None)),
     ],
 )
 def test_parse_release(message: str, expected: tuple[str, int | None]) -> None:
@@ -400,6 +402,35 @@ def test_a_release_without_usage_settles_the_reservation_or_nothing(start: Calla
     send_log(r, "nobody|200|200|5")  # an id the service does not know: ignored
     wait_until(lambda: r.call(lambda: r.core.in_flight("k/00000001")) == 0)
     assert r.call(lambda: r.core.stats["k/00000001"].tokens_settled) == 40 + 0 + 12
+
+
+def test_a_release_with_usage_replaces_the_reservation_in_the_key_and_client_minutes(
+    start: Callable[..., Running],
+) -> None:
+    """What nginx's release line carries (the answer's usage) is what the key's and its client's token
+    windows hold from then on, less or more than reserved; metrics say so (settled, tpm ratio)."""
+    r = start(
+        default_key={**UNLIMITED, "max_in_flight": 5},
+        keys={"chat/tpm00000": {**UNLIMITED, "tokens_per_minute": 1000}},
+        clients={"chat": {**UNLIMITED, "tokens_per_minute": 4000}},
+    )
+    c = Conn(r.cfg.socket)
+    for rid, cost in (("small", 900), ("large", 50)):
+        assert c.admit(rid, "chat/tpm00000", client="chat", cost=cost)[0] == 204
+    key = 'client="chat",key="chat/tpm00000"'
+    # reserved: 950 of 1000; a third request of 850 cannot start before the minute ends
+    assert metrics(r)[f'vllm_fleet_gateway_key_budget_used_ratio{{budget="tpm",{key}}}'] == 0.95
+    send_log(r, "small|200|200|40")  # used 40 of the 900 reserved
+    send_log(r, "large|200|200|80")  # used more than its 50 (the prompt estimate was low): 80 is counted
+    wait_until(lambda: r.call(lambda: r.core.in_flight("chat/tpm00000")) == 0)
+    m = metrics(r)
+    assert m[f'vllm_fleet_gateway_key_tokens_total{{{key},kind="reserved"}}'] == 950
+    assert m[f'vllm_fleet_gateway_key_tokens_total{{{key},kind="settled"}}'] == 120
+    assert m[f'vllm_fleet_gateway_key_budget_used_ratio{{budget="tpm",{key}}}'] == pytest.approx(0.12)
+    now = r.call(r.service.clock)
+    assert r.call(lambda: r.core._clients["chat"].tokens.used(now)) == 120
+    # the room the usage gave back admits a request the reservation would have made wait a minute
+    assert c.admit("third", "chat/tpm00000", client="chat", cost=850)[0] == 204
 
 
 # ------------------------------------------------------------------------- metrics

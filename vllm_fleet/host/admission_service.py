@@ -94,9 +94,10 @@ def response(d: Decision) -> bytes:
 
 
 def parse_release(datagram: bytes) -> tuple[str, int | None] | None:
-    """A release from one of nginx's syslog datagrams: (request id, tokens used: the usage when it is an
-    integer, else None = the reservation when the last upstream status is 200, else 0 = the engine did no
-    work). None when the datagram is not one of ours."""
+    """A release from one of nginx's syslog datagrams: (request id, tokens used: the USAGE field when it is an
+    integer — router.js usage(): the answer's usage, else a stream's events plus the prompt estimate; it
+    replaces the reservation in the key's and client's minute —, else None = the reservation when the last
+    upstream status is 200, else 0 = the engine did no work). None when the datagram is not one of ours."""
     text = datagram.decode("utf-8", "replace")
     _, sep, message = text.partition(f"{LOG_TAG}: ")
     if not sep:
@@ -106,7 +107,7 @@ def parse_release(datagram: bytes) -> tuple[str, int | None] | None:
         return None
     request_id, _status, upstream, usage = fields[:4]
     usage = usage.strip()
-    if usage.isdigit():
+    if usage.isascii() and usage.isdigit():  # not str.isdigit alone: it takes "²", which int() refuses
         return request_id, int(usage)
     # $upstream_status: "200", "502, 200" (tried another server), "503 : 200" (an internal redirect), "-"
     last = upstream.replace(":", ",").rsplit(",", 1)[-1].strip()
