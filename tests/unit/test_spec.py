@@ -93,3 +93,101 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 def test_ansible_group_vars_wrapping() -> None:
     spec = parse_spec({"vllm_fleet": copy.deepcopy(SEED4)})
     assert spec.name == "seed-004"
+
+
+# three hosts: gateways h1 and h2 behind one address, monitoring on h2 and h3, the engine on h3
+HA = {
+    "name": "ha",
+    "stack": {"profile": "cpu"},
+    "hosts": [{"name": f"h{i}", "address": f"10.77.0.7{i}", "memory_gib": 8} for i in (1, 2, 3)],
+    "models": [{"name": "tiny", "source": {"path": "/m/tiny"}, "host": "h3", "port": 8101,
+                "kv_cache_memory_bytes": 67108864}],
+    "gateway": {"hosts": ["h1", "h2"], "virtual_address": "10.77.0.9/24"},
+    "monitoring": {"hosts": ["h2", "h3"]},
+}  # fmt: skip
+
+
+def test_gateway_hosts_and_monitoring_hosts_with_the_one_host_forms_kept() -> None:
+    spec = parse_spec(copy.deepcopy(HA))
+    assert spec.gateway_hosts == ["h1", "h2"] and spec.gateway_host == "h1" and spec.gateway_ha
+    assert spec.monitoring_hosts == ["h2", "h3"] and spec.monitoring_host == "h2" and spec.monitoring_ha
+    one = load_spec(REPO / "examples/tiny-cpu-2hosts.yml")
+    assert one.gateway_hosts == ["h1"] and one.monitoring_hosts == ["h1"] and not one.gateway_ha
+    d = copy.deepcopy(SEED4)  # neither form: the first host, as before
+    d.pop("gateway", None)
+    assert parse_spec(d).gateway_hosts == ["gpu-a"]
+    d = copy.deepcopy(HA)
+    d["gateway"]["hosts"] = ["h1", {"name": "h2", "priority": 200}]
+    assert [(h.name, h.priority) for h in parse_spec(d).gateway.hosts] == [("h1", None), ("h2", 200)]
+
+
+_HA_ERRORS = [  # (section, change, the one problem): each error names its field path
+    ("gateway", {"host": "h1"},
+     "gateway.hosts", "give gateway.host (one host) or gateway.hosts (two or more), not both"),
+    ("gateway", {"hosts": [], "virtual_address": ""},
+     "gateway.hosts", "empty: name two or more hosts, or give gateway.host (one)"),
+    ("gateway", {"hosts": ["h1"], "virtual_address": ""},
+     "gateway.hosts", "one host: write `gateway.host: h1` (gateway.hosts is for two or more)"),
+    ("gateway", {"hosts": ["h1", "h9"]},
+     "gateway.hosts[1]", "unknown host 'h9' (hosts: h1, h2, h3)"),
+    ("gateway", {"hosts": ["h1", {"name": "h1", "priority": 50}]},
+     "gateway.hosts[1]", "host 'h1' is already gateway.hosts[0]"),
+    ("gateway", {"virtual_address": ""},
+     "gateway.virtual_address", "required with two or more gateway.hosts: the address clients use, which "
+                                "keepalived moves to a gateway that works (e.g. 10.0.0.100/24)"),
+    ("gateway", {"virtual_address": "10.77.0.300/24"},
+     "gateway.virtual_address", "'10.77.0.300/24' is not an IPv4 address "
+                                "(optionally with its /prefix, e.g. 10.0.0.100/24)"),
+    ("gateway", {"virtual_address": "10.77.0.255/24"},
+     "gateway.virtual_address", "'10.77.0.255/24' is the network's broadcast address"),
+    ("gateway", {"virtual_address": "fd00::9/64"},
+     "gateway.virtual_address", "'fd00::9/64' is not an IPv4 address "
+                                "(optionally with its /prefix, e.g. 10.0.0.100/24)"),
+    ("gateway", {"hosts": ["h1", {"name": "h2", "priority": 255}]},
+     "gateway.hosts[1].priority", "Input should be less than or equal to 254"),
+    ("gateway", {"vrrp": {"router_id": 256}},
+     "gateway.vrrp.router_id", "Input should be less than or equal to 255"),
+    ("gateway", {"vrrp": {"router_id": 0}},
+     "gateway.vrrp.router_id", "Input should be greater than or equal to 1"),
+    ("gateway", {"vrrp": {"auth_secret": "../etc/passwd"}},
+     "gateway.vrrp.auth_secret", "String should match pattern '^([A-Za-z0-9][A-Za-z0-9_.-]{0,63})?$'"),
+    ("gateway", {"vrrp": {"interface": "a-very-long-interface"}},
+     "gateway.vrrp.interface", "String should match pattern '^([A-Za-z0-9_.:-]{1,15})?$'"),
+    ("monitoring", {"host": "h2"},
+     "monitoring.hosts", "give monitoring.host (one host) or monitoring.hosts (two or more), not both"),
+    ("monitoring", {"hosts": ["h3"]},
+     "monitoring.hosts", "one host: write `monitoring.host: h3` (monitoring.hosts is for two or more)"),
+    ("monitoring", {"hosts": ["h2", "h2"]},
+     "monitoring.hosts[1]", "host 'h2' is already monitoring.hosts[0]"),
+    ("monitoring", {"hosts": ["h2", "x"]},
+     "monitoring.hosts[1]", "unknown host 'x' (hosts: h1, h2, h3)"),
+    ("monitoring", {"alertmanager_cluster_port": 0},
+     "monitoring.alertmanager_cluster_port", "Input should be greater than or equal to 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("section,change,path,message", _HA_ERRORS)
+def test_ha_layout_errors_name_the_field(section: str, change: dict, path: str, message: str) -> None:
+    d = copy.deepcopy(HA)
+    d[section].update(change)
+    assert problems(d) == [f"{path}: {message}"]
+
+
+def test_a_virtual_address_needs_two_gateways() -> None:
+    d = copy.deepcopy(SEED4)
+    d["gateway"]["virtual_address"] = "10.0.0.9/24"
+    assert problems(d) == [
+        "gateway.virtual_address: only with gateway.hosts (two or more gateways share the address)"
+    ]
+
+
+def test_the_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
+    from vllm_fleet.fleet.spec import spec_hash
+
+    d = copy.deepcopy(SEED4)
+    before = spec_hash(parse_spec(d))
+    d["gateway"].update({"virtual_address": "", "vrrp": {"advert_int": 1}})
+    d["monitoring"] = {**d.get("monitoring", {}), "alertmanager_cluster_port": 9094}
+    assert spec_hash(parse_spec(d)) == before
+    d["monitoring"]["alertmanager_cluster_port"] = 9095
+    assert spec_hash(parse_spec(d)) != before

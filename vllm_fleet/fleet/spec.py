@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import re
 from pathlib import Path
@@ -478,9 +479,54 @@ class GatewayClient(_Model):
     default_class: str = ""
 
 
+class GatewayHost(_Model):
+    """One host of ``gateway.hosts``: its name, or ``{name, priority}``."""
+
+    name: str
+    # its VRRP priority (keepalived): the highest holds the virtual address when the gateways start and takes it
+    # back when it returns; None: DEFAULT_VRRP_PRIORITY, the same as every other gateway (equal priorities: the
+    # address stays where it is until its holder fails). 255 is an address owner's, and 1 stays below every
+    # gateway for one that reaches no engine (docs/design/ha.md)
+    priority: int | None = Field(None, ge=2, le=254)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+
+DEFAULT_VRRP_PRIORITY = 100
+
+
+class Vrrp(_Model):
+    """How the gateway hosts of ``gateway.hosts`` share ``gateway.virtual_address``: keepalived, VRRP with unicast
+    peers (docs/design/ha.md)."""
+
+    # the VRRP router id (1-255), unique per virtual address on the network; None: derived from the fleet's name
+    router_id: int | None = Field(None, ge=1, le=255)
+    # the interface that carries the address on every gateway host; "": the one that holds each host's fleet
+    # address, found on the host during the play (vllm_fleet.fleet.playfacts.vrrp_interface)
+    interface: Annotated[str, Field(pattern=r"^([A-Za-z0-9_.:-]{1,15})?$")] = ""
+    # seconds between the holder's advertisements: a holder silent for about 3 of them is taken over
+    advert_int: int = Field(1, ge=1, le=255)
+    # a VRRP password (keepalived's PASS authentication of VRRP v2: 8 characters, sent in the clear; it keeps a
+    # stray router with the same id out, not an attacker: the unicast peers and the firewall do that). The name of
+    # a file in the controller's secrets folder (vllm_fleet_secrets_dir, like gateway-api-key; made there once
+    # when missing); "": no authentication
+    auth_secret: Annotated[str, Field(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,63})?$")] = ""
+
+
 class Gateway(_Model):
     enabled: bool = True
+    # the gateway host of a fleet with one (none of host/hosts: the first of `hosts`)
     host: str = ""
+    # two or more gateway hosts behind virtual_address (keepalived moves the address): each runs the same nginx
+    # configuration; a name, or {name, priority}
+    hosts: list[GatewayHost] = []
+    # with hosts: the IPv4 address clients use, in the gateway hosts' network, optionally with its /prefix
+    # (without one the address is added as /32: an address only, no route)
+    virtual_address: str = ""
+    vrrp: Vrrp = Vrrp()
     listen_address: str = "0.0.0.0"
     port: Port = 8000
     # "api_keys" (the default): every API request needs a key of api_keys_file; "none": an open gateway, only
@@ -520,6 +566,28 @@ class Gateway(_Model):
     state_file: str = ""
     access_log: str = "/var/log/nginx/vllm-fleet.access.log"
     error_log: str = "/var/log/nginx/vllm-fleet.error.log"
+
+    @field_validator("virtual_address")
+    @classmethod
+    def _virtual_address(cls, v: str) -> str:
+        if not v:
+            return v
+        try:
+            iface = ipaddress.IPv4Interface(v)
+        except ValueError:
+            raise ValueError(
+                f"{v!r} is not an IPv4 address (optionally with its /prefix, e.g. 10.0.0.100/24)"
+            ) from None
+        ip, net = iface.ip, iface.network
+        if ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local:
+            raise ValueError(
+                f"{v!r} cannot be a gateway address (loopback, multicast, link-local or 0.0.0.0)"
+            )
+        if net.prefixlen <= 30 and ip in (net.network_address, net.broadcast_address):
+            raise ValueError(
+                f"{v!r} is the network's {'network' if ip == net.network_address else 'broadcast'} address"
+            )
+        return v
 
     @model_validator(mode="after")
     def _auth(self) -> Gateway:
@@ -565,7 +633,13 @@ class Grafana(_Model):
 
 class Monitoring(_Model):
     enabled: bool = True
+    # the monitoring host of a fleet with one (none of host/hosts: the first of `hosts`)
     host: str = ""
+    # two or more monitoring hosts: Prometheus on each with the same rules and targets, Alertmanager clustered
+    # across them (a page goes out once while either lives; docs/design/ha.md)
+    hosts: list[str] = []
+    # the Alertmanager cluster's gossip port (TCP and UDP) with two or more hosts
+    alertmanager_cluster_port: Port = 9094
     prometheus_port: Port = 9090
     alertmanager_port: Port = 9093
     node_exporter_port: Port = 9100
@@ -780,11 +854,37 @@ class FleetSpec(_Model):
 
     @property
     def gateway_host(self) -> str:
+        """The first gateway host: the one of a fleet with one gateway."""
+        if self.gateway.hosts:
+            return self.gateway.hosts[0].name
         return self.gateway.host or self.hosts[0].name
 
     @property
+    def gateway_hosts(self) -> list[str]:
+        """Every gateway host: ``gateway.hosts``, else the one gateway host."""
+        return [h.name for h in self.gateway.hosts] or [self.gateway_host]
+
+    @property
+    def gateway_ha(self) -> bool:
+        """Two or more gateways behind ``gateway.virtual_address`` (keepalived)."""
+        return self.gateway.enabled and len(self.gateway.hosts) > 1
+
+    @property
     def monitoring_host(self) -> str:
+        """The first monitoring host: the one of a fleet with one."""
+        if self.monitoring.hosts:
+            return self.monitoring.hosts[0]
         return self.monitoring.host or self.hosts[0].name
+
+    @property
+    def monitoring_hosts(self) -> list[str]:
+        """Every monitoring host: ``monitoring.hosts``, else the one monitoring host."""
+        return list(self.monitoring.hosts) or [self.monitoring_host]
+
+    @property
+    def monitoring_ha(self) -> bool:
+        """Prometheus and a clustered Alertmanager on two or more hosts."""
+        return self.monitoring.enabled and len(self.monitoring.hosts) > 1
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -823,6 +923,29 @@ def _placement_checks(i: int, m: ModelInstance, host_names: list[str]) -> list[t
     return problems
 
 
+def _host_list_checks(
+    section: str, one: str, many: list[str], model: BaseModel, host_names: list[str]
+) -> list[tuple[str, str]]:
+    """``SECTION.host`` (one host) or ``SECTION.hosts`` (two or more), not both, not an empty or one-host list;
+    each host known and named once."""
+    path = f"{section}.hosts"
+    if "hosts" in model.model_fields_set and not many and not one:
+        return [(path, f"empty: name two or more hosts, or give {section}.host (one)")]
+    if many and one:
+        return [(path, f"give {section}.host (one host) or {section}.hosts (two or more), not both")]
+    if len(many) == 1:
+        return [(path, f"one host: write `{section}.host: {many[0]}` ({section}.hosts is for two or more)")]
+    problems: list[tuple[str, str]] = []
+    seen: dict[str, int] = {}
+    for i, name in enumerate(many):
+        if name not in host_names:
+            problems.append((f"{path}[{i}]", f"unknown host {name!r} (hosts: {', '.join(host_names)})"))
+        elif name in seen:
+            problems.append((f"{path}[{i}]", f"host {name!r} is already {path}[{seen[name]}]"))
+        seen.setdefault(name, i)
+    return problems
+
+
 def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     """Checks across fields that pydantic cannot see one field at a time."""
     problems: list[tuple[str, str]] = []
@@ -855,6 +978,23 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
         if val and val not in host_names:
             problems.append((field, f"unknown host {val!r} (hosts: {', '.join(host_names)})"))
+    gw_hosts = [h.name for h in spec.gateway.hosts]
+    problems += _host_list_checks("gateway", spec.gateway.host, gw_hosts, spec.gateway, host_names)
+    problems += _host_list_checks(
+        "monitoring", spec.monitoring.host, spec.monitoring.hosts, spec.monitoring, host_names
+    )
+    if len(gw_hosts) > 1 and not spec.gateway.virtual_address:
+        problems.append(
+            (
+                "gateway.virtual_address",
+                "required with two or more gateway.hosts: the address clients use, which keepalived moves to a "
+                "gateway that works (e.g. 10.0.0.100/24)",
+            )
+        )
+    if spec.gateway.virtual_address and len(gw_hosts) < 2:
+        problems.append(
+            ("gateway.virtual_address", "only with gateway.hosts (two or more gateways share the address)")
+        )
     for name in spec.firewall.open_tcp_ports:
         if name not in host_names:
             problems.append((f"firewall.open_tcp_ports.{name}", f"unknown host {name!r}"))
@@ -924,6 +1064,13 @@ def load_spec(path: str | Path) -> FleetSpec:
     return parse_spec(data, str(p))
 
 
+# the fields issue 30 added: at their defaults they leave the hash of a spec as it was before them
+_HA_FIELDS = {
+    "gateway": ("hosts", "virtual_address", "vrrp"),
+    "monitoring": ("hosts", "alertmanager_cluster_port"),
+}
+
+
 def spec_hash(spec: FleetSpec) -> str:
     """A short digest of the normalised spec: the same on the controller (templates) and the hosts (manifest)."""
     d = spec.model_dump(mode="json")
@@ -933,4 +1080,11 @@ def spec_hash(spec: FleetSpec) -> str:
     for m in d["models"]:
         if m["stack"] is None:
             del m["stack"]
+    # nor one that names no second gateway or monitoring host (their fields at their defaults)
+    for section, model in (("gateway", Gateway), ("monitoring", Monitoring)):
+        for name in _HA_FIELDS[section]:
+            default = model.model_fields[name].get_default(call_default_factory=True)
+            dumped = default.model_dump(mode="json") if isinstance(default, BaseModel) else default
+            if d[section].get(name) == dumped:
+                del d[section][name]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
