@@ -261,6 +261,11 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.host.launcher:add_args",
         "run one engine instance under systemd (the main process of vllm@NAME.service)",
     ),
+    "gateway-check": Plugin(
+        "vllm_fleet.host.gateway_check:add_args",
+        "ask the gateway's nginx whether it answers, or whether an engine answers through it (keepalived's check "
+        "with gateway.hosts)",
+    ),
     "lock": Plugin(
         "vllm_fleet.fleet.lock:add_args",
         "resolve a pinned, hashed engine stack (locks/) or build its offline wheelhouse",

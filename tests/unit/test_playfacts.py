@@ -18,6 +18,7 @@ FILTERS = (
     "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
     "model_tree", "model_pushes", "found_in_stack", "running_services", "lock_checks", "wheel_sources", "pip_source_args",
+    "vrrp_interface",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -288,3 +289,27 @@ def test_where_the_fleets_own_stack_installs_from() -> None:
         "https://torch.example/cpu",
     ]
     assert pf.pip_source_args("", "") == []
+
+
+IP_ADDR = [  # `ip -json -4 address show` of a gateway host holding the virtual address (a second address on eth0)
+    {"ifindex": 1, "ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+    {"ifindex": 2, "ifname": "eth0", "addr_info": [
+        {"family": "inet", "local": "10.77.0.71", "prefixlen": 24},
+        {"family": "inet", "local": "10.77.0.9", "prefixlen": 24, "secondary": True},
+    ]},
+    {"ifindex": 3, "ifname": "ens5", "addr_info": [{"family": "inet", "local": "192.168.7.1", "prefixlen": 24}]},
+]  # fmt: skip
+
+
+def test_the_vrrp_interface_is_the_one_holding_the_hosts_address() -> None:
+    assert pf.vrrp_interface(IP_ADDR, "10.77.0.71") == "eth0"
+    assert pf.vrrp_interface(json.dumps(IP_ADDR), "192.168.7.1") == "ens5"  # the command's text
+    with pytest.raises(
+        ValueError, match=r"this host does not hold it \(10\.77\.0\.72\); set gateway\.vrrp\.interface"
+    ):
+        pf.vrrp_interface(IP_ADDR, "10.77.0.72")
+    with pytest.raises(ValueError, match="on the loopback"):
+        pf.vrrp_interface(IP_ADDR, "127.0.0.1")
+    twice = [*IP_ADDR, {"ifname": "br0", "addr_info": [{"family": "inet", "local": "10.77.0.71"}]}]
+    with pytest.raises(ValueError, match="holds it on eth0, br0"):
+        pf.vrrp_interface(twice, "10.77.0.71")

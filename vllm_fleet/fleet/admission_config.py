@@ -61,8 +61,21 @@ def model_capacity(spec: FleetSpec, plan: Plan) -> dict[str, int]:
     }
 
 
+def admission_metrics_address(spec: FleetSpec, host: str) -> str:
+    """Where the admission service of gateway host ``host`` serves its metrics: where its exporters listen."""
+    return f"{exporter_address(spec, host)}:{spec.gateway.limits.metrics_port}"
+
+
+def host_admission_config(config: dict[str, Any] | None, spec: FleetSpec, host: str) -> dict[str, Any] | None:
+    """The admission file of gateway host ``host`` (``config`` with its own metrics address); None elsewhere."""
+    if config is None or not spec.gateway.enabled or host not in spec.gateway_hosts:
+        return None
+    return {**config, "metrics_address": admission_metrics_address(spec, host)}
+
+
 def admission_config(spec: FleetSpec, plan: Plan) -> dict[str, Any]:
-    """``contracts.AdmissionConfig`` as a dict (the rendered file's content)."""
+    """``contracts.AdmissionConfig`` as a dict (the rendered file's content; the metrics address is the first
+    gateway host's: ``host_admission_config`` gives each gateway host its own)."""
     lim = spec.gateway.limits
     run = lim.runtime_dir.rstrip("/")
     return {
@@ -71,7 +84,7 @@ def admission_config(spec: FleetSpec, plan: Plan) -> dict[str, Any]:
         "socket": f"{run}/{ADMISSION_SOCKET}",
         "log_socket": f"{run}/{ADMISSION_LOG_SOCKET}",
         # scraped by Prometheus like the host's exporters (behind the firewall)
-        "metrics_address": f"{exporter_address(spec, spec.gateway_host)}:{lim.metrics_port}",
+        "metrics_address": admission_metrics_address(spec, spec.gateway_host),
         "queue_wait_seconds": float(lim.queue_wait_seconds),
         "max_queued_per_key": lim.max_queued_per_key,
         "max_queued": lim.max_queued,

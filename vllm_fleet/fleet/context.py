@@ -23,6 +23,7 @@ from vllm_fleet.contracts import (
 from vllm_fleet.fleet.admission_config import (
     admission_config,
     admission_config_path,
+    host_admission_config,
     runtime_directory,
 )
 from vllm_fleet.fleet.engine import (
@@ -33,9 +34,16 @@ from vllm_fleet.fleet.engine import (
     model_path,
     rank_address,
 )
+from vllm_fleet.fleet.ha import gateway_ha_vars, keepalived_plan, monitoring_server
 from vllm_fleet.fleet.host_contract import HostContracts
 from vllm_fleet.fleet.hostplan import host_deploy_plan
-from vllm_fleet.fleet.network import exporter_address, firewall_rules, monitoring_address
+from vllm_fleet.fleet.network import (
+    exporter_address,
+    exporter_addresses,
+    firewall_rules,
+    monitoring_address,
+    monitoring_listen_address,
+)
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, Routing, spec_hash
@@ -193,6 +201,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
+    # every gateway host (two or more: behind gateway.virtual_address, keepalived; fleet/ha.py)
+    vf["gateway_hosts"] = spec.gateway_hosts
+    vf["gateway_ha"] = gateway_ha_vars(spec, vf["upstreams"])
     vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
     # gateway.limits: the admission service's file (fleet/admission_config.py), where nginx reaches it
     vf["gateway_admission"] = admission_config(spec, plan) if spec.gateway.admission else None
@@ -221,8 +232,12 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_tls"] = spec.gateway.tls is not None
     vf["gateway_tls_self_signed"] = spec.gateway.tls is not None and spec.gateway.tls.self_signed
     vf["monitoring_host"] = spec.monitoring_host
-    # where Prometheus and Alertmanager listen (and are reached): vllm_fleet/fleet/network.py
+    vf["monitoring_hosts"] = spec.monitoring_hosts
+    # where Prometheus and Alertmanager are reached (the first monitoring host's; on a monitoring host, its own:
+    # the host part): vllm_fleet/fleet/network.py
     vf["monitoring_address"] = monitoring_address(spec)
+    # host name → where its exporters listen, where Prometheus scrapes them
+    vf["exporter_addresses"] = exporter_addresses(spec)
     # the host exporter's static system user (monitoring/vllm-fleet-exporter.sysusers.conf.j2, the monitoring
     # role): not DynamicUser=, whose uid the system bus cannot resolve without nss-systemd (Debian 12's default)
     vf["exporter_user"] = EXPORTER_USER
@@ -250,6 +265,7 @@ class HostVars:
 
     def __init__(self, spec: FleetSpec, fleet: dict[str, Any]) -> None:
         self.spec = spec
+        self.fleet = fleet
         self.reach = upstream_addresses(fleet["upstreams"])
         self.hosts = {h.name: h for h in reversed(spec.hosts)}
         self.dumped: dict[str, dict[str, Any]] = {}
@@ -294,6 +310,13 @@ class HostVars:
             exporter_address=exporter_address(spec, host),
             # what fetch, manifest and doctor read on this host ({config_dir}/host.json; vllm_fleet/contracts.py)
             host_contract=self.contracts(host),
+            # two or more gateways: this one's keepalived.conf; a monitoring host: its Prometheus and Alertmanager
+            keepalived=keepalived_plan(spec, host),
+            monitoring_server=monitoring_server(spec, host),
+            monitoring_address=monitoring_listen_address(spec, host)
+            if host in spec.monitoring_hosts
+            else self.fleet["monitoring_address"],
+            gateway_admission=host_admission_config(self.fleet["gateway_admission"], spec, host),
         ).model_dump(mode="json")
 
 

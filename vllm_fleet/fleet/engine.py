@@ -26,11 +26,11 @@ def model_path(spec: FleetSpec, m: ModelInstance) -> str:
 
 
 def listen_address(spec: FleetSpec, m: ModelInstance) -> str:
-    """Engines never listen on a public address: loopback when gateway and monitoring are on the same host,
-    otherwise the host's private address (firewalled to gateway and Prometheus hosts)."""
+    """Engines never listen on a public address: loopback when every gateway and monitoring host is the
+    instance's own, otherwise the host's private address (firewalled to gateway and Prometheus hosts)."""
     remote = {
-        spec.gateway_host if spec.gateway.enabled else m.host,
-        spec.monitoring_host if spec.monitoring.enabled else m.host,
+        *(spec.gateway_hosts if spec.gateway.enabled else [m.host]),
+        *(spec.monitoring_hosts if spec.monitoring.enabled else [m.host]),
     }
     if remote <= {m.host}:
         return "127.0.0.1"

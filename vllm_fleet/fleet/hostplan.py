@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_fleet.contracts import HostContract
 from vllm_fleet.fleet.engine import model_path
+from vllm_fleet.fleet.ha import KeepalivedPlan, MonitoringServer
 from vllm_fleet.fleet.playfacts import pip_source_args
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
@@ -115,6 +116,14 @@ class HostDeployPlan(BaseModel):
     # the host's contract ({config_dir}/host.json, vllm_fleet/contracts.py HostContract): what fetch, manifest
     # and the doctor read on the host instead of the spec (the engine artifact host.json is its text)
     host_contract: dict[str, Any]
+    # one of two or more gateway hosts: its keepalived.conf (fleet/ha.py KeepalivedPlan); else None
+    keepalived: KeepalivedPlan | None
+    # a monitoring host: what its Prometheus and Alertmanager are told (fleet/ha.py MonitoringServer); else None
+    monitoring_server: MonitoringServer | None
+    # where Prometheus and Alertmanager listen on a monitoring host (its own), else where they are reached
+    monitoring_address: str
+    # a gateway host with gateway.limits: its admission service's file (its own metrics address); else None
+    gateway_admission: dict[str, Any] | None
 
 
 def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
@@ -149,12 +158,16 @@ def host_deploy_plan(
     firewall: list[dict[str, Any]],
     exporter_address: str,
     host_contract: HostContract,
+    keepalived: KeepalivedPlan | None = None,
+    monitoring_server: MonitoringServer | None = None,
+    monitoring_address: str = "",
+    gateway_admission: dict[str, Any] | None = None,
 ) -> HostDeployPlan:
     """``host``'s plan from the spec, its ``hosts[]`` entry (``dumped``) and what the capacity plan gives it:
     its ``ports`` (port -> spec field) and the ``weight_bytes`` of its instances."""
     stacks = host_stacks(spec, host)
-    gateway = spec.gateway.enabled and spec.gateway_host == host
-    monitoring = spec.monitoring.enabled and spec.monitoring_host == host
+    gateway = spec.gateway.enabled and host in spec.gateway_hosts
+    monitoring = spec.monitoring.enabled and host in spec.monitoring_hosts
     return HostDeployPlan(
         host=dumped,
         host_stacks=stacks,
@@ -180,6 +193,10 @@ def host_deploy_plan(
         firewall_rules=firewall,
         doctor=doctor_checks(spec, host).as_vars(),
         host_contract=host_contract.to_dict(),
+        keepalived=keepalived,
+        monitoring_server=monitoring_server,
+        monitoring_address=monitoring_address,
+        gateway_admission=gateway_admission,
     )
 
 

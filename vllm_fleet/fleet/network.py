@@ -23,18 +23,29 @@ def internal_address(host: Host) -> str:
 
 def exporter_address(spec: FleetSpec, host: str) -> str:
     """Where the exporters of ``host`` listen (node-exporter, the vllm-fleet exporter, the nginx exporter):
-    loopback on the monitoring host (Prometheus scrapes it there), the internal address elsewhere."""
-    if host == spec.monitoring_host:
+    loopback on the one monitoring host (Prometheus scrapes it there), the internal address elsewhere (and on
+    every monitoring host when there are several: each one's Prometheus scrapes the others too)."""
+    if spec.monitoring_hosts == [host]:
+        return LOOPBACK
+    return internal_address(spec.host(host))
+
+
+def exporter_addresses(spec: FleetSpec) -> dict[str, str]:
+    """Host name → where its exporters listen, which is where Prometheus scrapes them."""
+    return {h.name: exporter_address(spec, h.name) for h in reversed(spec.hosts)}
+
+
+def monitoring_listen_address(spec: FleetSpec, host: str) -> str:
+    """Where Prometheus and Alertmanager listen on monitoring host ``host``: loopback when the fleet is that
+    one host, else its internal address (behind basic auth and the firewall)."""
+    if {h.name for h in spec.hosts} <= {host}:
         return LOOPBACK
     return internal_address(spec.host(host))
 
 
 def monitoring_address(spec: FleetSpec) -> str:
-    """Where Prometheus and Alertmanager listen: loopback when the fleet is one host, else the monitoring
-    host's internal address (behind basic auth and the firewall)."""
-    if {h.name for h in spec.hosts} <= {spec.monitoring_host}:
-        return LOOPBACK
-    return internal_address(spec.host(spec.monitoring_host))
+    """Where Prometheus and Alertmanager are reached: those of the (first) monitoring host."""
+    return monitoring_listen_address(spec, spec.monitoring_host)
 
 
 def nft_family(address: str) -> str:
@@ -52,7 +63,9 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
     """The accept rules of ``host``'s firewall (everything else is dropped): ``{comment, proto, ports,
     sources}``, ``sources`` empty = from anywhere, else ``[(family, [addresses])]``."""
     fw, mon, gw = spec.firewall, spec.monitoring, spec.gateway
-    mon_host = internal_address(spec.host(spec.monitoring_host))
+    mon_hosts = [internal_address(spec.host(h)) for h in spec.monitoring_hosts]
+    gateway_here = gw.enabled and host in spec.gateway_hosts
+    monitoring_here = host in spec.monitoring_hosts
     rules: list[dict[str, object]] = [{"comment": "ssh", "ports": [fw.ssh_port], "sources": []}]
 
     def by_family(addresses: list[str]) -> list[tuple[str, list[str]]]:
@@ -63,7 +76,7 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
                 fam.append(a)
         return sorted(out.items())
 
-    if gw.enabled and spec.gateway_host == host:
+    if gateway_here:
         plain = not gw.tls or gw.tls.plain_http != "off"
         ports = ([gw.port] if plain else []) + ([gw.tls.port] if gw.tls else [])
         rules.append({"comment": "the gateway (clients)", "ports": ports, "sources": []})
@@ -73,9 +86,9 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
     if engines:
         reach = []
         if gw.enabled:
-            reach.append(internal_address(spec.host(spec.gateway_host)))
+            reach += [internal_address(spec.host(h)) for h in spec.gateway_hosts]
         if mon.enabled:
-            reach.append(mon_host)
+            reach += mon_hosts
         if reach:
             rules.append({"comment": "engines: the gateway and monitoring hosts", "ports": sorted(set(engines)),
                           "sources": by_family(reach)})  # fmt: skip
@@ -83,23 +96,51 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
         exporters = [mon.node_exporter_port]
         if engines:
             exporters.append(mon.exporter_port)
-        if gw.enabled and spec.gateway_host == host:
+        if gateway_here:
             exporters.append(mon.nginx_exporter_port)
             if gw.admission:
                 exporters.append(gw.limits.metrics_port)
         host_gpus = spec.host(host).gpus
         if mon.gpu_exporter_port and (host_gpus.count or host_gpus.detect):
             exporters.append(mon.gpu_exporter_port)
-        rules.append({"comment": "exporters: the monitoring host", "ports": sorted(set(exporters)),
-                      "sources": by_family([mon_host])})  # fmt: skip
-        if spec.monitoring_host == host and fw.admin_sources:
+        who = "the monitoring hosts" if spec.monitoring_ha else "the monitoring host"
+        rules.append({"comment": f"exporters: {who}", "ports": sorted(set(exporters)),
+                      "sources": by_family(mon_hosts)})  # fmt: skip
+        if monitoring_here and fw.admin_sources:
             rules.append({"comment": "Prometheus and Alertmanager: firewall.admin_sources",
                           "ports": [mon.prometheus_port, mon.alertmanager_port],
                           "sources": by_family(fw.admin_sources)})  # fmt: skip
+        if monitoring_here and spec.monitoring_ha:
+            rules += _monitoring_peer_rules(spec, host, by_family)
+    if gateway_here and spec.gateway_ha:
+        peers = [internal_address(spec.host(h)) for h in spec.gateway_hosts if h != host]
+        # VRRP is an IP protocol of its own (112), without ports: keepalived's unicast advertisements
+        rules.append({"comment": "VRRP: the other gateway hosts", "proto": VRRP_PROTOCOL, "ports": [],
+                      "sources": by_family(peers)})  # fmt: skip
     rules += _multi_node_rules(spec, host, by_family)
     for r in rules:
-        r["proto"] = "tcp"
+        r.setdefault("proto", "tcp")
     return rules
+
+
+# VRRP's IP protocol number (keepalived's advertisements; nftables: `meta l4proto 112`)
+VRRP_PROTOCOL = 112
+
+
+def _monitoring_peer_rules(spec: FleetSpec, host: str, by_family: Any) -> list[dict[str, object]]:
+    """Between the monitoring hosts of ``monitoring.hosts``: each Prometheus sends its alerts to every
+    Alertmanager and scrapes the other Prometheus and Alertmanager (a lost peer is seen), and the Alertmanagers
+    gossip on the cluster port (TCP and UDP)."""
+    mon = spec.monitoring
+    peers = by_family([internal_address(spec.host(h)) for h in spec.monitoring_hosts if h != host])
+    return [
+        {"comment": "Prometheus and Alertmanager: the other monitoring hosts",
+         "ports": [mon.prometheus_port, mon.alertmanager_port], "sources": peers},
+        {"comment": "Alertmanager cluster: the other monitoring hosts", "proto": "tcp",
+         "ports": [mon.alertmanager_cluster_port], "sources": peers},
+        {"comment": "Alertmanager cluster: the other monitoring hosts", "proto": "udp",
+         "ports": [mon.alertmanager_cluster_port], "sources": peers},
+    ]  # fmt: skip
 
 
 # Linux's default net.ipv4.ip_local_port_range: vLLM 0.32's gloo pairs and message queues listen on ports

@@ -30,6 +30,7 @@ from vllm_fleet.fleet.plan_checks import (
     check_engine_keepalive,
     check_extra_args,
     check_gateway_auth,
+    check_gateway_ha,
     check_primaries,
     check_request_classes,
     check_revision,
@@ -327,6 +328,7 @@ def make_plan(
     instances, per_instance = _plan_instances(inputs)
     found += stacks.findings + flags.findings + per_instance
     found += check_alerts(spec) + check_primaries(spec) + check_gateway_auth(spec) + check_class_pools(spec)
+    found += check_gateway_ha(spec)
     return Plan(
         fleet=spec.name,
         profile=spec.stack.profile,

@@ -4,6 +4,7 @@ them and builds the ``Plan`` once."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ class HostLayout(NamedTuple):
 def host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
     """(port, field) of each of our other services on this host, in spec order (a port may repeat)."""
     ports: list[tuple[int, str]] = []
-    gateway_here = spec.gateway.enabled and spec.gateway_host == host
+    gateway_here = spec.gateway.enabled and host in spec.gateway_hosts
     if gateway_here:
         ports.append((spec.gateway.port, "gateway.port"))
         ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
@@ -75,9 +76,12 @@ def host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
             ports.append((spec.gateway.limits.metrics_port, "gateway.limits.metrics_port"))
         if spec.gateway.tls:
             ports.append((spec.gateway.tls.port, "gateway.tls.port"))
-    if spec.monitoring.enabled and spec.monitoring_host == host:
+    if spec.monitoring.enabled and host in spec.monitoring_hosts:
         ports.append((spec.monitoring.prometheus_port, "monitoring.prometheus_port"))
         ports.append((spec.monitoring.alertmanager_port, "monitoring.alertmanager_port"))
+        if spec.monitoring_ha:
+            # the Alertmanager cluster's gossip (TCP and UDP; one Alertmanager gossips only with --cluster.listen-address=)
+            ports.append((spec.monitoring.alertmanager_cluster_port, "monitoring.alertmanager_cluster_port"))
     if spec.monitoring.enabled:
         ports.append((spec.monitoring.node_exporter_port, "monitoring.node_exporter_port"))
         ports.append((spec.monitoring.exporter_port, "monitoring.exporter_port"))
@@ -699,8 +703,80 @@ def check_primaries(spec: FleetSpec) -> list[Finding]:
 def check_gateway_auth(spec: FleetSpec) -> list[Finding]:
     if not (spec.gateway.enabled and spec.gateway.auth == "none"):
         return []
+    where = spec.gateway.virtual_address.split("/")[0] if spec.gateway_ha else spec.gateway_host
     message = (
-        f"gateway.auth: none: the gateway on {spec.gateway_host}:{spec.gateway.port} serves anyone who reaches "
+        f"gateway.auth: none: the gateway on {where}:{spec.gateway.port} serves anyone who reaches "
         "it, without an API key (docs/security.md)"
     )
     return [_warning("gateway.auth", message)]
+
+
+def _address_field(spec: FleetSpec, name: str) -> tuple[str, str]:
+    """(spec field, value) of host ``name``'s fleet-internal address: private_address, else address."""
+    i = [h.name for h in spec.hosts].index(name)
+    h = spec.hosts[i]
+    return (
+        (f"hosts[{i}].private_address", h.private_address)
+        if h.private_address
+        else (f"hosts[{i}].address", h.address)
+    )
+
+
+def check_gateway_ha(spec: FleetSpec) -> list[Finding]:
+    """Two or more gateways behind ``gateway.virtual_address`` (docs/design/ha.md): each gateway's fleet address
+    an IPv4 address (keepalived's unicast peers), the virtual address in their network and nobody's own, and
+    nginx listening on every address (the virtual one comes and goes)."""
+    if not spec.gateway_ha:
+        return []
+    gw = spec.gateway
+    vip = ipaddress.IPv4Interface(gw.virtual_address)
+    found: list[Finding] = []
+    if gw.listen_address != "0.0.0.0":
+        found.append(
+            _problem(
+                "gateway.listen_address",
+                f"{gw.listen_address!r}: with gateway.hosts nginx must listen on 0.0.0.0, so that it answers on "
+                f"the virtual address {vip.ip} whenever keepalived moves it to its host",
+            )
+        )
+    for h in spec.hosts:
+        for field_, value in (("address", h.address), ("private_address", h.private_address)):
+            if value and value == str(vip.ip):
+                found.append(
+                    _problem(
+                        "gateway.virtual_address",
+                        f"{vip.ip} is the {field_} of host {h.name!r}: the virtual address must be one no host has",
+                    )
+                )
+    prefixed = "/" in gw.virtual_address
+    for name in spec.gateway_hosts:
+        path, value = _address_field(spec, name)
+        try:
+            addr = ipaddress.ip_address(value)
+        except ValueError:
+            addr = None
+        if not isinstance(addr, ipaddress.IPv4Address):
+            found.append(
+                _problem(
+                    path,
+                    f"{value!r}: gateway host {name!r} needs an IPv4 address here (keepalived's unicast peers "
+                    "and source are addresses, and the virtual address is IPv4)",
+                )
+            )
+        elif prefixed and addr not in vip.network:
+            found.append(
+                _problem(
+                    "gateway.virtual_address",
+                    f"{gw.virtual_address} is not in the network of gateway host {name!r} ({value}): the address "
+                    "moves between hosts of one network (docs/design/ha.md for gateways across subnets)",
+                )
+            )
+    if not prefixed:
+        found.append(
+            _warning(
+                "gateway.virtual_address",
+                f"gateway.virtual_address {vip.ip} has no /prefix: it is added as /32 and plan cannot check that it "
+                "is in the gateway hosts' network; give its prefix (e.g. /24)",
+            )
+        )
+    return found

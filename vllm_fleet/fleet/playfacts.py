@@ -328,3 +328,23 @@ def pip_source_args(host_wheelhouse: str, torch_index_url: str) -> list[str]:
     if host_wheelhouse:
         return ["--no-index", "--find-links", host_wheelhouse]
     return ["--extra-index-url", torch_index_url] if torch_index_url else []
+
+
+def vrrp_interface(ip_addresses: str | list[Mapping[str, Any]], address: str) -> str:
+    """The interface that carries ``address`` on a gateway host: where keepalived puts gateway.virtual_address
+    when gateway.vrrp.interface is not set (the gateway role's ``vllm_fleet_vrrp_interface``). ``ip_addresses``:
+    what ``ip -json -4 address show`` printed (the text, or the list it parses to). A host that does not hold
+    ``address`` (or holds it on the loopback, or twice) is an error that names it: keepalived cannot run there."""
+    links = json.loads(ip_addresses) if isinstance(ip_addresses, str) else ip_addresses
+    found = [
+        str(link.get("ifname", ""))
+        for link in links or []
+        for a in link.get("addr_info") or []
+        if a.get("family", "inet") == "inet" and a.get("local") == address
+    ]
+    if len(found) != 1:
+        why = "holds it on " + ", ".join(found) if found else "does not hold it"
+        raise ValueError(f"no interface for VRRP: this host {why} ({address}); set gateway.vrrp.interface")
+    if found[0] == "lo":
+        raise ValueError(f"{address} is on the loopback: VRRP needs the interface of the gateways' network")
+    return found[0]

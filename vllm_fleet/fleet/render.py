@@ -115,9 +115,9 @@ def _hosts_for(spec: FleetSpec, scope: str) -> list[str]:
     if scope == "worker":
         return [h.name for h in spec.hosts if spec.workers_on(h.name)]
     if scope == "gateway":
-        return [spec.gateway_host] if spec.gateway.enabled else []
+        return spec.gateway_hosts if spec.gateway.enabled else []
     if scope == "monitoring":
-        return [spec.monitoring_host] if spec.monitoring.enabled else []
+        return spec.monitoring_hosts if spec.monitoring.enabled else []
     raise ValueError(scope)
 
 

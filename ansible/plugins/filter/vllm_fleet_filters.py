@@ -48,6 +48,7 @@ class FilterModule:
         "lock_checks",
         "wheel_sources",
         "pip_source_args",
+        "vrrp_interface",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:

@@ -1,0 +1,422 @@
+"""No single gateway or monitoring host (issue 30, docs/design/ha.md): what the plan refuses and what every gateway
+and monitoring host gets — keepalived.conf, nginx's health questions, Prometheus per host, the Alertmanager
+cluster, the firewall between peers."""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.fleet import ha
+from vllm_fleet.fleet.context import build_context
+from vllm_fleet.fleet.hostplan import HostDeployPlan
+from vllm_fleet.fleet.plan import make_plan
+from vllm_fleet.fleet.render import render_fleet, render_host
+from vllm_fleet.fleet.spec import FleetSpec, load_spec, parse_spec
+from vllm_fleet.host.gateway_check import check, main
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples/tiny-cpu-ha.yml"
+BASE: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+
+
+def data(**changes: Any) -> dict[str, Any]:
+    d = copy.deepcopy(BASE)
+    for section, values in changes.items():
+        d[section].update(values)
+    return d
+
+
+def files(spec: FleetSpec, host: str) -> dict[str, str]:
+    return {r.dest: r.content for r in render_host(spec, host)}
+
+
+def _args(text: str) -> str:
+    """The ARGS= line of an /etc/default file."""
+    return next(x for x in text.splitlines() if x.startswith("ARGS="))
+
+
+def problems(spec: FleetSpec) -> list[str]:
+    return [str(p) for p in make_plan(spec).problems]
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def test_the_router_id_is_derived_from_the_fleet_name_or_given() -> None:
+    spec = load_spec(EXAMPLE)
+    rid = ha.vrrp_router_id(spec)
+    assert rid == ha.vrrp_router_id(load_spec(EXAMPLE))  # the same on every run
+    ids = set()
+    for n in range(300):
+        other = parse_spec({**copy.deepcopy(BASE), "name": f"fleet-{n}"})
+        ids.add(ha.vrrp_router_id(other))
+    assert min(ids) >= 1 and max(ids) <= 255 and len(ids) > 150  # spread over the range
+    given = parse_spec(data(gateway={"vrrp": {"router_id": 7}}))
+    assert ha.vrrp_router_id(given) == 7
+    assert ha.keepalived_plan(given, "h1").router_id == 7  # type: ignore[union-attr]
+
+
+def test_each_gateway_advertises_to_the_others_only() -> None:
+    d = data()
+    d["hosts"].append({"name": "h4", "address": "10.77.0.74", "memory_gib": 4})
+    d["gateway"]["hosts"] = ["h1", {"name": "h2", "priority": 150}, "h4"]
+    spec = parse_spec(d)
+    plans = {h: ha.keepalived_plan(spec, h) for h in ("h1", "h2", "h3", "h4")}
+    assert plans["h3"] is None  # not a gateway
+    p1, p2, p4 = plans["h1"], plans["h2"], plans["h4"]
+    assert p1 and p2 and p4
+    assert (p1.unicast_src, p1.unicast_peers) == ("10.77.0.71", ["10.77.0.72", "10.77.0.74"])
+    assert (p2.unicast_src, p2.unicast_peers) == ("10.77.0.72", ["10.77.0.71", "10.77.0.74"])
+    assert (p1.priority, p2.priority, p4.priority) == (100, 150, 100)
+    assert p1.virtual_address == "10.77.0.9/24" and p1.router_id == p2.router_id == p4.router_id
+    # nginx down: FAULT (weight 0); no engine reachable: below every gateway that reaches one
+    nginx, upstreams = p1.checks
+    assert nginx.weight == 0 and nginx.script.endswith("/vf/health --timeout 1.5")
+    assert upstreams.weight == -51 and "/vf/upstreams" in upstreams.script
+    assert min(p.priority for p in (p1, p2, p4)) > max(p.priority for p in (p1, p2, p4)) + upstreams.weight
+    assert nginx.script.startswith("/opt/vllm-fleet/venv/bin/python -I -m vllm_fleet.host.gateway_check ")
+    assert p1.auth_file == ha.VRRP_AUTH_FILE  # the example names a secret
+    assert ha.keepalived_plan(parse_spec(data(gateway={"vrrp": {}})), "h1").auth_file == ""  # type: ignore[union-attr]
+
+
+def test_one_gateway_and_one_monitoring_host_render_nothing_new() -> None:
+    spec = load_spec(REPO / "examples/tiny-cpu-2hosts.yml")
+    assert ha.keepalived_plan(spec, "h1") is None and not spec.gateway_ha and not spec.monitoring_ha
+    fs = files(spec, "h1")
+    assert "/etc/keepalived/keepalived.conf" not in fs
+    conf = fs["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert "/vf/upstreams" not in conf and "vf_any_engine" not in conf
+    prom = yaml.safe_load(fs["/etc/prometheus/prometheus.yml"])
+    assert (
+        prom["global"]["external_labels"] == {"fleet": "tiny2"}
+        and "alert_relabel_configs" not in prom["alerting"]
+    )
+    am = _args(fs["/etc/default/prometheus-alertmanager"])
+    assert "--cluster.listen-address= " in am and "--cluster.peer" not in am
+
+
+def test_the_plan_refuses_a_virtual_address_off_the_gateways_network() -> None:
+    assert problems(load_spec(EXAMPLE)) == []
+    off = parse_spec(data(gateway={"virtual_address": "10.78.0.9/24"}))
+    assert problems(off) == [
+        "gateway.virtual_address: 10.78.0.9/24 is not in the network of gateway host 'h1' (10.77.0.71): the address "
+        "moves between hosts of one network (docs/design/ha.md for gateways across subnets)",
+        "gateway.virtual_address: 10.78.0.9/24 is not in the network of gateway host 'h2' (10.77.0.72): the address "
+        "moves between hosts of one network (docs/design/ha.md for gateways across subnets)",
+    ]
+    taken = parse_spec(data(gateway={"virtual_address": "10.77.0.73/24"}))
+    assert problems(taken) == [
+        "gateway.virtual_address: 10.77.0.73 is the address of host 'h3': the virtual address must be one no host has"
+    ]
+    bare = make_plan(parse_spec(data(gateway={"virtual_address": "10.99.0.9"})))
+    assert bare.ok and any("has no /prefix" in w for w in bare.warnings)
+
+
+def test_the_plan_refuses_gateways_without_an_ipv4_address_or_a_fixed_listen_address() -> None:
+    d = data()
+    d["hosts"][1]["address"] = "gw-b.example.net"
+    assert problems(parse_spec(d)) == [
+        "hosts[1].address: 'gw-b.example.net': gateway host 'h2' needs an IPv4 address here (keepalived's unicast "
+        "peers and source are addresses, and the virtual address is IPv4)"
+    ]
+    d["hosts"][1]["private_address"] = "10.77.0.72"  # the fleet-internal address is the one that counts
+    assert problems(parse_spec(d)) == []
+    fixed = parse_spec(data(gateway={"listen_address": "10.77.0.71"}))
+    (p,) = problems(fixed)
+    assert p.startswith(
+        "gateway.listen_address: '10.77.0.71': with gateway.hosts nginx must listen on 0.0.0.0"
+    )
+
+
+def test_the_cluster_port_is_a_port_of_each_monitoring_host_and_may_not_clash() -> None:
+    plan = make_plan(load_spec(EXAMPLE))
+    ports = {h.name: h.ports for h in plan.hosts}
+    assert ports["h2"][9094] == ports["h3"][9094] == "monitoring.alertmanager_cluster_port"
+    assert 9094 not in ports["h1"]  # not a monitoring host
+    clash = parse_spec(data(monitoring={"alertmanager_cluster_port": 9100}))
+    assert problems(clash) == [
+        "monitoring.node_exporter_port: port 9100 on h2 is already used by monitoring.alertmanager_cluster_port",
+        "monitoring.node_exporter_port: port 9100 on h3 is already used by monitoring.alertmanager_cluster_port",
+    ]
+    engine = parse_spec(data(monitoring={"alertmanager_cluster_port": 8101}))
+    assert problems(engine) == [
+        "models[0].port: port 8101 on h3 is already used by monitoring.alertmanager_cluster_port"
+    ]
+    # one monitoring host gossips with nobody: no cluster port
+    one = parse_spec(data(monitoring={"hosts": [], "host": "h2"}))
+    assert all(9094 not in h.ports for h in make_plan(one).hosts)
+
+
+def test_every_gateway_and_monitoring_host_gets_its_own_plan() -> None:
+    spec = load_spec(EXAMPLE)
+    ctx = {h: build_context(spec, h)["vf"] for h in ("h1", "h2", "h3")}
+    for h, vf in ctx.items():
+        assert HostDeployPlan.model_validate({k: vf[k] for k in HostDeployPlan.model_fields})
+        assert vf["is_gateway"] == (h in ("h1", "h2")) and vf["is_monitoring"] == (h in ("h2", "h3"))
+    assert ctx["h3"]["keepalived"] is None and ctx["h1"]["monitoring_server"] is None
+    # each gateway's admission service serves its metrics where its exporters listen
+    assert ctx["h1"]["gateway_admission"]["metrics_address"] == "10.77.0.71:9402"
+    assert ctx["h2"]["gateway_admission"]["metrics_address"] == "10.77.0.72:9402"
+    assert ctx["h3"]["gateway_admission"] is None
+    # each monitoring host's Prometheus and Alertmanager listen on its own address, its exporters too (the
+    # other Prometheus scrapes them)
+    assert ctx["h2"]["monitoring_address"] == "10.77.0.72" and ctx["h3"]["monitoring_address"] == "10.77.0.73"
+    assert ctx["h1"]["monitoring_address"] == "10.77.0.72"  # elsewhere: the first monitoring host's
+    assert ctx["h2"]["exporter_address"] == "10.77.0.72"
+    # the engines listen where both gateways and both Prometheus servers reach them
+    assert {i["listen_address"] for i in ctx["h3"]["instances"]} == {"10.77.0.73"}
+
+
+# --------------------------------------------------------------------------- keepalived
+
+
+def test_keepalived_conf_on_each_gateway_host_only() -> None:
+    spec = load_spec(EXAMPLE)
+    k1 = files(spec, "h1")["/etc/keepalived/keepalived.conf"]
+    k2 = files(spec, "h2")["/etc/keepalived/keepalived.conf"]
+    assert "/etc/keepalived/keepalived.conf" not in files(spec, "h3")
+    rid = ha.vrrp_router_id(spec)
+    for text, own, peer in ((k1, "10.77.0.71", "10.77.0.72"), (k2, "10.77.0.72", "10.77.0.71")):
+        assert f"virtual_router_id {rid}\n" in text and "    state BACKUP\n" in text
+        assert not [x for x in text.splitlines() if x.strip() == "nopreempt"]  # decided: docs/design/ha.md
+        assert f"unicast_src_ip {own}\n" in text
+        assert re.search(r"unicast_peer \{\s+" + re.escape(peer) + r"\s+\}", text)
+        assert re.search(r"virtual_ipaddress \{\s+10\.77\.0\.9/24\s+\}", text)
+        assert "include /etc/keepalived/vllm-fleet-vrrp-auth.conf" in text
+        assert f"interface IFACE-OF-{own}\n" in text  # render cannot know it; the gateway role finds it
+    given = parse_spec(data(gateway={"vrrp": {"interface": "ens5", "advert_int": 2}}))
+    text = files(given, "h1")["/etc/keepalived/keepalived.conf"]
+    assert "interface ens5\n" in text and "advert_int 2\n" in text and "include " not in text
+
+
+def _an_interface() -> str | None:
+    """A non-loopback interface of this machine (keepalived's config test wants one that exists)."""
+    names = (
+        sorted(p.name for p in Path("/sys/class/net").iterdir()) if Path("/sys/class/net").is_dir() else []
+    )
+    return next((n for n in names if n != "lo"), None)
+
+
+def _config_test(conf: Path, tmp_path: Path) -> str:
+    """keepalived's config test: what it found wrong (nothing: an empty log). Its exit status does not tell:
+    2.2.7 ends the test with SIGTERM when scripts are configured."""
+    log = tmp_path / f"{conf.name}.log"
+    subprocess.run(["keepalived", f"--config-test={log}", "-f", str(conf)], capture_output=True, timeout=30)
+    return log.read_text() if log.exists() else ""
+
+
+@pytest.mark.skipif(shutil.which("keepalived") is None or _an_interface() is None, reason="needs keepalived")
+def test_keepalived_accepts_the_rendered_config(tmp_path: Path) -> None:
+    spec = parse_spec(data(gateway={"vrrp": {"interface": _an_interface(), "auth_secret": "vrrp-pass"}}))
+    auth = tmp_path / "auth.conf"
+    auth.write_text("authentication {\n    auth_type PASS\n    auth_pass abcdefgh\n}\n")
+    for host in ("h1", "h2"):
+        text = files(spec, host)["/etc/keepalived/keepalived.conf"].replace(ha.VRRP_AUTH_FILE, str(auth))
+        conf = tmp_path / f"{host}.conf"
+        conf.write_text(text)
+        assert _config_test(conf, tmp_path) == ""
+    # the test can fail: a router id out of range, a misspelt block
+    bad = tmp_path / "bad.conf"
+    bad.write_text(
+        text.replace("virtual_router_id ", "virtual_router_id 3").replace("unicast_peer {", "unicast_peers {")
+    )
+    found = _config_test(bad, tmp_path)
+    assert "outside range" in found and "Unknown keyword 'unicast_peers'" in found
+
+
+# --------------------------------------------------------------------------- nginx: the health questions
+
+
+def test_nginx_asks_every_engine_for_keepalived() -> None:
+    spec = load_spec(EXAMPLE)
+    conf = files(spec, "h1")["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert conf == files(spec, "h2")["/etc/nginx/conf.d/vllm-fleet.conf"]  # the same nginx on each gateway
+    up = re.search(r"upstream vf_any_engine \{(.*?)\}", conf, re.S)
+    assert up and re.findall(r"server (\S+) max_fails=0;", up.group(1)) == [
+        "10.77.0.73:8101",
+        "10.77.0.73:8102",
+    ]
+    status = conf.split("listen 127.0.0.1:8081;", 1)[1]  # the loopback status server
+    assert "location = /vf/health {" in status and "location = /vf/upstreams {" in status
+    assert "proxy_next_upstream_tries 0;" in status
+
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def engines() -> Iterator[list[http.server.HTTPServer]]:
+    """Two engines' /health on loopback: the first answers 503 (its engine died), the second 200."""
+    servers = []
+    for status in (503, 200):
+        handler = type("E", (_Engine,), {"status": status})
+        srv = http.server.HTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    yield servers
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None or not Path(JS_MODULE).exists(), reason="needs nginx + njs")
+def test_the_rendered_gateway_answers_keepalived(
+    tmp_path: Path, engines: list[http.server.HTTPServer]
+) -> None:
+    """nginx -t passes, and the running nginx answers /vf/upstreams 200 while one engine answers its /health
+    (after another that answers 503), 502 when none is reachable; vllm-fleet gateway-check says the same."""
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    d = data(gateway={"port": free_port(), "stub_status_port": free_port(), "auth": "none"})
+    d["gateway"]["listen_address"] = "127.0.0.1"  # the plan wants 0.0.0.0; a test opens no port to the world
+    d["gateway"]["limits"] = {"enabled": False}
+    d["gateway"]["access_log"] = str(tmp_path / "access.log")
+    d["gateway"]["error_log"] = str(tmp_path / "error.log")
+    d["gateway"]["state_file"] = str(tmp_path / "drained.json")
+    d["hosts"][2]["address"] = "127.0.0.1"  # the engines' host: where the fake engines listen
+    d["gateway"]["virtual_address"] = "10.77.0.9"  # h3 left the /24
+    for m, srv in zip(d["models"], engines, strict=True):
+        m["port"] = srv.server_address[1]
+    spec = parse_spec(d)
+    render_fleet(spec, tmp_path / "out")
+    g = NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
+    r = g.check()
+    assert r.returncode == 0, r.stderr
+    health, upstreams = ha.gateway_check_urls(spec)
+    g.start(health_url=health)
+    try:
+        assert check(health, 2) == (True, f"{health}: HTTP 200")
+        assert check(upstreams, 5)[0], check(upstreams, 5)
+        assert main([upstreams, "--quiet"]) == 0
+        for srv in engines:
+            srv.shutdown()
+            srv.server_close()
+        ok, why = check(upstreams, 5)
+        assert not ok and why == f"{upstreams}: HTTP 502"
+        assert main([upstreams, "--quiet"]) == 1
+    finally:
+        g.stop()
+
+
+def test_gateway_check_fails_without_an_answer(tmp_path: Path) -> None:
+    from vllm_fleet import cli
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/vf/health"
+    ok, why = check(url, 1)
+    assert not ok and "refused" in why.lower()
+    assert cli.main(["gateway-check", "--quiet", url]) == 1  # the command an operator runs
+
+
+# --------------------------------------------------------------------------- Prometheus and Alertmanager
+
+
+def test_each_prometheus_differs_in_its_replica_only_and_alerts_every_alertmanager(tmp_path: Path) -> None:
+    spec = load_spec(EXAMPLE)
+    p2 = yaml.safe_load(files(spec, "h2")["/etc/prometheus/prometheus.yml"])
+    p3 = yaml.safe_load(files(spec, "h3")["/etc/prometheus/prometheus.yml"])
+    assert p2["global"]["external_labels"] == {"fleet": "tinyha", "replica": "h2"}
+    assert p3["global"]["external_labels"] == {"fleet": "tinyha", "replica": "h3"}
+    for p in (p2, p3):
+        # the alerts both send are identical: the Alertmanager cluster deduplicates them
+        assert p["alerting"]["alert_relabel_configs"] == [{"action": "labeldrop", "regex": "replica"}]
+        (am,) = p["alerting"]["alertmanagers"]
+        assert am["static_configs"][0]["targets"] == ["10.77.0.72:9093", "10.77.0.73:9093"]
+        jobs = {j["job_name"]: j for j in p["scrape_configs"]}
+        peers = [(c["targets"], c["labels"]["host"]) for c in jobs["prometheus"]["static_configs"]]
+        assert peers == [(["10.77.0.72:9090"], "h2"), (["10.77.0.73:9090"], "h3")]
+        # both gateways' nginx and admission service; every host's exporters on its own address
+        assert [c["labels"]["host"] for c in jobs["nginx"]["static_configs"]] == ["h1", "h2"]
+        assert [c["targets"] for c in jobs["vllm-fleet-admission"]["static_configs"]] == [
+            ["10.77.0.71:9402"],
+            ["10.77.0.72:9402"],
+        ]
+        assert [c["targets"] for c in jobs["node"]["static_configs"]] == [
+            ["10.77.0.71:9100"],
+            ["10.77.0.72:9100"],
+            ["10.77.0.73:9100"],
+        ]
+    same = {k: v for k, v in p2.items() if k != "global"}
+    assert same == {k: v for k, v in p3.items() if k != "global"}  # the same targets, rules and alerting
+    if shutil.which("promtool"):
+        for host in ("h2", "h3"):
+            etc = tmp_path / host
+            etc.mkdir()
+            (etc / "prometheus.yml").write_text(files(spec, host)["/etc/prometheus/prometheus.yml"])
+            (etc / "rules").mkdir()
+            r = subprocess.run(["promtool", "check", "config", str(etc / "prometheus.yml")],
+                               capture_output=True, text=True)  # fmt: skip
+            assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_alertmanagers_gossip_with_each_other() -> None:
+    spec = load_spec(EXAMPLE)
+    args = {h: _args(files(spec, h)["/etc/default/prometheus-alertmanager"]) for h in ("h2", "h3")}
+    assert "--web.listen-address=10.77.0.72:9093 --cluster.listen-address=10.77.0.72:9094 " in args["h2"]
+    assert "--cluster.peer=10.77.0.73:9094 " in args["h2"] and "--cluster.peer=10.77.0.72" not in args["h2"]
+    assert "--cluster.listen-address=10.77.0.73:9094 --cluster.peer=10.77.0.72:9094 " in args["h3"]
+    other = parse_spec(data(monitoring={"alertmanager_cluster_port": 9500}))
+    assert "--cluster.peer=10.77.0.73:9500" in files(other, "h2")["/etc/default/prometheus-alertmanager"]
+
+
+# --------------------------------------------------------------------------- firewall
+
+
+def _rules(spec: FleetSpec, host: str) -> list[str]:
+    text = files(spec, host)["/etc/nftables.conf"]
+    return [x.strip() for x in text.splitlines() if "accept comment" in x]
+
+
+def test_vrrp_only_between_gateways_gossip_only_between_monitoring_hosts() -> None:
+    spec = load_spec(EXAMPLE)
+    h1, h2, h3 = (_rules(spec, h) for h in ("h1", "h2", "h3"))
+    assert 'ip saddr { 10.77.0.72 } meta l4proto 112 accept comment "VRRP: the other gateway hosts"' in h1
+    assert 'ip saddr { 10.77.0.71 } meta l4proto 112 accept comment "VRRP: the other gateway hosts"' in h2
+    assert not any("112" in r for r in h3)
+    for rules, peer in ((h2, "10.77.0.73"), (h3, "10.77.0.72")):
+        for proto in ("tcp", "udp"):
+            rule = f"ip saddr {{ {peer} }} {proto} dport {{ 9094 }} accept comment "
+            assert rule + '"Alertmanager cluster: the other monitoring hosts"' in rules
+        assert f"ip saddr {{ {peer} }} tcp dport {{ 9090, 9093 }}" in " ".join(rules)
+    assert not any("9094" in r or "9090" in r for r in h1)
+    # both gateways and both Prometheus servers reach the engines
+    assert "ip saddr { 10.77.0.71, 10.77.0.72, 10.77.0.73 } tcp dport { 8101, 8102 }" in " ".join(h3)
+
+
+@pytest.mark.skipif(shutil.which("nft") is None or shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs nft, unshare and root")  # fmt: skip
+def test_the_ha_firewall_loads_in_nftables(tmp_path: Path) -> None:
+    spec = load_spec(EXAMPLE)
+    for h in spec.hosts:
+        path = tmp_path / f"{h.name}.nft"
+        path.write_text(files(spec, h.name)["/etc/nftables.conf"])
+        script = (f"mount --bind /dev/null /etc/protocols && mount --bind /dev/null /etc/services && "
+                  f"nft -f {path} && nft list ruleset")  # fmt: skip
+        res = subprocess.run(["unshare", "-n", "-m", "sh", "-c", script], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        vrrp = [x for x in res.stdout.splitlines() if "VRRP" in x]
+        assert [x.split(" accept")[0].strip() for x in vrrp] == (
+            [] if h.name == "h3" else [f"ip saddr 10.77.0.7{3 - int(h.name[1])} meta l4proto 112"]
+        )
