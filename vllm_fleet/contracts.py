@@ -597,6 +597,13 @@ def dumps_host_contract(data: dict[str, Any]) -> str:
 ADMISSION_CONFIG_SCHEMA = 1  # raised when a field changes meaning
 # the syslog tag of nginx's end-of-request lines to the admission service (the rendered access_log, the parser)
 ADMISSION_SYSLOG_TAG = "vfadmit"
+# the least listen backlog of the admission socket (``AdmissionConfig.listen_backlog``; the plan raises it to
+# gateway.limits.max_queued + the models' capacity): nginx opens a connection per auth_request subrequest in
+# flight, and a connect() that finds the backlog full fails at once (EAGAIN: nginx admits the request unlimited,
+# on_failure open). The kernel caps it at net.core.somaxconn (4096 on Debian 12), which the gateway role raises
+# to it, with net.unix.max_dgram_qlen (10 by default: the release datagrams queued unread before nginx's
+# non-blocking send fails and the release is lost)
+ADMISSION_LISTEN_BACKLOG = 4096
 
 
 @dataclass(frozen=True)
@@ -619,7 +626,9 @@ class AdmissionConfig:
     model name (the route) → requests in flight its engines hold (absent = unlimited). ``socket``: the unix
     stream socket of the HTTP protocol nginx's ``auth_request`` asks; ``log_socket``: the unix datagram
     socket nginx's ``access_log syslog:`` writes the releases to; ``metrics_address``: ``HOST:PORT`` of
-    ``/metrics``; ``socket_group``: the group both sockets are given to (mode 0660; "" = left as is)."""
+    ``/metrics``; ``socket_group``: the group both sockets are given to (mode 0660; "" = left as is);
+    ``listen_backlog``: the stream socket's listen backlog (absent in a file rendered before it existed:
+    ``ADMISSION_LISTEN_BACKLOG``)."""
 
     schema: int
     fleet: str
@@ -637,6 +646,7 @@ class AdmissionConfig:
     per_key: dict[str, AdmissionBudget]
     capacity: dict[str, int]
     socket_group: str
+    listen_backlog: int = ADMISSION_LISTEN_BACKLOG
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "") -> AdmissionConfig:
@@ -658,6 +668,8 @@ class AdmissionConfig:
                 raise fail(key, f"must be >= 0, got {getattr(cfg, key)!r}")
         if cfg.lease_seconds <= 0:
             raise fail("lease_seconds", f"must be > 0, got {cfg.lease_seconds!r}")
+        if cfg.listen_backlog <= 0:
+            raise fail("listen_backlog", f"must be > 0, got {cfg.listen_backlog!r}")
         budgets = {"default_key": cfg.default_key, "default_client": cfg.default_client}
         for group in ("keys", "clients", "per_key"):
             budgets.update({f"{group}.{k}": b for k, b in getattr(cfg, group).items()})
@@ -693,14 +705,19 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dataclass_from(cls: type[_T], data: Any, source: str, key: str) -> _T:
     """``cls`` (a dataclass of str / int / float / bool / list / dict / optional / dataclass fields) from
-    ``data``, every field checked: a missing, unknown or mistyped one is named by its path."""
+    ``data``, every field checked: a missing, unknown or mistyped one is named by its path. A field with a
+    default may be absent (a file written before the field existed)."""
     d = _mapping(data, source, key or "(root)")
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    names = [f.name for f in fields]
+    optional = {f.name for f in fields if f.default is not dataclasses.MISSING}
     values: dict[str, Any] = {}
     for name in names:
         sub = f"{key}.{name}" if key else name
         if name not in d:
+            if name in optional:
+                continue
             raise ContractError(f"{_where(source, sub)}: missing")
         values[name] = _typed(hints[name], d[name], source, sub)
     if unknown := sorted(set(d) - set(names)):

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 import pytest
 
 from vllm_fleet import cli
-from vllm_fleet.contracts import AdmissionConfig, ContractError
+from vllm_fleet.contracts import ADMISSION_LISTEN_BACKLOG, AdmissionConfig, ContractError
 from vllm_fleet.host.admission import Admission
 from vllm_fleet.host.admission_service import AdmissionService, parse_release
 from vllm_fleet.host.notify import NotifyListener
@@ -433,6 +434,107 @@ def test_a_release_with_usage_replaces_the_reservation_in_the_key_and_client_min
     assert c.admit("third", "chat/tpm00000", client="chat", cost=850)[0] == 204
 
 
+def _block_loop(r: Running) -> threading.Event:
+    """Hold the service's event loop (as a burst of connections does) until the returned event is set."""
+    go, blocked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        blocked.set()
+        go.wait(10)
+
+    r.loop.call_soon_threadsafe(hold)
+    assert blocked.wait(5)
+    return go
+
+
+def test_releases_are_drained_while_the_event_loop_is_busy(start: Callable[..., Running]) -> None:
+    """nginx sends its releases non-blocking: once net.unix.max_dgram_qlen datagrams (10 by default) wait unread
+    the send fails and the release is lost. A thread drains the socket, so a busy event loop loses none: here
+    the loop is held while 100 releases are sent (each retried while the queue is full: without the thread
+    they could never all be sent before the loop is free again)."""
+    r = start(default_key=UNLIMITED)
+    c = Conn(r.cfg.socket)
+    for i in range(100):
+        assert c.admit(f"d{i}", "k/00000001")[0] == 204
+    go = _block_loop(r)
+    try:
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.setblocking(False)
+        deadline = time.monotonic() + 5
+        for i in range(100):
+            while True:
+                try:
+                    sender.sendto(syslog(f"d{i}|200|200|1"), r.cfg.log_socket)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"release {i}: the receive queue stayed full"
+                    time.sleep(0.001)
+        sender.close()
+    finally:
+        go.set()
+    wait_until(lambda: r.call(lambda: r.core.in_flight("k/00000001")) == 0)
+    assert r.call(lambda: r.core.stats["k/00000001"].tokens_settled) == 100
+
+
+def _connect_burst(path: str, n: int) -> tuple[list[socket.socket], int]:
+    """``n`` non-blocking connects, as nginx makes them: (the connected sockets, how many failed with EAGAIN
+    because the listen backlog was full)."""
+    ok, full = [], 0
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            full += 1
+            s.close()
+            continue
+        ok.append(s)
+    return ok, full
+
+
+@pytest.mark.parametrize(("backlog", "burst", "refused"), [(400, 300, 0), (40, 300, 300 - 41)])
+def test_the_socket_listens_with_the_configs_backlog(
+    start: Callable[..., Running], backlog: int, burst: int, refused: int
+) -> None:
+    """While the loop is busy, connects wait in the listen backlog: the config's listen_backlog of them (asyncio
+    would listen with 100 again), one more on Linux; the rest fail at once (nginx then admits unlimited)."""
+    r = start(listen_backlog=backlog)
+    go = _block_loop(r)
+    try:
+        socks, full = _connect_burst(r.cfg.socket, burst)
+    finally:
+        go.set()
+    try:
+        assert full == refused
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(5)
+            s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        for s in socks:
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_the_kernel_limits_below_the_config_are_said_at_start(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm_fleet.host.admission_service as svc
+
+    r = start(listen_backlog=4096)
+    sysctl = {"net/core/somaxconn": 4096, "net/unix/max_dgram_qlen": 10}
+    monkeypatch.setattr(svc, "read_sysctl", sysctl.get)
+    text = r.service.describe()
+    assert "listen backlog 4096" in text
+    (warning,) = [line for line in text.splitlines() if "warning: net." in line]
+    assert "net.unix.max_dgram_qlen 10" in warning and "leases_expired" in warning
+    sysctl.update({"net/core/somaxconn": 1024, "net/unix/max_dgram_qlen": 4096})
+    (warning,) = [line for line in r.service.describe().splitlines() if "warning: net." in line]
+    assert "net.core.somaxconn 1024 caps the listen backlog 4096" in warning
+
+
 # ------------------------------------------------------------------------- metrics
 
 
@@ -489,6 +591,10 @@ def test_budgets_not_set_have_no_ratio(start: Callable[..., Running]) -> None:
 def test_the_config_contract_names_the_wrong_field(folder: str) -> None:
     good = config(folder)
     assert AdmissionConfig.from_dict(good, "f.json").per_key["batch"].max_in_flight == 2
+    # a file rendered before listen_backlog existed: the least backlog
+    assert "listen_backlog" not in good
+    assert AdmissionConfig.from_dict(good, "f.json").listen_backlog == ADMISSION_LISTEN_BACKLOG == 4096
+    assert AdmissionConfig.from_dict({**good, "listen_backlog": 9000}, "f.json").listen_backlog == 9000
     cases: list[tuple[Callable[[dict[str, Any]], None], str]] = [
         (lambda d: d.update(schema=2), "f.json: schema: 2 is not an admission config schema"),
         (lambda d: d.pop("lease_seconds"), "f.json: lease_seconds: missing"),
@@ -509,6 +615,8 @@ def test_the_config_contract_names_the_wrong_field(folder: str) -> None:
         (lambda d: d.update(metrics_address="9400"), "f.json: metrics_address: expected HOST:PORT"),
         (lambda d: d.update(socket="admission.sock"), "f.json: socket: expected an absolute path"),
         (lambda d: d.update(queue_wait_seconds=-1), "f.json: queue_wait_seconds: must be >= 0"),
+        (lambda d: d.update(listen_backlog=0), "f.json: listen_backlog: must be > 0"),
+        (lambda d: d.update(listen_backlog="8"), "f.json: listen_backlog: expected an integer"),
     ]
     for change, message in cases:
         bad = copy.deepcopy(good)
@@ -537,11 +645,14 @@ def test_the_command_starts_notifies_ready_and_stops_cleanly_on_sigterm(folder: 
     Path(cfg["socket"]).write_text("stale")  # a socket file left by a killed run
     listener = NotifyListener(f"{folder}/notify.sock")
     env = {**os.environ, "NOTIFY_SOCKET": listener.address, "PYTHONPATH": str(REPO)}
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_fleet.cli", "admission", "--config", str(path)],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
+        # systemd's soft open-file limit of a unit: the service raises it to the hard one
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
     )
     try:
         listener.wait_for("READY", "1", timeout=30)
@@ -558,6 +669,8 @@ def test_the_command_starts_notifies_ready_and_stops_cleanly_on_sigterm(folder: 
     assert proc.stderr is not None
     err = proc.stderr.read()
     assert f"socket {cfg['socket']}" in err and "queue_wait 5s" in err, err
+    expected = hard if hard != resource.RLIM_INFINITY else 1 << 30
+    assert f"listen backlog {ADMISSION_LISTEN_BACKLOG}, open files {expected}" in err, err
     assert not Path(cfg["socket"]).exists() and not Path(cfg["log_socket"]).exists()
 
 

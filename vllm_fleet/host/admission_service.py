@@ -15,6 +15,13 @@ Three endpoints (``vllm-fleet admission --config PATH``, the config is ``contrac
   ``<PRI>Mmm dd hh:mm:ss vfadmit: REQUEST_ID|STATUS|UPSTREAM_STATUS|USAGE`` release admitted requests.
 - ``metrics_address`` (TCP): Prometheus ``/metrics``.
 
+At scale (docs/perf/gateway-limits.md, "Admission at 2,000 waiting requests"): every request waiting holds a
+connection, opened in bursts, so the stream socket listens with the config's ``listen_backlog`` (a connect()
+that finds the backlog full fails at once and nginx admits unlimited) and the open-file limit is raised to its
+hard limit; nginx's release datagrams are sent non-blocking and a full receive queue
+(``net.unix.max_dgram_qlen``, 10 by default) loses them, so a thread of its own drains the datagram socket in
+batches whatever the event loop is busy with. The kernel limits that still apply are said at start.
+
 Standard library plus prometheus_client (for the exposition format).
 """
 
@@ -25,9 +32,12 @@ import asyncio
 import contextlib
 import grp
 import os
+import resource
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +56,8 @@ TICK_SECONDS = 0.1
 LOG_TAG = ADMISSION_SYSLOG_TAG
 SOCKET_MODE = 0o660
 MAX_HEADER_BYTES = 16384
+# the longest release datagram read (nginx's syslog lines of vf_admit are ~100 bytes)
+LOG_DATAGRAM_BYTES = 4096
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 
 _HEALTH = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
@@ -114,14 +126,63 @@ def parse_release(datagram: bytes) -> tuple[str, int | None] | None:
     return request_id, None if last == "200" else 0
 
 
-class _LogProtocol(asyncio.DatagramProtocol):
-    def __init__(self, service: AdmissionService) -> None:
-        self.service = service
+class _LogReader:
+    """Drains the release datagram socket in a thread of its own and hands the datagrams to the event loop in
+    batches. The kernel queues at most ``net.unix.max_dgram_qlen`` datagrams unread (10 by default) before
+    nginx's non-blocking send fails and the release is lost; an event loop busy with a burst of connections
+    reads one datagram per turn, a thread blocked in recv() reads the whole queue each time it wakes (within
+    the interpreter's switch interval, 5 ms, however busy the loop is)."""
 
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        release = parse_release(data)
-        if release is not None:
-            self.service.release(*release)
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, handle: Callable[[bytes], None]):
+        self.sock = sock
+        self.loop = loop
+        self.handle = handle
+        self.batch: list[bytes] = []
+        self.lock = threading.Lock()
+        self.stopping = False
+        sock.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes the thread
+        self.thread = threading.Thread(target=self._run, name="vf-admission-log", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self.sock
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        poll.register(self._wake_r, select.POLLIN)
+        while not self.stopping:
+            poll.poll()  # the GIL is free meanwhile
+            got = []
+            while True:  # the whole queue
+                try:
+                    got.append(sock.recv(LOG_DATAGRAM_BYTES))
+                except OSError:  # BlockingIOError: the queue is empty
+                    break
+            if not got:
+                continue
+            with self.lock:
+                first = not self.batch
+                self.batch += got
+            if first:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (stopping)
+                    self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            batch, self.batch = self.batch, []
+        for data in batch:
+            self.handle(data)
+
+    def stop(self) -> None:
+        self.stopping = True
+        os.write(self._wake_w, b"x")
+        self.thread.join(5)
+        self.sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._deliver()
 
 
 # ------------------------------------------------------------------------- the /admit protocol
@@ -390,7 +451,8 @@ class AdmissionService:
         )
         self._servers: list[asyncio.AbstractServer] = []
         self._metrics: asyncio.Server | None = None
-        self._log_transport: asyncio.DatagramTransport | None = None
+        self._log_reader: _LogReader | None = None
+        self.nofile = 0  # the open-file limit (start)
         self._tick_task: asyncio.Task[None] | None = None
         self._paths: list[str] = []
 
@@ -450,6 +512,12 @@ class AdmissionService:
             del self.waiters[request_id]
             self.deliver(self.core.withdraw(request_id, self.clock()))
 
+    def release_datagram(self, data: bytes) -> None:
+        """One of nginx's syslog datagrams: a release, or nothing of ours."""
+        release = parse_release(data)
+        if release is not None:
+            self.release(*release)
+
     def release(self, request_id: str, used_tokens: int | None) -> None:
         """nginx logged the end of ``request_id``. ``used_tokens`` None: the reservation."""
         now = self.clock()
@@ -479,15 +547,17 @@ class AdmissionService:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         gid = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else -1
+        self.nofile = raise_open_files()
         stream = _bind_unix(cfg.socket, socket.SOCK_STREAM, gid)
         self._paths.append(cfg.socket)
-        stream.listen(1024)
-        self._servers.append(await loop.create_server(lambda: _AdmitProtocol(self), sock=stream))
+        # asyncio listen()s again with create_server's backlog (100 unless given): the config's number it is
+        self._servers.append(
+            await loop.create_server(lambda: _AdmitProtocol(self), sock=stream, backlog=cfg.listen_backlog)
+        )
         dgram = _bind_unix(cfg.log_socket, socket.SOCK_DGRAM, gid)
         self._paths.append(cfg.log_socket)
-        with contextlib.suppress(OSError):
-            dgram.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self._log_transport, _ = await loop.create_datagram_endpoint(lambda: _LogProtocol(self), sock=dgram)
+        self._log_reader = _LogReader(dgram, loop, self.release_datagram)
+        self._log_reader.start()
         host, _, port = cfg.metrics_address.rpartition(":")
         self._metrics = await asyncio.start_server(
             lambda r, w: _metrics_connection(self.registry, r, w), host.strip("[]"), int(port)
@@ -513,8 +583,8 @@ class AdmissionService:
                 conn.transport.close()
         for server in self._servers:
             await server.wait_closed()
-        if self._log_transport is not None:
-            self._log_transport.close()
+        if self._log_reader is not None:
+            self._log_reader.stop()
         for path in self._paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -526,8 +596,47 @@ class AdmissionService:
             f"http://{c.metrics_address}/metrics; queue_wait {c.queue_wait_seconds:g}s, max_queued "
             f"{c.max_queued} ({c.max_queued_per_key}/key), lease {c.lease_seconds:g}s, default_key {c.default_key}, "
             f"{len(c.keys)} key(s), {len(c.per_key)} per-key client budget(s), {len(c.clients)} client(s), "
-            f"capacity {c.capacity or 'unlimited'}"
+            f"capacity {c.capacity or 'unlimited'}; listen backlog {c.listen_backlog}, open files {self.nofile}"
+            + "".join(f"\nvllm-fleet admission: warning: {w}" for w in self.limit_warnings())
         )
+
+    def limit_warnings(self) -> list[str]:
+        """The kernel limits below what the config asks (the gateway role raises them: docs/gateway.md)."""
+        c, out = self.cfg, []
+        somaxconn = read_sysctl("net/core/somaxconn")
+        if somaxconn is not None and somaxconn < c.listen_backlog:
+            out.append(
+                f"net.core.somaxconn {somaxconn} caps the listen backlog {c.listen_backlog}: a burst of nginx's "
+                "connections beyond it fails and is admitted unlimited (on_failure open)"
+            )
+        qlen = read_sysctl("net/unix/max_dgram_qlen")
+        if qlen is not None and qlen < c.listen_backlog:
+            out.append(
+                f"net.unix.max_dgram_qlen {qlen}: more release datagrams than that queued unread are lost "
+                "(their slots held until the lease expires: leases_expired)"
+            )
+        if self.nofile < 2 * c.listen_backlog:
+            out.append(f"open files limited to {self.nofile}: raise the unit's LimitNOFILE")
+        return out
+
+
+def read_sysctl(name: str) -> int | None:
+    """/proc/sys/NAME as an integer (None: not readable)."""
+    try:
+        return int(Path("/proc/sys", name).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def raise_open_files() -> int:
+    """Raise the soft open-file limit to the hard one (systemd gives a unit 1024 soft, 524288 hard on Debian 12:
+    each waiting request holds a connection); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
 
 
 async def serve(cfg: AdmissionConfig, ready: Callable[[AdmissionService], None] | None = None) -> None:
