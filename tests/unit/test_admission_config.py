@@ -85,6 +85,41 @@ def test_the_service_file_carries_the_budgets(tmp_path: Path) -> None:
     )
 
 
+def test_the_gateway_is_sized_for_its_worst_case_with_limits_on(tmp_path: Path) -> None:
+    """Every request the gateway holds (max_queued waiting + the engines' 15 in flight) may open a connection to
+    the admission socket at once: its backlog, the kernel's somaxconn and datagram queue for the releases, and
+    nginx's worker_connections (3 connections per request) follow from the spec."""
+    from vllm_fleet.fleet.context import fleet_vars
+
+    spec = _spec(tmp_path, limits={"max_queued": 5000})
+    conf = admission_config(spec, make_plan(spec))
+    assert conf["listen_backlog"] == 5000 + 15
+    vf = fleet_vars(spec)
+    assert vf["gateway_sysctl"] == {"net.core.somaxconn": 5015, "net.unix.max_dgram_qlen": 5015}
+    assert vf["gateway_worker_connections"] == 3 * 5015 + 1024
+    small = _spec(tmp_path, limits={"max_queued": 100})  # the least: a burst of new requests connects too
+    assert admission_config(small, make_plan(small))["listen_backlog"] == 4096
+    assert fleet_vars(small)["gateway_worker_connections"] == 4096
+    given = _spec(tmp_path, worker_connections=20000)
+    assert fleet_vars(given)["gateway_worker_connections"] == 20000 and not make_plan(given).problems
+    off = _spec(tmp_path, limits={"enabled": False})
+    assert fleet_vars(off)["gateway_sysctl"] == {} and fleet_vars(off)["gateway_worker_connections"] == 4096
+
+
+def test_a_worker_connections_below_the_worst_case_is_refused_naming_the_fields(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, worker_connections=768)  # Debian's nginx.conf
+    (problem,) = make_plan(spec).problems
+    assert problem.path == "gateway.worker_connections"
+    text = str(problem)
+    assert text.startswith("gateway.worker_connections: 768 is below")
+    for words in ("gateway.limits.max_queued 4096", "15 in flight", "models[].max_num_seqs", f"= {3 * 4111}"):
+        assert words in text, (words, text)
+    enough = _spec(tmp_path, worker_connections=3 * 4111)
+    assert not make_plan(enough).problems
+    # without the admission service nothing waits in the gateway: no worst case to refuse
+    assert not make_plan(_spec(tmp_path, worker_connections=768, limits={"enabled": False})).problems
+
+
 def _locations(conf: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for m in re.finditer(r"^    location (?:= |\^~ |~ )?(\S+) \{", conf, re.M):

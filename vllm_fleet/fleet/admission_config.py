@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fleet.contracts import ADMISSION_CONFIG_SCHEMA
+from vllm_fleet.contracts import ADMISSION_CONFIG_SCHEMA, ADMISSION_LISTEN_BACKLOG
 from vllm_fleet.fleet.network import exporter_address
 from vllm_fleet.fleet.plan import Plan
+from vllm_fleet.fleet.plan_checks import serving_capacity
 from vllm_fleet.fleet.spec import FleetSpec, KeyBudget
 
 ADMISSION_SOCKET = "admit.sock"  # in gateway.limits.runtime_dir
@@ -43,22 +44,26 @@ def _budget(b: KeyBudget) -> dict[str, Any]:
 
 
 def model_capacity(spec: FleetSpec, plan: Plan) -> dict[str, int]:
-    """Served model → requests in flight its serving instances hold (the sum of their queue bounds); a model
-    with an instance whose queue is unbounded is left out (unlimited). Backups (they serve only when every
-    primary is down) and instances the spec keeps drained do not count; fallbacks do (the spill-over reaches
-    them)."""
-    bounds: dict[str, list[int | None]] = {}
-    seen: set[str] = set()
-    for ip in plan.instances:
-        if ip.name in seen or ip.name in spec.gateway.drained or ip.role == "backup":
-            continue
-        seen.add(ip.name)
-        bounds.setdefault(ip.served_model_name, []).append(ip.queue_bound)
-    return {
-        model: sum(b for b in bs if b is not None)
-        for model, bs in sorted(bounds.items())
-        if bs and all(b is not None for b in bs)
-    }
+    """Served model → requests in flight its serving instances hold (``plan_checks.serving_capacity``: the sum
+    of their queue bounds; a model with an unbounded instance is left out, unlimited)."""
+    return serving_capacity(spec, plan.instances)
+
+
+def listen_backlog(spec: FleetSpec, capacity: dict[str, int]) -> int:
+    """The admission socket's listen backlog: every request the gateway can hold may connect at once
+    (``max_queued`` waiting + what the engines hold), at least ``ADMISSION_LISTEN_BACKLOG``. The gateway role
+    raises ``net.core.somaxconn`` and ``net.unix.max_dgram_qlen`` to it (``gateway_sysctl``)."""
+    return max(ADMISSION_LISTEN_BACKLOG, spec.gateway.limits.max_queued + sum(capacity.values()))
+
+
+def gateway_sysctl(spec: FleetSpec, plan: Plan) -> dict[str, int]:
+    """The kernel settings the gateway role writes (/etc/sysctl.d) on the gateway host with gateway.limits on:
+    the admission socket's backlog is capped at ``net.core.somaxconn``, and nginx's release datagrams are lost
+    once ``net.unix.max_dgram_qlen`` of them wait unread (10 by default); {} without the service."""
+    if not spec.gateway.admission:
+        return {}
+    n = listen_backlog(spec, model_capacity(spec, plan))
+    return {"net.core.somaxconn": n, "net.unix.max_dgram_qlen": n}
 
 
 def admission_metrics_address(spec: FleetSpec, host: str) -> str:
@@ -78,6 +83,7 @@ def admission_config(spec: FleetSpec, plan: Plan) -> dict[str, Any]:
     gateway host's: ``host_admission_config`` gives each gateway host its own)."""
     lim = spec.gateway.limits
     run = lim.runtime_dir.rstrip("/")
+    capacity = model_capacity(spec, plan)
     return {
         "schema": ADMISSION_CONFIG_SCHEMA,
         "fleet": spec.name,
@@ -96,6 +102,7 @@ def admission_config(spec: FleetSpec, plan: Plan) -> dict[str, Any]:
         "default_client": _budget(lim.default_client),
         "clients": {n: _budget(c.limits) for n, c in sorted(spec.gateway.clients.items()) if c.limits},
         "per_key": {n: _budget(c.per_key) for n, c in sorted(spec.gateway.clients.items()) if c.per_key},
-        "capacity": model_capacity(spec, plan),
+        "capacity": capacity,
         "socket_group": NGINX_GROUP,
+        "listen_backlog": listen_backlog(spec, capacity),
     }

@@ -23,7 +23,9 @@ from vllm_fleet.contracts import (
 from vllm_fleet.fleet.admission_config import (
     admission_config,
     admission_config_path,
+    gateway_sysctl,
     host_admission_config,
+    model_capacity,
     runtime_directory,
 )
 from vllm_fleet.fleet.engine import (
@@ -45,6 +47,7 @@ from vllm_fleet.fleet.network import (
     monitoring_listen_address,
 )
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
+from vllm_fleet.fleet.plan_checks import worker_connections
 from vllm_fleet.fleet.routes import gateway_routes, route_index
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, Routing, spec_hash
 
@@ -210,6 +213,10 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_admission_on"] = spec.gateway.admission
     vf["gateway_admission_file"] = admission_config_path(spec)
     vf["gateway_admission_tag"] = ADMISSION_SYSLOG_TAG
+    # the kernel settings the gateway role writes with gateway.limits on (admission socket backlog, release
+    # datagram queue), and nginx's worker_connections it writes into nginx.conf (plan_checks)
+    vf["gateway_sysctl"] = gateway_sysctl(spec, plan)
+    vf["gateway_worker_connections"] = worker_connections(spec, model_capacity(spec, plan))
     # gateway.classes, as the router reads them (routes.json): each class's priority and pool, and per client
     # the classes its keys may name (null: every one) and its default
     vf["gateway_classes"] = (

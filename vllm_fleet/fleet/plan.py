@@ -34,11 +34,13 @@ from vllm_fleet.fleet.plan_checks import (
     check_primaries,
     check_request_classes,
     check_revision,
+    check_worker_connections,
     host_layout,
     load_flag_tables,
     plan_memory,
     plan_queue,
     plan_stacks,
+    serving_capacity,
     start_order,
     suggest_max_num_seqs,
 )
@@ -329,6 +331,7 @@ def make_plan(
     found += stacks.findings + flags.findings + per_instance
     found += check_alerts(spec) + check_primaries(spec) + check_gateway_auth(spec) + check_class_pools(spec)
     found += check_gateway_ha(spec)
+    found += check_worker_connections(spec, serving_capacity(spec, instances))
     return Plan(
         fleet=spec.name,
         profile=spec.stack.profile,

@@ -5,7 +5,7 @@ them and builds the ``Plan`` once."""
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -698,6 +698,78 @@ def check_primaries(spec: FleetSpec) -> list[Finding]:
             idx = next(i for i, m in enumerate(spec.models) if m.served_model_name == name)
             found.append(_problem(f"models[{idx}].role", f"model {name!r} has no primary instance"))
     return found
+
+
+# --------------------------------------------------------------------------- the gateway's connections
+
+
+# connections nginx holds for one request the gateway keeps, waiting or running, with gateway.limits on: the
+# client's, the auth_request subrequest's to the admission service (held while the request waits), the
+# upstream's to an engine
+CONNECTIONS_PER_REQUEST = 3
+# what the gateway role writes into nginx.conf at the least (Debian's has 768 per worker), and on top of the
+# worst case: the idle keep-alive pools (the engines', the admission service's), health checks, stub_status
+NGINX_MIN_WORKER_CONNECTIONS = 4096
+NGINX_SPARE_CONNECTIONS = 1024
+
+
+def serving_capacity(spec: FleetSpec, instances: Iterable[Any]) -> dict[str, int]:
+    """Served model → requests in flight its serving instances hold (the sum of their queue bounds; planned
+    instances: ``InstancePlan``); a model with an instance whose queue is unbounded is left out (unlimited).
+    Backups (they serve only when every primary is down) and instances the spec keeps drained do not count;
+    fallbacks do (the spill-over reaches them)."""
+    bounds: dict[str, list[int | None]] = {}
+    seen: set[str] = set()
+    for ip in instances:
+        if ip.name in seen or ip.name in spec.gateway.drained or ip.role == "backup":
+            continue
+        seen.add(ip.name)
+        bounds.setdefault(ip.served_model_name, []).append(ip.queue_bound)
+    return {
+        model: sum(b for b in bs if b is not None)
+        for model, bs in sorted(bounds.items())
+        if bs and all(b is not None for b in bs)
+    }
+
+
+def gateway_worst_case(spec: FleetSpec, capacity: Mapping[str, int]) -> int | None:
+    """The connections nginx holds when the gateway is full with gateway.limits on: every request waiting
+    (``max_queued``) and every one the engines hold in flight (``capacity``), ``CONNECTIONS_PER_REQUEST`` each;
+    None without the admission service (nothing waits in the gateway)."""
+    if not spec.gateway.admission:
+        return None
+    return CONNECTIONS_PER_REQUEST * (spec.gateway.limits.max_queued + sum(capacity.values()))
+
+
+def worker_connections(spec: FleetSpec, capacity: Mapping[str, int]) -> int:
+    """nginx's worker_connections on the gateway host: ``gateway.worker_connections``, else enough for the
+    worst case in one worker (nginx spreads new connections over its workers unevenly, and a request's
+    subrequest and upstream connections stay in its client's worker) plus the spare."""
+    if spec.gateway.worker_connections is not None:
+        return spec.gateway.worker_connections
+    worst = gateway_worst_case(spec, capacity) or 0
+    return max(NGINX_MIN_WORKER_CONNECTIONS, worst + NGINX_SPARE_CONNECTIONS)
+
+
+def check_worker_connections(spec: FleetSpec, capacity: Mapping[str, int]) -> list[Finding]:
+    """A ``gateway.worker_connections`` below the gateway's worst case with limits on: past it nginx refuses
+    new connections ("worker_connections are not enough") and an auth_request that cannot connect is admitted
+    unlimited (on_failure open) or refused (closed)."""
+    given, worst = spec.gateway.worker_connections, gateway_worst_case(spec, capacity)
+    if given is None or worst is None or given >= worst:
+        return []
+    held = sum(capacity.values())
+    return [
+        _problem(
+            "gateway.worker_connections",
+            f"{given} is below what the gateway holds at its worst with gateway.limits on: "
+            f"{CONNECTIONS_PER_REQUEST} connections per request (the client's, the admission subrequest's, the "
+            f"engine's) × (gateway.limits.max_queued {spec.gateway.limits.max_queued} waiting + {held} in flight "
+            f"in the engines (their queue bounds: models[].max_num_seqs / max_num_queued_reqs)) = {worst}, in one "
+            "nginx worker at worst: raise it, lower gateway.limits.max_queued, or leave it out (the plan's "
+            f"figure, {worst + NGINX_SPARE_CONNECTIONS})",
+        )
+    ]
 
 
 def check_gateway_auth(spec: FleetSpec) -> list[Finding]:

@@ -551,6 +551,11 @@ class Gateway(_Model):
     fail_timeout_seconds: int = Field(5, ge=1)
     keepalive: int = Field(32, ge=0)
     tls: Tls | None = None
+    # nginx's worker_connections on the gateway host (per worker: clients, the admission service, engines and
+    # their idle keep-alive connections together), which the gateway role writes into /etc/nginx/nginx.conf
+    # (with worker_rlimit_nofile twice it). None: from the plan, enough for the worst case of gateway.limits
+    # (docs/gateway.md "Per-key limits"); a number below that worst case is refused
+    worker_connections: int | None = Field(None, ge=64)
     stub_status_port: Port = 8081
     # instance names the spec keeps out of rotation (rendered `down`; `vllm-fleet drain` keeps its own set in
     # state_file, and undrain does not override these)
