@@ -212,3 +212,75 @@ def test_venv_sync_runs_with_the_venvs_own_interpreter(tmp_path: Path) -> None:
     done = run()
     assert done["removed"] == ["left-over"]
     assert not (site / "left_over-1.0.dist-info").exists() and (site / "kept-1.0.dist-info").exists()
+
+
+def _fake_proc(tmp_path: Path, **values: int) -> Path:
+    proc = tmp_path / "proc"
+    for name, value in values.items():
+        f = proc.joinpath(*name.split("__"))
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"{value}\n")
+    return proc
+
+
+def test_sysctl_writes_the_drop_in_and_raises_only_what_is_below(tmp_path: Path) -> None:
+    sc = load("vllm_fleet_sysctl")
+    proc = _fake_proc(tmp_path, net__core__somaxconn=4096, net__unix__max_dgram_qlen=10)
+    drop_in = tmp_path / "sysctl.d" / "60-vf.conf"
+    want = {"net.core.somaxconn": 2048, "net.unix.max_dgram_qlen": 5000}
+    # check mode: says what it would do, touches nothing
+    out = sc.ensure(str(drop_in), want, "the gateway\nsecond line", True, str(proc))
+    assert out["changed"] and out["file_changed"] and out["raised"] == {"net.unix.max_dgram_qlen": [10, 5000]}
+    assert not drop_in.exists() and (proc / "net" / "unix" / "max_dgram_qlen").read_text() == "10\n"
+    out = sc.ensure(str(drop_in), want, "the gateway\nsecond line", False, str(proc))
+    assert out["changed"] and out["not_raised"] == {} and out["msg"] == "net.unix.max_dgram_qlen 10 -> 5000"
+    assert drop_in.read_text() == (
+        "# the gateway\n# second line\nnet.core.somaxconn = 2048\nnet.unix.max_dgram_qlen = 5000\n"
+    )
+    assert drop_in.stat().st_mode & 0o777 == 0o644
+    assert (proc / "net" / "unix" / "max_dgram_qlen").read_text() == "5000\n"
+    # a minimum: the higher somaxconn stays
+    assert (proc / "net" / "core" / "somaxconn").read_text() == "4096\n"
+    again = sc.ensure(str(drop_in), want, "the gateway\nsecond line", False, str(proc))
+    assert not again["changed"] and again["raised"] == {} and "already at least" in again["msg"]
+
+
+def test_sysctl_skips_what_cannot_be_written_here_and_says_why(tmp_path: Path) -> None:
+    """A container's /proc/sys may be read-only: the task must not fail, the drop-in is still written and the
+    reason is in the result (and a warning). Here the kernel's own refusal: fs.file-nr is read-only (0444,
+    root too) and no.such.setting does not exist."""
+    sc = load("vllm_fleet_sysctl")
+    drop_in = tmp_path / "60-vf.conf"
+    out = sc.ensure(str(drop_in), {"fs.file-nr": 1 << 40, "no.such.setting": 1}, "", False)
+    assert out["raised"] == {} and out["file_changed"] and drop_in.exists()
+    assert out["not_raised"] == {
+        "fs.file-nr": "no permission to write /proc/sys here (a container?)",
+        "no.such.setting": "no such setting here (this kernel, or this network namespace)",
+    }
+    assert (
+        "fs.file-nr not raised now: no permission" in out["msg"]
+        and f"{drop_in} applies at the next boot" in out["msg"]
+    )
+    import errno
+
+    assert "read-only" in sc._why(OSError(errno.EROFS, "Read-only file system"), "/proc/sys")
+
+
+@pytest.mark.skipif(
+    not ANSIBLE.exists() or not HOST_PYTHON.exists(), reason="needs ansible-core and /usr/bin/python3"
+)
+def test_sysctl_runs_as_an_ansible_module_in_check_mode(tmp_path: Path) -> None:
+    drop_in = tmp_path / "60-vf.conf"
+    args = {"path": str(drop_in), "settings": {"net.core.somaxconn": 1}, "comment": "test"}
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
+               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
+    r = subprocess.run(
+        [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
+         "-e", f"ansible_python_interpreter={HOST_PYTHON}",
+         "-m", "vllm_fleet_sysctl", "-a", json.dumps(args)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.split("localhost | CHANGED => ", 1)[1])
+    assert res["file_changed"] is True and res["raised"] == {} and res["not_raised"] == {}, res
+    assert not drop_in.exists()
