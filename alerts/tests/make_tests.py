@@ -387,10 +387,14 @@ def build() -> str:
         + series("vllm_fleet_gateway_key_refused_total", k1 + ', reason="rpm"', "0+5x5 25x25"),
         alert("VllmFleetKeyAtBudget", "12m", []) + alert("VllmFleetKeyAtBudget", "20m", []),
     )
-    admission_down = (
-        "Prometheus cannot scrape the admission service of the gateway on h1 (vllm-fleet-admission.service) "
-        "for 2m: nginx admits every request unlimited (gateway.limits.on_failure: open) or answers 503 (closed)."
-    )
+
+    def admission_down(host: str) -> str:
+        return (
+            f"The admission service of the gateway on {host} (vllm-fleet-admission.service) cannot be scraped, or "
+            "nginx admitted requests without it (fail open: it did not answer) in the last 5m, for 2m: nginx admits "
+            "such requests unlimited (gateway.limits.on_failure: open) or answers 503 (closed)."
+        )
+
     doc += case(
         "admission service down: not scraped from the start (fires after 2m)",
         series("up", adm, "0x10"),
@@ -398,13 +402,27 @@ def build() -> str:
             "VllmFleetGatewayAdmissionDown",
             "1m",
             "3m",
-            [({"job": "vllm-fleet-admission", "host": "h1", "instance": "h1"}, admission_down)],
+            [({"job": "vllm-fleet-admission", "host": "h1", "instance": "h1"}, admission_down("h1"))],
         ),
     )
     doc += case(
         "admission service: scraped, or missing one scrape and back (silent)",
         series("up", adm, "1 1 0 1x7"),
         alert("VllmFleetGatewayAdmissionDown", "3m", []) + alert("VllmFleetGatewayAdmissionDown", "8m", []),
+    )
+    ex = 'job="vllm-fleet-exporter", host="h1", instance="h1"'
+    doc += case(
+        "admission service scraped, but nginx on h1 admits requests without it from minute 5 to 10 (fail open: "
+        "fires after 2m, silent once 5m passed without one)",
+        series("up", adm, "1x30")
+        + series("vllm_fleet_gateway_admission_fail_open_total", ex, "0x5 0+20x5 100x20"),
+        fires_after("VllmFleetGatewayAdmissionDown", "6m", "9m", [({"host": "h1"}, admission_down("h1"))])
+        + alert("VllmFleetGatewayAdmissionDown", "17m", []),
+    )
+    doc += case(
+        "no fail open ever (the counter at 0 on every gateway host: silent)",
+        series("up", adm, "1x30") + series("vllm_fleet_gateway_admission_fail_open_total", ex, "0x30"),
+        alert("VllmFleetGatewayAdmissionDown", "10m", []),
     )
     doc += case(
         "Watchdog always fires",

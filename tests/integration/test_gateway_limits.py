@@ -24,6 +24,7 @@ import pytest
 
 from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import EngineProcess
+from vllm_fleet.host.exporter import AccessLogTail
 
 KEYS = {
     "greedy": "sk-greedy-" + "g" * 32,
@@ -356,7 +357,19 @@ def test_a_stream_the_client_leaves_settles_what_was_sent_not_its_reservation(gw
 def test_the_service_down_admits_and_on_failure_closed_refuses(e: EngineProcess, tmp_path: Path) -> None:
     g = start(tmp_path / "open", e, admission=False)
     try:
+        tail = AccessLogTail(g.access_log, from_start=True)
         assert [r["status"] for r in burst(g.url, KEYS["greedy"], 3, tokens=2)] == [200] * 3
+        # each one admitted unlimited: "admission": "open" in the access log, counted by the host exporter
+        wait_for(lambda: len(g.log()) >= 3, timeout=10)
+        assert [r.get("admission") for r in g.log()] == ["open"] * 3
+        tail.poll()
+        assert tail.fail_open == 3
+        g.start_admission()
+        assert post(g.url, KEYS["greedy"], tokens=2)["status"] == 200
+        wait_for(lambda: len(g.log()) >= 4, timeout=10)
+        assert g.log()[-1]["admission"] == "1"  # admitted by the service
+        tail.poll()
+        assert tail.fail_open == 3
     finally:
         g.stop()
     g = start(tmp_path / "closed", e, admission=False, on_failure="closed")

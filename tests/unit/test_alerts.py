@@ -28,6 +28,7 @@ EXPORTER_METRICS = {
     "vllm_fleet_instance_state",
     "vllm_fleet_instance_restarts_total",
     "vllm_fleet_gateway_requests_total",
+    "vllm_fleet_gateway_admission_fail_open_total",
     "vllm_fleet_instance_nodes",
     "vllm_fleet_worker_state",
 } | {PREFIX + name + ("_total" if kind == "counter" else "") for kind, name, _help, _key in STATE_METRICS}

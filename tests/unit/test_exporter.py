@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -175,6 +176,28 @@ def test_real_gateway_log_format_is_parsed(tmp_path: Path) -> None:
     tail = AccessLogTail(log, from_start=True)
     m = scrape(FleetCollector(tmp_path / "none", None, access_log=tail, use_systemd=False))
     assert m[("vllm_fleet_gateway_requests_total", lbl(model="tiny-qwen3", code="200"))] == 1
+
+
+def test_requests_admitted_without_the_admission_service_are_counted(tmp_path: Path) -> None:
+    """gateway.limits: vf_json's "admission" is "1" for a request the service admitted, "open" for one nginx
+    admitted unlimited because the service did not answer (on_failure open); absent without limits."""
+
+    def rec(admission: str | None) -> str:
+        d: dict[str, Any] = {"status": 200, "model": "m", "upstream_addr": "127.0.0.1:8001"}
+        if admission is not None:
+            d["admission"] = admission
+        return json.dumps(d) + "\n"
+
+    log = tmp_path / "access.log"
+    log.write_text(rec("1") + rec("open") + rec("") + rec(None) + rec("open"))
+    c = FleetCollector(
+        tmp_path / "none", None, access_log=AccessLogTail(log, from_start=True), use_systemd=False
+    )
+    assert scrape(c)[("vllm_fleet_gateway_admission_fail_open_total", ())] == 2
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    c = FleetCollector(tmp_path / "none", None, access_log=AccessLogTail(empty), use_systemd=False)
+    assert scrape(c)[("vllm_fleet_gateway_admission_fail_open_total", ())] == 0  # a series from the start
 
 
 def test_unit_restarts_of_no_units_asks_nothing() -> None:

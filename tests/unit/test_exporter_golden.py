@@ -248,7 +248,11 @@ def test_the_full_exposition_is_unchanged(
     systemctl.fail = "Failed to get properties: Transport endpoint is not connected\n"
     with host["log"].open("a") as f:
         f.write(
-            _access(200, "qwen3-8b", t=1.5) + _access(503, "big-70b", "10.0.0.2:8003, 10.0.0.3:8003", 0.5)
+            _access(200, "qwen3-8b", t=1.5)
+            + _access(503, "big-70b", "10.0.0.2:8003, 10.0.0.3:8003", 0.5)
+            # admitted unlimited: the admission service did not answer (gateway.limits.on_failure open)
+            + _access(200, "qwen3-8b", t=0.5)[:-2]
+            + ', "admission": "open"}\n'
         )
     (host["state"] / "qwen3.json").write_text(json.dumps({**STATE, "state": "draining", "probes_total": 13}))
     second = render(registry)

@@ -274,12 +274,18 @@ ALERTS: tuple[Alert, ...] = (
              "sum by (client, key) (increase(vllm_fleet_gateway_key_refused_total[${rate_window}])) > 0",
     ),
     Alert(
+        # the service not scraped, or nginx admitting requests without it (fail open: it did not answer, e.g. its
+        # listen backlog was full; counted by the host exporter from the gateway's access log)
         "VllmFleetGatewayAdmissionDown", "critical", scope="fleet", needs="gateway_admission_on",
         summary="Gateway admission service unreachable: per-key limits not applied",
-        description="Prometheus cannot scrape the admission service of the gateway on {{ $labels.host }} "
-                    "(vllm-fleet-admission.service) for ${admission_down_for}: nginx admits every request "
-                    "unlimited (gateway.limits.on_failure: open) or answers 503 (closed).",
+        description="The admission service of the gateway on {{ $labels.host }} (vllm-fleet-admission.service) "
+                    "cannot be scraped, or nginx admitted requests without it (fail open: it did not answer) in "
+                    "the last ${rate_window}, for ${admission_down_for}: nginx admits such requests unlimited "
+                    "(gateway.limits.on_failure: open) or answers 503 (closed).",
         value='up{job="vllm-fleet-admission"}', op="==", threshold=0, for_="admission_down_for",
+        expr="${value} ${op} ${threshold}\n"
+             "or\n"
+             "sum by (host) (increase(vllm_fleet_gateway_admission_fail_open_total[${rate_window}])) > 0",
     ),
     Alert(
         "Watchdog", "none", section="pipeline", scope="fleet",

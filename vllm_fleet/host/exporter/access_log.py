@@ -1,6 +1,6 @@
-"""The gateway's requests by model and HTTP status, upstream retries, failed upstream tries and request time, from
-its JSON access log (the nginx exporter has no status codes): tailed incrementally at each scrape, counters kept
-for the exporter's lifetime."""
+"""The gateway's requests by model and HTTP status, upstream retries, failed upstream tries, request time and the
+requests admitted without the admission service (fail open), from its JSON access log (the nginx exporter has no
+status codes): tailed incrementally at each scrape, counters kept for the exporter's lifetime."""
 
 from __future__ import annotations
 
@@ -69,6 +69,9 @@ class AccessLogTail(Collector):
         self._buf = b""
         self.stats: dict[str, _ModelStats] = {}
         self.bad_lines = 0
+        # gateway.limits: requests nginx admitted unlimited because the admission service did not answer
+        # ("admission": "open", nginx/vllm-fleet.conf.j2's @vf_admit_open)
+        self.fail_open = 0
         self._lock = threading.Lock()
         # lines written from now on count; a file that appears later is read from its start
         try:
@@ -117,6 +120,8 @@ class AccessLogTail(Collector):
             seconds = 0.0
         s.count += 1
         s.total_seconds += seconds
+        if rec.get("admission") == "open":
+            self.fail_open += 1
         for n, bound in enumerate(DURATION_BUCKETS):
             if seconds <= bound:
                 s.buckets[n] += 1
@@ -157,13 +162,19 @@ class AccessLogTail(Collector):
                     ("+Inf", float(s.count))
                 ]
                 dur.add_metric([model], cum, s.total_seconds)
-            bad = self.bad_lines
+            bad, fail_open = self.bad_lines, self.fail_open
         yield req
         yield retried
         yield failed
         yield dur
         yield CounterMetricFamily(
             PREFIX + "gateway_log_bad_lines", "Access log lines that were not JSON", value=bad
+        )
+        yield CounterMetricFamily(
+            PREFIX + "gateway_admission_fail_open",
+            "Gateway requests admitted without per-key limits because the admission service did not answer "
+            "(gateway.limits.on_failure: open; access log)",
+            value=fail_open,
         )
 
     def collect(self) -> Iterator[Metric]:
