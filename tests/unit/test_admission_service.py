@@ -476,6 +476,34 @@ def test_releases_are_drained_while_the_event_loop_is_busy(start: Callable[..., 
     assert r.call(lambda: r.core.stats["k/00000001"].tokens_settled) == 100
 
 
+def test_a_release_that_fails_does_not_drop_the_rest_of_its_batch(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = start(default_key=UNLIMITED)
+    c = Conn(r.cfg.socket)
+    for rid in ("a", "b"):
+        assert c.admit(rid, "k/00000001")[0] == 204
+    real = r.service.release
+
+    def release(request_id: str, used: int | None) -> None:
+        if request_id == "boom":
+            raise RuntimeError("a bug")
+        real(request_id, used)
+
+    monkeypatch.setattr(r.service, "release", release)
+    reader = r.service._log_reader
+    assert reader is not None
+    go = _block_loop(r)  # the three arrive in one batch
+    try:
+        for rid in ("a", "boom", "b"):
+            send_log(r, f"{rid}|200|200|1")
+        wait_until(lambda: len(reader.batch) == 3)
+    finally:
+        go.set()
+    wait_until(lambda: r.call(lambda: r.core.in_flight("k/00000001")) == 0)
+    assert "release failed: RuntimeError('a bug')" in capsys.readouterr().err
+
+
 def _connect_burst(path: str, n: int) -> tuple[list[socket.socket], int]:
     """``n`` non-blocking connects, as nginx makes them: (the connected sockets, how many failed with EAGAIN
     because the listen backlog was full)."""

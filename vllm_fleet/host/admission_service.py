@@ -173,7 +173,10 @@ class _LogReader:
         with self.lock:
             batch, self.batch = self.batch, []
         for data in batch:
-            self.handle(data)
+            try:
+                self.handle(data)
+            except Exception as exc:  # a bug must not drop the rest of the batch: say it and go on
+                print(f"vllm-fleet admission: release failed: {exc!r}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self.stopping = True
