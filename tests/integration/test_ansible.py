@@ -96,6 +96,18 @@ def wheelhouse() -> Path:
     return dest
 
 
+def what_changed(out: str) -> list[str]:
+    """The tasks and handlers of a playbook's output that changed something (for a failed assertion's message:
+    a client's dropped keep-alive connection is most often an nginx reload one of them caused)."""
+    seen, task = [], ""
+    for line in out.splitlines():
+        if line.startswith(("TASK [", "RUNNING HANDLER [")):
+            task = line.split("]", 1)[0] + "]"
+        elif line.startswith("changed: ") and task and task not in seen:
+            seen.append(task)
+    return seen
+
+
 @dataclass
 class Fleet:
     spec_path: Path
@@ -677,7 +689,7 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
         rc, out, seconds = fleet.playbook(spec=path)
     assert rc == 0, out[-6000:]
     record("flag_change_run_seconds", seconds)
-    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.failures == [], (traffic.failures[:5], what_changed(out))
     assert min(traffic.ok.values()) > 5, traffic.ok
     record("flag_change_requests_during", traffic.total)
     after = fleet.unit_pids()
@@ -975,7 +987,7 @@ def test_a_stack_whose_vllm_cannot_import_is_stopped_by_the_doctor_before_any_re
     assert (
         "Restart, returns when READY" not in out and "TASK [engine : Render the engine artifacts" not in out
     )
-    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.failures == [], (traffic.failures[:5], what_changed(out))
     assert min(traffic.ok.values()) > 3, traffic.ok
     assert fleet.unit_pids() == before_pids
     assert engine_stacks(fleet) == before
@@ -1001,7 +1013,7 @@ def test_upgrade_to_a_stack_that_cannot_start_rolls_back_and_stops(fleet: Fleet,
     first = fleet.spec["models"][0]["name"]
     assert f"rollout stopped at instance {first} on {fleet.spec['models'][0]['host']}" in out, out[-6000:]
     assert "vf-stack-breaker: vllm refuses to import" in out, out[-6000:]
-    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.failures == [], (traffic.failures[:5], what_changed(out))
     assert min(traffic.ok.values()) > 3, traffic.ok
     after_pids, after = fleet.unit_pids(), engine_stacks(fleet)
     assert after_pids[first] != before_pids[first]
@@ -1045,7 +1057,7 @@ def test_upgrade_to_a_new_stack_rolls_both_hosts_without_losing_a_request(
     assert rc == 0, out[-6000:]
     assert "Doctor layer: vllm-import" in out, out[-4000:]
     record("stack_upgrade_run_seconds", seconds)
-    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.failures == [], (traffic.failures[:5], what_changed(out))
     assert min(traffic.ok.values()) > 3, traffic.ok
     after_pids, after = fleet.unit_pids(), engine_stacks(fleet)
     assert all(before_pids[n] != after_pids[n] for n in before_pids), (before_pids, after_pids)
@@ -1166,7 +1178,7 @@ def test_per_instance_stack_two_stacks_on_one_host(fleet: Fleet, tmp_path: Path)
         rc, out, seconds = fleet.playbook(*args, spec=spec)
     assert rc == 0, out[-6000:]
     record("per_instance_stack_run_seconds", seconds)
-    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.failures == [], (traffic.failures[:5], what_changed(out))
     assert min(traffic.ok.values()) > 3, traffic.ok
     after_pids, after = fleet.unit_pids(), engine_stacks(fleet)
     restarted = re.findall(r"TASK \[engine : Restart, returns when READY - vllm@(\S+)\.service\]", out)

@@ -96,7 +96,10 @@ def test_the_gateway_is_sized_for_its_worst_case_with_limits_on(tmp_path: Path) 
     assert conf["listen_backlog"] == 5000 + 15
     vf = fleet_vars(spec)
     assert vf["gateway_sysctl"] == {"net.core.somaxconn": 5015, "net.unix.max_dgram_qlen": 5015}
-    assert vf["gateway_worker_connections"] == 3 * 5015 + 1024
+    assert vf["gateway_worker_connections"] == 16384  # 3 × 5015 + 1024 spare, rounded up to a power of two
+    # a day-2 change of an engine's queue bound keeps nginx.conf as it was (no reload closing keep-alives)
+    assert fleet_vars(_spec(tmp_path, limits={"max_queued": 5001}))["gateway_worker_connections"] == 16384
+    assert fleet_vars(_spec(tmp_path, limits={"max_queued": 5200}))["gateway_worker_connections"] == 32768
     small = _spec(tmp_path, limits={"max_queued": 100})  # the least: a burst of new requests connects too
     assert admission_config(small, make_plan(small))["listen_backlog"] == 4096
     assert fleet_vars(small)["gateway_worker_connections"] == 4096

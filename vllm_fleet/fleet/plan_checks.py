@@ -748,7 +748,10 @@ def worker_connections(spec: FleetSpec, capacity: Mapping[str, int]) -> int:
     if spec.gateway.worker_connections is not None:
         return spec.gateway.worker_connections
     worst = gateway_worst_case(spec, capacity) or 0
-    return max(NGINX_MIN_WORKER_CONNECTIONS, worst + NGINX_SPARE_CONNECTIONS)
+    # rounded up to a power of two: an engine's max_num_seqs or queue bound changed by a day-2 edit must not
+    # rewrite nginx.conf, since the reload that follows closes the clients' idle keep-alive connections
+    need = max(NGINX_MIN_WORKER_CONNECTIONS, worst + NGINX_SPARE_CONNECTIONS)
+    return 1 << (need - 1).bit_length()
 
 
 def check_worker_connections(spec: FleetSpec, capacity: Mapping[str, int]) -> list[Finding]:
