@@ -292,7 +292,17 @@ def wait_idle(timeout: float, port: int = ENGINE_PORT) -> float:
 
 def device(out: Path) -> int:
     from burst import SPEC, state
-    from measure import LOG, VF, LabGateway, raise_nofile, render_instance, start_launcher, stop_launcher
+    from measure import (
+        LOG,
+        VF,
+        LabGateway,
+        keep_logs,
+        raise_nofile,
+        render_instance,
+        start_launcher,
+        stop_launcher,
+        wait_ready,
+    )
 
     knobs = {
         "lanes": int(os.environ.get("VF_LANES", "2000")),
@@ -310,14 +320,9 @@ def device(out: Path) -> int:
     lp, lis, t0 = start_launcher("churn", WATCHDOG_S)
     gw: Any = None
     try:
-        try:
-            lis.wait_for("READY", "1", timeout=float(os.environ.get("VF_READY_TIMEOUT", "420")))
-        except TimeoutError:
-            print("no READY=1", flush=True)
-            os.system(f"tail -60 {LOG}/launcher-churn.log")
-            res["ready_s"] = None
+        res["ready_s"] = wait_ready(lis, t0, "churn")
+        if res["ready_s"] is None:
             return 1
-        res["ready_s"] = round(time.monotonic() - t0, 1)
         print(f"READY=1 after {res['ready_s']}s", flush=True)
         pid_before = state().get("engine_pid")
 
@@ -355,11 +360,7 @@ def device(out: Path) -> int:
         res["notify"] = [{"t": round(t - t0, 2), **f} for t, f in lis.messages]
         lis.close()
         (out / "churn-results.json").write_text(json.dumps(res, indent=2, default=str))
-        for f in ("launcher-churn.log", "admission-churn.log", "nginx-error.log"):
-            p = LOG / f
-            if p.exists():
-                lines = p.read_text(errors="replace").splitlines()
-                (out / f).write_text("\n".join([*lines[:150], "...", *lines[-250:]]) + "\n")
+        keep_logs(("launcher-churn.log", "admission-churn.log", "nginx-error.log"), out)
         print_summary(res)
     return 0
 

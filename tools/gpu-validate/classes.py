@@ -486,7 +486,7 @@ def engine_evidence(log: Path) -> dict[str, Any]:
 
 
 def device(out: Path, a: argparse.Namespace) -> int:
-    from measure import LOG, VF, raise_nofile, start_launcher, stop_launcher
+    from measure import LOG, VF, keep_logs, raise_nofile, start_launcher, stop_launcher, wait_ready
 
     res: dict[str, Any] = {"engine_kind": "vLLM under the launcher (H200)", "knobs": vars(a), "classes": CLASSES,
                            "binds": binds(a), "nofile": raise_nofile()}  # fmt: skip
@@ -508,13 +508,9 @@ def device(out: Path, a: argparse.Namespace) -> int:
         return 1
     lp, lis, t0 = start_launcher("classes", 20.0)
     try:
-        try:
-            lis.wait_for("READY", "1", timeout=float(os.environ.get("VF_READY_TIMEOUT", "420")))
-        except TimeoutError:
-            print("no READY=1", flush=True)
-            os.system(f"tail -60 {LOG}/launcher-classes.log")
+        res["ready_s"] = wait_ready(lis, t0, "classes")
+        if res["ready_s"] is None:
             return 1
-        res["ready_s"] = round(time.monotonic() - t0, 1)
         print(f"READY=1 after {res['ready_s']}s", flush=True)
         res["engine_evidence"] = engine_evidence(LOG / "launcher-classes.log")
         print("engine:", res["engine_evidence"], flush=True)
@@ -526,11 +522,9 @@ def device(out: Path, a: argparse.Namespace) -> int:
         res["notify"] = [{"t": round(t - t0, 2), **f} for t, f in lis.messages][-200:]
         lis.close()
         save()
-        for f in ("launcher-classes.log", "admission-classes.log", "admission-plain.log", "nginx-error.log"):
-            p = LOG / f
-            if p.exists():
-                lines = p.read_text(errors="replace").splitlines()
-                (out / f).write_text("\n".join([*lines[:150], "...", *lines[-250:]]) + "\n")
+        keep_logs(
+            ("launcher-classes.log", "admission-classes.log", "admission-plain.log", "nginx-error.log"), out
+        )
         print_summary(res)
     return 0
 

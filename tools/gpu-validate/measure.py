@@ -115,6 +115,27 @@ def start_launcher(tag: str, watchdog_s: float) -> tuple[subprocess.Popen[bytes]
     return lp, lis, t0
 
 
+def wait_ready(lis: Any, t0: float, tag: str) -> float | None:
+    """Seconds from the launcher's start to its READY=1 (VF_READY_TIMEOUT, 420 s by default), or None after
+    printing the tail of LOG/launcher-TAG.log when it did not come."""
+    try:
+        i = lis.wait_for("READY", "1", timeout=float(os.environ.get("VF_READY_TIMEOUT", "420")))
+    except TimeoutError:
+        print("no READY=1", flush=True)
+        os.system(f"tail -60 {LOG}/launcher-{tag}.log")
+        return None
+    return round(lis.messages[i][0] - t0, 2)
+
+
+def keep_logs(names: tuple[str, ...], out: Path, head: int = 150, tail: int = 250) -> None:
+    """Copy each of LOG/NAME that exists to OUT/NAME, its first ``head`` and last ``tail`` lines."""
+    for f in names:
+        p = LOG / f
+        if p.exists():
+            lines = p.read_text(errors="replace").splitlines()
+            (out / f).write_text("\n".join([*lines[:head], "...", *lines[-tail:]]) + "\n")
+
+
 # The gateway under 2,000 lanes: each request holds a client connection, an upstream one and (while it is
 # admitted) one to the admission service, spread over GW_WORKERS workers; the workers' open-file limit covers them
 GW_WORKERS = 4
@@ -513,11 +534,7 @@ def measure(out: Path) -> int:
     res["kv_launcher_parsed"] = kv_tokens(res["kv_launcher"])
     res["kv_bare_parsed"] = kv_tokens(res["kv_bare"])
     (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
-    for f in ("launcher.log", "bare.log"):
-        p = LOG / f
-        if p.exists():
-            lines = p.read_text(errors="replace").splitlines()
-            (out / f).write_text("\n".join([*lines[:400], "...", *lines[-200:]]) + "\n")
+    keep_logs(("launcher.log", "bare.log"), out, head=400, tail=200)
     summary(res)
     return 0
 
