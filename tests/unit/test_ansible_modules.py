@@ -35,6 +35,17 @@ def sha1(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()  # what Ansible's copy compares
 
 
+def run_module_checked(module: str, args: dict[str, object], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``ansible localhost -m MODULE -a ARGS --check`` through the real ansible-core (its JSON result on stdout)."""
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
+               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
+    return subprocess.run(
+        [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
+         "-e", f"ansible_python_interpreter={HOST_PYTHON}", "-m", module, "-a", json.dumps(args)],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=120,
+    )  # fmt: skip
+
+
 def test_host_state_reports_what_differs_and_nothing_else(tmp_path: Path) -> None:
     hs = load("vllm_fleet_host_state")
     owner, group = me()
@@ -111,14 +122,7 @@ def test_host_state_runs_as_an_ansible_module_in_check_mode(tmp_path: Path) -> N
     there = tmp_path / "there"
     there.write_text("x\n")
     args = {"exists": [str(there), str(tmp_path / "nope")], "read": [str(there)], "units": []}
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
-               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
-    r = subprocess.run(
-        [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
-         "-e", f"ansible_python_interpreter={HOST_PYTHON}",
-         "-m", "vllm_fleet_host_state", "-a", json.dumps(args)],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
-    )  # fmt: skip
+    r = run_module_checked("vllm_fleet_host_state", args, tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "localhost | SUCCESS => " in r.stdout, r.stdout
     res = json.loads(r.stdout.split("localhost | SUCCESS => ", 1)[1])
@@ -272,14 +276,7 @@ def test_sysctl_skips_what_cannot_be_written_here_and_says_why(tmp_path: Path) -
 def test_sysctl_runs_as_an_ansible_module_in_check_mode(tmp_path: Path) -> None:
     drop_in = tmp_path / "60-vf.conf"
     args = {"path": str(drop_in), "settings": {"net.core.somaxconn": 1}, "comment": "test"}
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.minimal",
-               ANSIBLE_CALLBACK_RESULT_FORMAT="json", ANSIBLE_NOCOLOR="1")  # fmt: skip
-    r = subprocess.run(
-        [str(ANSIBLE), "localhost", "-i", "localhost,", "-c", "local", "--check",
-         "-e", f"ansible_python_interpreter={HOST_PYTHON}",
-         "-m", "vllm_fleet_sysctl", "-a", json.dumps(args)],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
-    )  # fmt: skip
+    r = run_module_checked("vllm_fleet_sysctl", args, tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.split("localhost | CHANGED => ", 1)[1])
     assert res["file_changed"] is True and res["raised"] == {} and res["not_raised"] == {}, res
