@@ -79,7 +79,7 @@ def test_scenario_hooks_run_commands_beside_the_load(engine: EngineProcess, tmp_
     (Real kill -9 / restarts through the gateway: docs/perf/bench.md.)"""
     marks = tmp_path / "marks"
     rep = _bench(
-        tmp_path, engine.url, "--duration", "8", "--warmup", "0", "--concurrency", "2", "--no-plot",
+        tmp_path, engine.url, "--duration", "120", "--warmup", "0", "--concurrency", "2", "--no-plot",
         "--scenario", "rolling-restart", "--instances", "e1@127.0.0.1,e2@127.0.0.1", "--start-after", "1",
         "--drain-cmd", f"echo drain {{name}} >> {marks}", "--restart-cmd", f"echo restart {{name}}@{{host}} >> {marks}",
         "--undrain-cmd", f"echo undrain {{name}} >> {marks}",
@@ -92,4 +92,6 @@ def test_scenario_hooks_run_commands_beside_the_load(engine: EngineProcess, tmp_
     ]  # fmt: skip
     assert [s["ok"] for s in sc["steps"]] == [True, True]
     assert sc["failed_requests"]["total"] == 0
-    assert rep["window"]["issue_end_s"] < 7  # the scenario ended the load when its steps were done
+    # the scenario ended the load when its steps were done, not the 120 s duration (which only bounds a slow
+    # machine: on 2 busy cores an `echo` hook once took 1.5 s and an 8 s run ended before the last undrain)
+    assert sc["steps"][-1]["end_s"] <= rep["window"]["issue_end_s"] < 60
