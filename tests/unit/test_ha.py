@@ -420,3 +420,15 @@ def test_the_ha_firewall_loads_in_nftables(tmp_path: Path) -> None:
         assert [x.split(" accept")[0].strip() for x in vrrp] == (
             [] if h.name == "h3" else [f"ip saddr 10.77.0.7{3 - int(h.name[1])} meta l4proto 112"]
         )
+
+
+def test_a_self_signed_certificate_names_the_virtual_address_too() -> None:
+    """Clients of an HA fleet connect to the virtual address: each gateway's certificate must name it, beside
+    the host's own addresses (one gateway: the host's addresses only)."""
+    spec = parse_spec(data())
+    assert build_context(spec, "h1")["vf"]["gateway_cert_addresses"] == ["10.77.0.71", "10.77.0.9"]
+    assert build_context(spec, "h3")["vf"]["gateway_cert_addresses"] == []  # not a gateway
+    raw = data()
+    raw["gateway"] = {"host": "h1", "port": 8000}
+    one = parse_spec(raw)
+    assert build_context(one, "h1")["vf"]["gateway_cert_addresses"] == ["10.77.0.71"]

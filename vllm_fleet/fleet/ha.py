@@ -154,6 +154,17 @@ def keepalived_plan(spec: FleetSpec, host: str) -> KeepalivedPlan | None:
     )
 
 
+def certificate_addresses(spec: FleetSpec, host: str) -> list[str]:
+    """The addresses a gateway host's self-signed certificate names (``gateway.tls.self_signed``): the host's
+    ``address`` and ``private_address``, and with two or more gateways the virtual address, the one clients use
+    (each once, in that order)."""
+    h = spec.host(host)
+    addrs = [h.address, h.private_address or ""]
+    if spec.gateway_ha:
+        addrs.append(str(virtual_interface(spec).ip))
+    return list(dict.fromkeys(a for a in addrs if a))
+
+
 def gateway_ha_vars(spec: FleetSpec, upstreams: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What nginx's configuration adds on every gateway host of two or more (``vf.gateway_ha``; None with one):
     the paths keepalived asks on the loopback status server, nginx's bounds on the engine question, and every

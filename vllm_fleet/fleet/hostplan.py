@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_fleet.contracts import HostContract
 from vllm_fleet.fleet.engine import model_path
-from vllm_fleet.fleet.ha import KeepalivedPlan, MonitoringServer
+from vllm_fleet.fleet.ha import KeepalivedPlan, MonitoringServer, certificate_addresses
 from vllm_fleet.fleet.playfacts import pip_source_args
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
@@ -104,11 +104,17 @@ class HostDeployPlan(BaseModel):
     # the sources of its instances that are on ModelScope (``models[NAME].source.modelscope``: the hosts' stack
     # has no modelscope package)
     modelscope_sources: list[str]
+    # it runs an instance or a headless rank: the engine role's hosts (the others get vllm-fleet's own venv
+    # alone, the engine role's tools.yml)
+    is_engine_host: bool
     is_gateway: bool
     is_monitoring: bool
+    # what the gateway role installs here: nginx (a gateway host), keepalived (one of two or more)
+    gateway_roles: list[str]
     # what the monitoring role installs here: every host's exporters, the gateway's, the monitoring server's
     monitoring_roles: list[str]
-    # the services it runs here (Debian's service names; vllm-fleet-exporter beside engines)
+    # the services it runs here (Debian's service names, and vllm-fleet-exporter: on every host, like
+    # node-exporter — a gateway-only host's exporter reads the gateway's access log and admission state)
     monitoring_services: list[str]
     exporter_address: str
     firewall_rules: list[dict[str, Any]]
@@ -124,6 +130,9 @@ class HostDeployPlan(BaseModel):
     monitoring_address: str
     # a gateway host with gateway.limits: its admission service's file (its own metrics address); else None
     gateway_admission: dict[str, Any] | None
+    # a gateway host: the addresses its self-signed certificate names (fleet/ha.py certificate_addresses; the
+    # virtual address too with two or more gateways); else []
+    gateway_cert_addresses: list[str]
 
 
 def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
@@ -182,11 +191,13 @@ def host_deploy_plan(
         modelscope_sources=[
             f"models[{i['name']}].source.modelscope" for i in instances if i["source_kind"] == "modelscope"
         ],
+        is_engine_host=bool(instances or workers),
         is_gateway=gateway,
         is_monitoring=monitoring,
+        gateway_roles=["gateway"] * gateway + ["keepalived"] * (keepalived is not None),
         monitoring_roles=["host"] + ["gateway"] * gateway + ["monitoring"] * monitoring,
         monitoring_services=["prometheus-node-exporter"]
-        + ["vllm-fleet-exporter"] * bool(instances)
+        + ["vllm-fleet-exporter"]
         + ["prometheus-nginx-exporter"] * gateway
         + ["prometheus", "prometheus-alertmanager"] * monitoring,
         exporter_address=exporter_address,
@@ -197,6 +208,7 @@ def host_deploy_plan(
         monitoring_server=monitoring_server,
         monitoring_address=monitoring_address,
         gateway_admission=gateway_admission,
+        gateway_cert_addresses=certificate_addresses(spec, host) if gateway else [],
     )
 
 

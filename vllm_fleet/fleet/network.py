@@ -93,9 +93,8 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
             rules.append({"comment": "engines: the gateway and monitoring hosts", "ports": sorted(set(engines)),
                           "sources": by_family(reach)})  # fmt: skip
     if mon.enabled:
-        exporters = [mon.node_exporter_port]
-        if engines:
-            exporters.append(mon.exporter_port)
+        # vllm-fleet's exporter runs on every host (Prometheus scrapes it on every host)
+        exporters = [mon.node_exporter_port, mon.exporter_port]
         if gateway_here:
             exporters.append(mon.nginx_exporter_port)
             if gw.admission:

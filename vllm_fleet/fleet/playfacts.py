@@ -70,6 +70,19 @@ def packages_for(by_key: Mapping[str, list[str]], keys: Iterable[str]) -> list[s
     return list(dict.fromkeys(p for key in keys for p in by_key.get(key, [])))
 
 
+def _project(name: str) -> str:
+    """A project name as the wheel index compares it (lower case, runs of ``-_.`` as one ``-``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def tools_wheels(paths: Iterable[str], packages: Iterable[str]) -> list[str]:
+    """The wheels among ``paths`` (a wheelhouse's files) of ``packages`` (by the project name a wheel's file
+    name starts with): what a host without engines needs of the fleet's wheelhouse for vllm-fleet's own venv,
+    instead of every engine wheel (torch and all)."""
+    want = {_project(p) for p in packages}
+    return sorted(p for p in paths if p.endswith(".whl") and _project(Path(p).name.split("-", 1)[0]) in want)
+
+
 def missing_packages(wanted: Iterable[str], dpkg_lines: Iterable[str]) -> list[str]:
     """``wanted`` minus what ``dpkg-query --show --showformat='${Package} ${db:Status-Status}\\n'`` lists as
     installed (dpkg-query names an unknown package on stderr only)."""

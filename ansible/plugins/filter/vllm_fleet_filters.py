@@ -49,6 +49,7 @@ class FilterModule:
         "wheel_sources",
         "pip_source_args",
         "vrrp_interface",
+        "tools_wheels",
     )
 
     def filters(self) -> dict[str, Callable[..., Any]]:
