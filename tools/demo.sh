@@ -47,25 +47,23 @@ vllm-fleet sandbox list --json >"$WORK/hosts.json"
 # the spec and the inventory, retargeted to these hosts (names and addresses)
 GW_ADDR=$(python - "$SPEC" "$PREFIX" "$WORK" <<'PY'
 import json, sys, yaml
+from vllm_fleet.devtools.sandbox_net import retarget_spec
 spec_path, prefix, work = sys.argv[1:]
 spec = yaml.safe_load(open(spec_path))
 addr = {h["name"]: h["address"] for h in json.load(open(f"{work}/hosts.json"))}
 names = {h["name"]: prefix + h["name"] for h in spec["hosts"]}
-for h in spec["hosts"]:
-    h["name"] = names[h["name"]]
-    h["address"] = addr[h["name"]]
-for m in spec["models"]:
-    m["host"] = names[m["host"]]
-for key in ("gateway", "monitoring"):
-    if spec.get(key, {}).get("host"):
-        spec[key]["host"] = names[spec[key]["host"]]
+spec = retarget_spec(spec, names, {n: addr[names[n]] for n in names}, purpose="demo")
 yaml.safe_dump(spec, open(f"{work}/fleet.yml", "w"), sort_keys=False)
 inv_path = f"{work}/inventory/hosts.yml"
 inv = yaml.safe_load(open(inv_path))
 inv["all"]["hosts"] = {n: inv["all"]["hosts"][n] for n in names.values()}
 inv["all"].pop("children", None)
 yaml.safe_dump(inv, open(inv_path, "w"))
-print(addr[spec["gateway"]["host"]])
+gw = spec["gateway"]
+# two or more gateways: clients use the virtual address; one: the gateway host's own
+first = gw.get("host") or (gw.get("hosts") or [spec["hosts"][0]["name"]])[0]
+first = first["name"] if isinstance(first, dict) else first
+print(gw["virtual_address"].split("/")[0] if gw.get("virtual_address") else addr[first])
 PY
 )
 

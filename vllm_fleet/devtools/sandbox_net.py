@@ -6,6 +6,7 @@ The text generators here are pure functions (unit-tested); the rest runs ``ip`` 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_fleet.devtools.sandbox_image import SandboxError, cache_dir, debian_mirror, file_lock
 
@@ -64,6 +66,17 @@ def parse_address(address: str) -> HostAddress:
     if ip in (net.network_address, net.broadcast_address, gateway):
         raise SandboxError(f"sandbox address {address}: .0, .1 (the bridge) and .255 of {net} are reserved")
     return HostAddress(str(ip), net, str(gateway))
+
+
+# addresses below .10 are never given to a sandbox host: a fleet's virtual address (gateway.virtual_address)
+# there is free. Each user of one takes its own, so that two HA fleets on the bridge at once do not share it
+VIRTUAL_ADDRESSES = {"test": 9, "demo": 8}
+
+
+def virtual_address(purpose: str, subnet: str = DEFAULT_SUBNET) -> str:
+    """The sandbox bridge's address for the virtual address of ``purpose``'s HA fleet (``VIRTUAL_ADDRESSES``),
+    with the bridge's prefix (/24)."""
+    return f"{subnet}.{VIRTUAL_ADDRESSES[purpose]}/24"
 
 
 def first_free_address(taken: set[str], subnet: str = DEFAULT_SUBNET) -> str:
@@ -265,3 +278,31 @@ def stop_apt_proxy(gateway: str) -> bool:
         os.kill(pid, signal.SIGKILL)
     (_proxy_dir(gateway) / "pid").unlink(missing_ok=True)
     return True
+
+
+def retarget_spec(
+    spec: dict[str, Any], names: dict[str, str], addresses: dict[str, str], purpose: str = "test"
+) -> dict[str, Any]:
+    """An example spec (its data) moved onto sandbox hosts: each host name ``names[old]``, its address
+    ``addresses[old]``, the models' and the gateway's and monitoring's hosts renamed (``host`` and ``hosts``
+    entries, names or ``{name: ...}``), and a ``gateway.virtual_address`` replaced by the bridge's address for
+    ``purpose`` (``virtual_address``)."""
+    spec = json.loads(json.dumps(spec))
+    for h in spec["hosts"]:
+        h["address"] = addresses[h["name"]]
+        h["name"] = names[h["name"]]
+    for m in spec["models"]:
+        if m.get("host"):
+            m["host"] = names[m["host"]]
+    for key in ("gateway", "monitoring"):
+        part = spec.get(key) or {}
+        if part.get("host"):
+            part["host"] = names[part["host"]]
+        for i, h in enumerate(part.get("hosts") or []):
+            if isinstance(h, dict):
+                h["name"] = names[h["name"]]
+            else:
+                part["hosts"][i] = names[h]
+    if (spec.get("gateway") or {}).get("virtual_address"):
+        spec["gateway"]["virtual_address"] = virtual_address(purpose)
+    return spec
