@@ -87,7 +87,7 @@ def test_each_gateway_advertises_to_the_others_only() -> None:
     assert nginx.weight == 0 and nginx.script.endswith("/vf/health --timeout 1.5")
     assert upstreams.weight == -51 and "/vf/upstreams" in upstreams.script
     assert min(p.priority for p in (p1, p2, p4)) > max(p.priority for p in (p1, p2, p4)) + upstreams.weight
-    assert nginx.script.startswith("/opt/vllm-fleet/venv/bin/python -I -m vllm_fleet.host.gateway_check ")
+    assert nginx.script.startswith("/opt/vllm-fleet/venv/bin/vllm-fleet-gateway-check ")
     assert p1.auth_file == ha.VRRP_AUTH_FILE  # the example names a secret
     assert ha.keepalived_plan(parse_spec(data(gateway={"vrrp": {}})), "h1").auth_file == ""  # type: ignore[union-attr]
 

@@ -32,9 +32,11 @@ from vllm_fleet.fleet.spec import DEFAULT_VRRP_PRIORITY, FleetSpec
 # nginx's loopback status server (gateway.stub_status_port): nginx itself answers / at least one engine answers
 GATEWAY_HEALTH_PATH = "/vf/health"
 GATEWAY_UPSTREAMS_PATH = "/vf/upstreams"
-# what keepalived runs (the tools venv's interpreter straight into the module: `vllm-fleet gateway-check` is the
-# same code, but the CLI loads the spec model first, ≈ 0.8 s of CPU every few seconds on a gateway)
-GATEWAY_CHECK_MODULE = "vllm_fleet.host.gateway_check"
+# what keepalived runs: the tools venv's console script of vllm_fleet.host.gateway_check (`vllm-fleet
+# gateway-check` is the same code, but the CLI loads the spec model first, ≈ 0.8 s of CPU every few seconds on a
+# gateway). Not `VENV/bin/python -m MODULE`: keepalived runs a script by its real path (script security), and
+# the venv's python is a link to the system interpreter, which then runs outside the venv (exit 1, always)
+GATEWAY_CHECK_SCRIPT = "vllm-fleet-gateway-check"
 # the file the gateway role writes from gateway.vrrp.auth_secret: keepalived.conf includes it in its instance
 VRRP_AUTH_FILE = "/etc/keepalived/vllm-fleet-vrrp-auth.conf"
 # keepalived runs the checks as this user (enable_script_security): they only ask nginx on loopback
@@ -120,7 +122,7 @@ def gateway_check_urls(spec: FleetSpec) -> tuple[str, str]:
 def vrrp_checks(spec: FleetSpec) -> list[VrrpCheck]:
     """The two checks: nginx (a failure: FAULT, at once after two misses) and the engines (a failure: the
     priority drops by ``upstream_check_weight``)."""
-    python = f"{spec.paths.venv}/bin/python -I -m {GATEWAY_CHECK_MODULE}"
+    python = f"{spec.paths.venv}/bin/{GATEWAY_CHECK_SCRIPT}"
     nginx, upstreams = gateway_check_urls(spec)
     upstream_timeout = UPSTREAM_CONNECT_SECONDS + UPSTREAM_TOTAL_SECONDS  # nginx's bounds, and a margin
     return [

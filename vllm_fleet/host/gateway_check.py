@@ -4,8 +4,10 @@ With two or more gateway hosts (``gateway.hosts``) keepalived runs this every fe
 nginx's loopback status server: ``/vf/health`` (nginx answers) and ``/vf/upstreams`` (nginx reaches an engine that
 answers its /health: nginx tries each engine in turn). Exit 0 when the URL answers 2xx within ``--timeout``
 seconds, 1 otherwise, with one line that says why (keepalived only reads the exit status; a person running it by
-hand reads the line). Standard library only: keepalived starts it as ``python -I -m
-vllm_fleet.host.gateway_check`` (the CLI would load the spec model first: ≈ 0.8 s of CPU every few seconds).
+hand reads the line). Standard library only: keepalived starts it as the tools venv's console script
+``vllm-fleet-gateway-check`` (the CLI would load the spec model first: ≈ 0.8 s of CPU every few seconds; and
+not as ``VENV/bin/python -m ...``: keepalived's script security runs a script by its real path, and the venv's
+``python`` is a link to the system interpreter, which then runs outside the venv and cannot import this).
 """
 
 from __future__ import annotations
