@@ -201,7 +201,12 @@ def build_parser(
     )
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="repeat every SECONDS")
-    sp.add_argument("--prometheus", default="", metavar="URL", help="default: the spec's monitoring host")
+    sp.add_argument(
+        "--prometheus",
+        default="",
+        metavar="URL",
+        help="default: the spec's monitoring hosts' Prometheus, in turn (the first that answers)",
+    )
     sp.add_argument(
         "--prometheus-user",
         default="",

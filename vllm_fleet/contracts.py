@@ -18,6 +18,8 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   rendered as an engine artifact by ``vllm-fleet render`` and the roles); a host reads it, never the spec.
 - ``AdmissionConfig``: the gateway host's admission service config (``vllm-fleet admission --config``), read
   by ``vllm_fleet.host.admission_service``.
+- ``VrrpStateFile``: ``VRRP_STATE_FILE`` on a gateway host of two or more, written by keepalived's notify
+  (``vllm_fleet.host.vrrp_notify``), read by the host exporter (``vllm_fleet.host.exporter.vrrp``).
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -409,6 +411,58 @@ def read_worker_state(path: str | Path) -> WorkerStateFile:
     except ValueError as exc:
         raise ContractError(f"{p}: not JSON ({exc})") from None
     return parse_worker_state(data, str(p))
+
+
+# ------------------------------------------------------------------------- keepalived's VRRP state (gateway HA)
+
+# Where keepalived's ``notify`` (vllm_fleet.host.vrrp_notify, run as root on every gateway host of two or more)
+# writes the state of the gateway's VRRP instance, and the host exporter reads it (``--vrrp-state``). A folder of
+# its own under /run, not ``paths.state_dir``: that one belongs to the engines' units (RuntimeDirectory, their
+# user) and the exporter takes every ``*.json`` there for an instance. The notify creates the folder (0755) and
+# replaces the file (0644) atomically; /run is emptied at boot, so "no file" means keepalived has not reported
+# since the host started.
+VRRP_STATE_FILE = "/run/vllm-fleet-vrrp/state.json"
+# the states keepalived's notify passes for an instance (keepalived.conf(5); DELETED only with notify_deleted,
+# which the fleet does not set)
+VRRP_STATES = ("MASTER", "BACKUP", "FAULT", "STOP")
+
+
+class VrrpStateFile(TypedDict, total=False):
+    """``VRRP_STATE_FILE``: the last state change keepalived reported, rewritten (tmp file + rename) on each.
+    Readers must accept a missing key: ``total=False``."""
+
+    state: str  # VRRP_STATES as keepalived sent it (upper case)
+    type: str  # INSTANCE | GROUP
+    name: str  # the vrrp_instance's name (fleet/ha.py KeepalivedPlan.instance)
+    priority: int  # the priority keepalived reported with the change
+    since: float  # when the notify ran (epoch seconds): the state holds since then
+    keepalived_pid: int  # the keepalived process that ran the notify (its VRRP process: the notify's parent)
+
+
+_VRRP_STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    "state": ((str,), False),
+    "type": ((str,), False),
+    "name": ((str,), False),
+    "priority": ((int,), False),
+    "since": ((int, float), False),
+    "keepalived_pid": ((int,), False),
+}
+VRRP_STATE_KEYS = tuple(_VRRP_STATE_TYPES)
+
+
+def parse_vrrp_state(data: Any, source: str = "") -> VrrpStateFile:
+    """Check a VRRP state file's content like ``parse_state`` (unknown keys are kept)."""
+    return _check_types(data, _VRRP_STATE_TYPES, source)  # type: ignore[return-value]
+
+
+def read_vrrp_state(path: str | Path) -> VrrpStateFile:
+    """Read and check a VRRP state file (``OSError`` / ``ContractError`` as ``read_state``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise ContractError(f"{p}: not JSON ({exc})") from None
+    return parse_vrrp_state(data, str(p))
 
 
 # GPU facts from the host to the planner: the CSV of ``nvidia-smi --query-gpu=NVSMI_FIELDS

@@ -424,6 +424,7 @@ def build() -> str:
         series("up", adm, "1x30") + series("vllm_fleet_gateway_admission_fail_open_total", ex, "0x30"),
         alert("VllmFleetGatewayAdmissionDown", "10m", []),
     )
+    doc += ha_cases()
     doc += case(
         "Watchdog always fires",
         series("up", 'job="vllm", instance="tiny"', "1x5"),
@@ -437,6 +438,203 @@ def build() -> str:
                 )
             ],
         ),
+    )
+    return doc
+
+
+def ha_cases() -> str:
+    """The high-availability alerts (gateway.hosts, monitoring.hosts): two gateways h1, h2 and two monitoring
+    hosts h2, h3, as each Prometheus scrapes them (job nginx and vllm-fleet-exporter per gateway, prometheus and
+    alertmanager per monitoring host). ``stale`` ends a series the way a target that stops answering does."""
+    doc = ""
+
+    def exp(h: str) -> str:
+        return f'job="vllm-fleet-exporter", host="{h}", instance="{h}"'
+
+    def ngx(h: str) -> str:
+        return f'job="nginx", host="{h}", instance="{h}"'
+
+    def vrrp(h: str, state: str, values: str) -> str:
+        return series("vllm_fleet_gateway_vrrp_state", exp(h) + f', state="{state}"', values)
+
+    def master(h: str, values: str) -> str:
+        return series("vllm_fleet_gateway_vrrp_master", exp(h), values)
+
+    not_held = (
+        "No gateway reports holding the virtual address (gateway.virtual_address: keepalived MASTER) for 1m, or "
+        "every gateway's nginx exporter is down: clients of the address get no answer. `vllm-fleet status` shows "
+        "each gateway's VRRP state."
+    )
+    doc += case(
+        "address not held: the holder h1 dies at 3m (its series end), h2 stays BACKUP (fires 1m later)",
+        master("h1", "1x2 stale")
+        + master("h2", "0x10")
+        + series("up", ngx("h1"), "1x2 0x7")
+        + series("up", ngx("h2"), "1x10"),
+        fires_after("VllmFleetGatewayAddressNotHeld", "3m", "5m", [({}, not_held)]),
+    )
+    doc += case(
+        "address not held: both gateways lost, no VRRP series at all, every nginx exporter down (fires); the peer "
+        "alert stays silent (no other gateway serves)",
+        series("up", ngx("h1"), "0x10")
+        + series("up", ngx("h2"), "0x10")
+        + series("up", exp("h1"), "0x10")
+        + series("up", exp("h2"), "0x10"),
+        fires_after("VllmFleetGatewayAddressNotHeld", "30s", "2m", [({}, not_held)])
+        + alert("VllmFleetGatewayPeerDown", "8m", []),
+    )
+    doc += case(
+        "address held: a failover within one scrape, then one with a scrape between holders (silent)",
+        master("h1", "1 1 1 0 0 0 0x4")
+        + master("h2", "0 0 0 1 1 0 1x4")
+        + series("up", ngx("h1"), "1x10")
+        + series("up", ngx("h2"), "1x10"),
+        alert("VllmFleetGatewayAddressNotHeld", "4m", [])
+        + alert("VllmFleetGatewayAddressNotHeld", "6m", [])
+        + alert("VllmFleetGatewayAddressNotHeld", "9m", [])
+        + alert("VllmFleetGatewayAddressSplit", "9m", []),
+    )
+    doc += case(
+        "one gateway: no VRRP series, its nginx exporter down (none of the gateway HA alerts fires)",
+        series("up", ngx("h1"), "0x10") + series("up", exp("h1"), "0x10"),
+        alert("VllmFleetGatewayAddressNotHeld", "5m", [])
+        + alert("VllmFleetGatewayAddressSplit", "5m", [])
+        + alert("VllmFleetGatewayPeerDown", "8m", []),
+    )
+    doc += case(
+        "split brain: h2 takes the address at 2m while h1 keeps it (fires 1m later)",
+        master("h1", "1x10") + master("h2", "0 0 1x8"),
+        fires_after(
+            "VllmFleetGatewayAddressSplit",
+            "2m",
+            "3m",
+            [
+                (
+                    {},
+                    "2 gateways report holding the virtual address (gateway.virtual_address: keepalived MASTER) for "
+                    "1m: their VRRP advertisements do not reach each other, and clients' connections go to either.",
+                )
+            ],
+        ),
+    )
+    doc += case(
+        "split: both MASTER for one scrape during a move (silent)",
+        master("h1", "1 1 1 0x7") + master("h2", "0 0 1 1x7"),
+        alert("VllmFleetGatewayAddressSplit", "3m", []) + alert("VllmFleetGatewayAddressSplit", "4m", []),
+    )
+
+    def peer_down(h: str, signs: int) -> str:
+        return (
+            f"Gateway host {h} has been lost for 3m ({signs} sign(s): its nginx exporter or host exporter not "
+            "scraped, or its keepalived in FAULT, STOP or UNKNOWN) while another gateway serves: it cannot take the "
+            "virtual address over, one more failure and no gateway holds it."
+        )
+
+    doc += case(
+        "gateway peer down: the standby h2 is powered off at 2m (nginx and host exporter gone: fires 3m later)",
+        series("up", ngx("h1"), "1x10")
+        + series("up", exp("h1"), "1x10")
+        + vrrp("h1", "MASTER", "1x10")
+        + series("up", ngx("h2"), "1 1 0x8")
+        + series("up", exp("h2"), "1 1 0x8")
+        + vrrp("h2", "BACKUP", "1 1 stale"),
+        fires_after("VllmFleetGatewayPeerDown", "4m", "5m", [({"host": "h2"}, peer_down("h2", 2))]),
+    )
+    doc += case(
+        "gateway peer down: keepalived on h2 in FAULT (its nginx does not answer) while its exporters do (fires)",
+        series("up", ngx("h1"), "1x10")
+        + series("up", exp("h1"), "1x10")
+        + vrrp("h1", "MASTER", "1x10")
+        + series("up", ngx("h2"), "1x10")
+        + series("up", exp("h2"), "1x10")
+        + vrrp("h2", "BACKUP", "0x10")
+        + vrrp("h2", "FAULT", "1x10"),
+        fires_after("VllmFleetGatewayPeerDown", "2m", "3m", [({"host": "h2"}, peer_down("h2", 1))]),
+    )
+    doc += case(
+        "gateway peers: both serving, a missed scrape of h2, an engine host's exporter down (silent)",
+        series("up", ngx("h1"), "1x10")
+        + series("up", exp("h1"), "1x10")
+        + vrrp("h1", "MASTER", "1x10")
+        + series("up", ngx("h2"), "1 1 0 1x7")
+        + series("up", exp("h2"), "1x10")
+        + vrrp("h2", "BACKUP", "1x10")
+        + vrrp("h2", "UNKNOWN", "0x10")
+        + series("up", exp("h3"), "0x10"),
+        alert("VllmFleetGatewayPeerDown", "5m", []) + alert("VllmFleetGatewayPeerDown", "9m", []),
+    )
+
+    def prom(h: str, job: str) -> str:
+        port = 9090 if job == "prometheus" else 9093
+        return f'job="{job}", host="{h}", instance="10.0.0.{h[1:]}:{port}"'
+
+    def mon_labels(h: str, job: str, problem: str) -> dict[str, str]:
+        port = 9090 if job == "prometheus" else 9093
+        return {"job": job, "host": h, "instance": f"10.0.0.{h[1:]}:{port}", "problem": problem}
+
+    def mon_down(h: str, job: str) -> str:
+        return (
+            f"Prometheus cannot scrape the {job} of monitoring host {h} for 3m: the monitoring pair has lost its "
+            "redundancy."
+        )
+
+    def cluster(h: str, members: int) -> str:
+        return (
+            f"The Alertmanager of monitoring host {h} has {members} cluster member(s), fewer than the Alertmanagers "
+            "that answer (their gossip on monitoring.alertmanager_cluster_port does not pass) for 3m: the monitoring "
+            "pair has lost its redundancy."
+        )
+
+    members = "alertmanager_cluster_members"
+    doc += case(
+        "monitoring peer down: h3 is powered off at 2m, seen from h2's Prometheus (its Prometheus and Alertmanager "
+        "down: fires 3m later; h2's cluster of 1 matches the one Alertmanager that answers)",
+        series("up", prom("h2", "prometheus"), "1x10")
+        + series("up", prom("h3", "prometheus"), "1 1 0x8")
+        + series("up", prom("h2", "alertmanager"), "1x10")
+        + series("up", prom("h3", "alertmanager"), "1 1 0x8")
+        + series(members, prom("h2", "alertmanager"), "2 2 1x8")
+        + series(members, prom("h3", "alertmanager"), "2 2 stale"),
+        fires_after(
+            "VllmFleetMonitoringPeerDown",
+            "4m",
+            "5m",
+            [
+                (mon_labels("h3", "prometheus", "down"), mon_down("h3", "prometheus")),
+                (mon_labels("h3", "alertmanager", "down"), mon_down("h3", "alertmanager")),
+            ],
+        ),
+    )
+    doc += case(
+        "monitoring peers: the cluster port blocked, each Alertmanager alone in its cluster while both answer (fires)",
+        series("up", prom("h2", "alertmanager"), "1x10")
+        + series("up", prom("h3", "alertmanager"), "1x10")
+        + series(members, prom("h2", "alertmanager"), "1x10")
+        + series(members, prom("h3", "alertmanager"), "1x10"),
+        fires_after(
+            "VllmFleetMonitoringPeerDown",
+            "2m",
+            "3m",
+            [
+                (mon_labels("h2", "alertmanager", "cluster"), cluster("h2", 1)),
+                (mon_labels("h3", "alertmanager", "cluster"), cluster("h3", 1)),
+            ],
+        ),
+    )
+    doc += case(
+        "monitoring peers: both up, the cluster forming in the first 2m (silent)",
+        series("up", prom("h2", "prometheus"), "1x10")
+        + series("up", prom("h3", "prometheus"), "1x10")
+        + series("up", prom("h2", "alertmanager"), "1x10")
+        + series("up", prom("h3", "alertmanager"), "1x10")
+        + series(members, prom("h2", "alertmanager"), "1 1 2x8")
+        + series(members, prom("h3", "alertmanager"), "1 2x9"),
+        alert("VllmFleetMonitoringPeerDown", "3m", []) + alert("VllmFleetMonitoringPeerDown", "9m", []),
+    )
+    doc += case(
+        "one monitoring host: its Prometheus target down, no cluster (silent)",
+        series("up", prom("h1", "prometheus"), "0x10") + series("up", prom("h1", "alertmanager"), "1x10"),
+        alert("VllmFleetMonitoringPeerDown", "8m", []),
     )
     return doc
 

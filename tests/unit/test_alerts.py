@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from vllm_fleet.fleet.context import build_context
-from vllm_fleet.fleet.observability import ADMISSION_METRICS, VLLM_METRICS, check_alert_thresholds
+from vllm_fleet.fleet.observability import (
+    ADMISSION_METRICS,
+    ALERTMANAGER_CLUSTER_METRICS,
+    VLLM_METRICS,
+    VRRP_METRICS,
+    check_alert_thresholds,
+)
 from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, markdown_table
 from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
@@ -33,6 +39,8 @@ EXPORTER_METRICS = {
     "vllm_fleet_worker_state",
 } | {PREFIX + name + ("_total" if kind == "counter" else "") for kind, name, _help, _key in STATE_METRICS}
 EXPORTER_METRICS |= set(ADMISSION_METRICS)  # the gateway admission service's (gateway.limits)
+EXPORTER_METRICS |= set(VRRP_METRICS)  # keepalived's state on a gateway of two or more (gateway.hosts)
+EXPORTER_METRICS |= set(ALERTMANAGER_CLUSTER_METRICS)  # Alertmanager's own (monitoring.hosts)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"
@@ -84,6 +92,8 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     data["alerts"]["multinode_partial_for"] = "10m"
     data["alerts"]["key_at_budget_for"] = "13m"
     data["alerts"]["admission_down_for"] = "5m"
+    data["alerts"]["gateway_address_for"] = "3m"
+    data["alerts"]["ha_peer_down_for"] = "5m"
     changed = render_rules(data, tmp_path / "changed")
     shutil.copy(changed, tmp_path / "vllm-fleet.rules.yml")
     shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
@@ -95,6 +105,9 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     assert "VllmMultiNodeGroupPartial" in r.stdout + r.stderr
     assert "VllmFleetKeyAtBudget" in r.stdout + r.stderr
     assert "VllmFleetGatewayAdmissionDown" in r.stdout + r.stderr
+    for name in ("VllmFleetGatewayAddressNotHeld", "VllmFleetGatewayAddressSplit", "VllmFleetGatewayPeerDown",
+                 "VllmFleetMonitoringPeerDown"):  # fmt: skip
+        assert name in r.stdout + r.stderr
 
 
 def test_generated_test_file_is_current() -> None:
@@ -178,6 +191,8 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
         "kv_cache_for": "13m",
         "key_at_budget_for": "17m",
         "admission_down_for": "3m",
+        "gateway_address_for": "2m",
+        "ha_peer_down_for": "7m",
     }
     data["alerts"].update(odd)
     data["models"][1]["alerts"] = {"decode_rate_floor": 55.5, "ttft_p99_slo_seconds": 0.25}
@@ -199,6 +214,8 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
     assert {r["for"] for r in rules if r["alert"] == "VllmFleetKeyAtBudget"} == {"17m"}
     assert "refused_total[4m]" in _expr(rules, "VllmFleetKeyAtBudget")
     assert {r["for"] for r in rules if r["alert"] == "VllmFleetGatewayAdmissionDown"} == {"3m"}
+    assert {r["for"] for r in rules if r["alert"].startswith("VllmFleetGatewayAddress")} == {"2m"}
+    assert {r["for"] for r in rules if r["alert"].endswith("PeerDown")} == {"7m"}
 
 
 ADMISSION_ALERTS = {"VllmFleetKeyAtBudget", "VllmFleetGatewayAdmissionDown"}

@@ -4,8 +4,9 @@ The alerts, the dashboards and ``vllm-fleet status`` read these series by name, 
 metric name, a label, a HELP text, a value or the order of the families shows here as a diff. One fixture host
 feeds every collector: instance configs and launcher state files (a broken one too), a multi-node worker's
 config and state files (one whose process is gone), the gateway's access log, the deployment manifest, the
-drained set, systemd's ``NRestarts`` (``systemctl show``, faked) and NVML (a fake ``pynvml`` with two GPUs and
-XID events). The scrape duration, the one value that cannot repeat, is masked.
+drained set, keepalived's VRRP state (a gateway of two or more), systemd's ``NRestarts`` (``systemctl show``,
+faked) and NVML (a fake ``pynvml`` with two GPUs and XID events). The scrape duration, the one value that cannot
+repeat, is masked.
 
 After an intended change of the exposition: ``VF_UPDATE_GOLDEN=1 pytest tests/unit/test_exporter_golden.py``
 rewrites the golden files; review their diff.
@@ -37,6 +38,7 @@ from vllm_fleet.host.exporter import (
     Nvml,
     StateFiles,
     SystemdRestarts,
+    VrrpState,
     add_args,
     build_registry,
 )
@@ -114,7 +116,13 @@ def host(tmp_path: Path) -> dict[str, Path]:
     )
     drained = tmp_path / "drained.json"
     drained.write_text(json.dumps({"drained": ["a", "qwen3"], "updated": 1795940000}))
-    return {"state": st, "config": cfg, "workers": wcfg, "log": log, "manifest": manifest, "drained": drained}
+    vrrp = tmp_path / "vrrp.json"  # keepalived's notify: this gateway holds the address (its keepalived runs)
+    vrrp.write_text(
+        json.dumps({"state": "MASTER", "type": "INSTANCE", "name": "vf_t", "priority": 100,
+                    "since": 1795940010.25, "keepalived_pid": os.getpid()})
+    )  # fmt: skip
+    return {"state": st, "config": cfg, "workers": wcfg, "log": log, "manifest": manifest, "drained": drained,
+            "vrrp": vrrp}  # fmt: skip
 
 
 class _NVMLError(Exception):
@@ -242,6 +250,7 @@ def test_the_full_exposition_is_unchanged(
             drain_state=host["drained"],
             manifest=host["manifest"],
             worker_config_dir=host["workers"],
+            vrrp_state=host["vrrp"],
         )
     )
     first = render(registry)
@@ -270,12 +279,12 @@ def test_the_exposition_of_the_clis_arguments_is_unchanged(
     args = parser.parse_args(
         ["--state-dir", str(host["state"]), "--config-dir", str(host["config"]),
          "--worker-config-dir", str(host["workers"]), "--access-log", str(host["log"]), "--access-log-from-start",
-         "--drain-state", str(host["drained"]), "--manifest", str(host["manifest"])]
+         "--drain-state", str(host["drained"]), "--manifest", str(host["manifest"]), "--vrrp-state", str(host["vrrp"])]
     )  # fmt: skip
     registry = build_registry(args)
     _xid_thread_done()
     check("exporter_cli.prom", render(registry))
-    # without the optional inputs: no access-log, deployment or GPU series at all
+    # without the optional inputs: no access-log, deployment, VRRP or GPU series at all
     bare = parser.parse_args(
         ["--state-dir", str(host["state"]), "--config-dir", str(host["config"]), "--worker-config-dir", "",
          "--no-nvml", "--access-log", "", "--drain-state", "", "--manifest", ""]
@@ -305,6 +314,7 @@ def test_each_collector_owns_its_series(
         "systemd": _families(SystemdRestarts(states)),
         "access_log": _families(AccessLogTail(host["log"], from_start=True)),
         "deployment": _families(Deployment(host["manifest"], host["drained"])),
+        "vrrp": _families(VrrpState(host["vrrp"])),
         "nvml": _families(gpu),
     }
     whole = _families(
@@ -317,6 +327,7 @@ def test_each_collector_owns_its_series(
             drain_state=host["drained"],
             manifest=host["manifest"],
             worker_config_dir=host["workers"],
+            vrrp_state=host["vrrp"],
         )
     )
     assert whole.pop("vllm_fleet_exporter_scrape_duration_seconds")
@@ -328,6 +339,7 @@ def test_each_collector_owns_its_series(
     assert set(parts["deployment"]) == {"vllm_fleet_deployed_info", "vllm_fleet_gateway_drained"}
     assert all(n.startswith("vllm_fleet_gateway_") for n in parts["access_log"])
     assert all(n.startswith("vllm_fleet_gpu_") for n in parts["nvml"])
+    assert all(n.startswith("vllm_fleet_gateway_vrrp_") for n in parts["vrrp"]) and len(parts["vrrp"]) == 3
     # a host without GPUs: the NVML collector exports nothing
     monkeypatch.setitem(sys.modules, "pynvml", None)
     assert _families(Nvml()) == {}

@@ -188,6 +188,10 @@ def test_the_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
     before = spec_hash(parse_spec(d))
     d["gateway"].update({"virtual_address": "", "vrrp": {"advert_int": 1}})
     d["monitoring"] = {**d.get("monitoring", {}), "alertmanager_cluster_port": 9094}
+    d["alerts"] = {**d.get("alerts", {}), "gateway_address_for": "1m", "ha_peer_down_for": "3m"}
     assert spec_hash(parse_spec(d)) == before
     d["monitoring"]["alertmanager_cluster_port"] = 9095
+    assert spec_hash(parse_spec(d)) != before
+    d["monitoring"]["alertmanager_cluster_port"] = 9094
+    d["alerts"]["ha_peer_down_for"] = "5m"
     assert spec_hash(parse_spec(d)) != before

@@ -510,3 +510,173 @@ def test_a_prometheus_that_does_not_answer_names_the_firewall_and_what_to_do(
     # none admitted
     doc["firewall"] = {}
     assert "(configured: none)" in status.unanswered_hint(parse_spec(doc, "t"), url)
+
+
+# ------------------------------------------------------------------------- high availability (docs/design/ha.md)
+
+
+def ha_doc() -> dict[str, Any]:
+    """spec_doc with both hosts gateways behind 10.0.0.9 and both monitoring hosts."""
+    doc = spec_doc()
+    doc["gateway"] = {"hosts": ["h1", "h2"], "virtual_address": "10.0.0.9/24"}
+    doc["monitoring"] = {"hosts": ["h1", "h2"]}
+    return doc
+
+
+def ha_samples(
+    spec: FleetSpec,
+    vrrp: dict[str, str],
+    members: dict[str, int],
+    down: tuple[str, ...] = (),
+    **hosts_up: int,
+) -> list[Sample]:
+    """healthy() plus each gateway's VRRP state (``vrrp``: host → state, as its exporter reports it; none for a
+    host whose exporter is down), its nginx exporter, and each monitoring host's Prometheus and Alertmanager
+    (``down``: jobs as ``JOB@HOST`` not scraped) with their cluster members."""
+    out = healthy(spec, **hosts_up)
+    exp = "vllm-fleet-exporter"
+    for h in ("h1", "h2"):
+        up = hosts_up.get(h, 1)
+        out.append(({"__name__": "up", "job": "nginx", "host": h, "instance": h}, float(up)))
+        for job, port in (("prometheus", 9090), ("alertmanager", 9093)):
+            lab = {"job": job, "host": h, "instance": f"10.0.0.{h[1]}:{port}"}
+            out.append(({"__name__": "up", **lab}, float(up and f"{job}@{h}" not in down)))
+            if job == "alertmanager" and h in members:
+                out.append(({"__name__": "alertmanager_cluster_members", **lab}, float(members[h])))
+        if not up:
+            continue  # a dead host's exporter has no series
+        lab = {"job": exp, "host": h, "instance": h}
+        out.append(({"__name__": "vllm_fleet_gateway_vrrp_master", **lab}, float(vrrp[h] == "MASTER")))
+        for state in ("MASTER", "BACKUP", "FAULT", "STOP", "UNKNOWN"):
+            out.append(
+                (
+                    {"__name__": "vllm_fleet_gateway_vrrp_state", **lab, "state": state},
+                    float(vrrp[h] == state),
+                )
+            )
+        if vrrp[h] != "UNKNOWN":
+            out.append(
+                ({"__name__": "vllm_fleet_gateway_vrrp_state_since_timestamp_seconds", **lab}, NOW - 7260)
+            )
+    return out
+
+
+def _line(text: str, start: str) -> str:
+    return next(x for x in text.splitlines() if x.startswith(start))
+
+
+def test_an_ha_fleet_shows_who_holds_the_address_and_each_monitoring_host() -> None:
+    spec = parse_spec(ha_doc(), "t")
+    st = judge(
+        spec, ha_samples(spec, {"h1": "MASTER", "h2": "BACKUP"}, {"h1": 2, "h2": 2}), "http://p", now=NOW
+    )
+    assert st.holders == ["h1"] and st.virtual_address == "10.0.0.9/24" and st.exit_code == EXIT_SERVING
+    assert [(g.host, g.state, g.holds, g.since, g.nginx_up) for g in st.gateways] == [
+        ("h1", "MASTER", True, NOW - 7260, True), ("h2", "BACKUP", False, NOW - 7260, True),
+    ]  # fmt: skip
+    text = table(st)
+    assert _line(text, "gateway address") == (
+        "gateway address 10.0.0.9/24: held by h1; h1 MASTER for 2h1m, h2 BACKUP for 2h1m"
+    )
+    assert _line(text, "monitoring h1") == "monitoring h1: Prometheus up, Alertmanager up (cluster of 2/2)"
+    assert _line(text, "monitoring h2") == "monitoring h2: Prometheus up, Alertmanager up (cluster of 2/2)"
+    assert text.splitlines()[-1].startswith("3/3 instances serving")  # the summary stays last
+    doc = json.loads(json.dumps(st.to_dict()))
+    assert doc["holders"] == ["h1"] and doc["gateways"][1]["state"] == "BACKUP"
+    assert doc["monitoring"][0] == {
+        "host": "h1", "prometheus_up": True, "alertmanager_up": True, "cluster_members": 2,
+    }  # fmt: skip
+    # one gateway and one monitoring host: no such lines, whatever Prometheus holds
+    plain = parse_spec(spec_doc(), "t")
+    st = judge(plain, ha_samples(plain, {"h1": "MASTER", "h2": "BACKUP"}, {"h1": 1}), now=NOW)
+    assert (st.gateways, st.holders, st.monitoring, st.virtual_address) == ([], [], [], "")
+    assert "gateway address" not in table(st) and "monitoring h" not in table(st)
+
+
+def test_no_holder_two_holders_and_a_lost_monitoring_host_are_named() -> None:
+    spec = parse_spec(ha_doc(), "t")
+    # both gateways' nginx fail their check: FAULT on each, nobody holds the address
+    st = judge(spec, ha_samples(spec, {"h1": "FAULT", "h2": "FAULT"}, {"h1": 2, "h2": 2}), now=NOW)
+    assert st.holders == [] and _line(table(st), "gateway address") == (
+        "gateway address 10.0.0.9/24: HELD BY NO GATEWAY; h1 FAULT for 2h1m, h2 FAULT for 2h1m"
+    )
+    assert st.exit_code == EXIT_SERVING  # the engines serve; the address is the alerts' (docs/status.md)
+    # split brain
+    st = judge(spec, ha_samples(spec, {"h1": "MASTER", "h2": "MASTER"}, {"h1": 2, "h2": 2}), now=NOW)
+    assert _line(table(st), "gateway address").startswith(
+        "gateway address 10.0.0.9/24: HELD BY 2 GATEWAYS: h1, h2 (split brain); h1 MASTER"
+    )
+    # the holder h1 powered off: its exporter has no series, h2 has not taken over yet; h2's keepalived has not
+    # reported since boot
+    st = judge(spec, ha_samples(spec, {"h1": "MASTER", "h2": "UNKNOWN"}, {"h2": 1}, h1=0), now=NOW)
+    assert _line(table(st), "gateway address") == (
+        "gateway address 10.0.0.9/24: HELD BY NO GATEWAY; h1 unreachable (its exporter is not scraped), "
+        "h2 UNKNOWN"
+    )
+    assert [(m.host, m.prometheus_up, m.alertmanager_up, m.cluster_members) for m in st.monitoring] == [
+        ("h1", False, False, None), ("h2", True, True, 1),
+    ]  # fmt: skip
+    assert _line(table(st), "monitoring h1") == "monitoring h1: Prometheus DOWN, Alertmanager DOWN"
+    assert (
+        _line(table(st), "monitoring h2") == "monitoring h2: Prometheus up, Alertmanager up (cluster of 1/2)"
+    )
+    # nginx's exporter down on a backup whose host exporter answers; an Alertmanager target Prometheus lacks
+    samples = ha_samples(spec, {"h1": "MASTER", "h2": "BACKUP"}, {"h1": 2}, down=("alertmanager@h2",))
+    samples = set_value(samples, "up", 0.0, job="nginx", host="h2")
+    samples = [
+        (lv, v)
+        for lv, v in samples
+        if not (lv["__name__"] == "up" and (lv.get("job"), lv.get("host")) == ("prometheus", "h2"))
+    ]
+    st = judge(spec, samples, now=NOW)
+    assert _line(table(st), "gateway address").endswith("h2 BACKUP for 2h1m (nginx exporter not scraped)")
+    assert _line(table(st), "monitoring h2") == "monitoring h2: Prometheus not scraped, Alertmanager DOWN"
+
+
+def test_status_asks_each_monitoring_host_s_prometheus_in_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first monitoring host's Prometheus does not answer (nothing listens there): the second one's is read,
+    and the output names the first and why; neither answering is exit 3 naming both."""
+    import argparse
+
+    from vllm_fleet.fleet import status
+
+    srv = ThreadingHTTPServer(("127.0.0.3", 0), _FakePrometheus)
+    port = srv.server_address[1]
+    doc = spec_doc()
+    doc["hosts"][0]["address"], doc["hosts"][1]["address"] = "127.0.0.2", "127.0.0.3"
+    doc["monitoring"] = {"hosts": ["h1", "h2"], "prometheus_port": port, "web_auth": False}
+    spec = parse_spec(doc, "t")
+    first, second = f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}"
+    assert status.prometheus_urls(spec) == [first, second] and status.prometheus_url(spec) == first
+    assert "firewall (h2) admits Prometheus only from h2 itself" in status.unanswered_hint(spec, second)
+    _FakePrometheus.samples = healthy(spec)
+    _FakePrometheus.queries = []
+    _FakePrometheus.password = ""
+    args = argparse.Namespace(
+        prometheus="", prometheus_user="", prometheus_password_file="", json=True, watch=0
+    )
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert status.run(args, spec) == EXIT_SERVING
+        out = json.loads(capsys.readouterr().out)
+        assert out["prometheus"] == second and _FakePrometheus.queries == [QUERY]
+        [why] = out["prometheus_errors"]
+        assert why.startswith(f"Prometheus at {first}: ") and "refused" in why.lower()
+        args.json = False
+        assert status.run(args, spec) == EXIT_SERVING
+        assert (
+            f"read from Prometheus at {second}; before it: Prometheus at {first}: " in capsys.readouterr().out
+        )
+        # --prometheus: that one only
+        args.prometheus = first
+        assert status.run(args, spec) == 3
+        assert second not in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    args.prometheus = ""
+    assert status.run(args, spec) == 3
+    err = capsys.readouterr().err
+    assert f"Prometheus at {first}: " in err and f"Prometheus at {second}: " in err

@@ -21,6 +21,8 @@ ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
     "gpu": re.compile(r"vllm_fleet_gpu_"),
     # a multi-node group's node count and its workers' states: only fleets with a group (TP/PP over hosts)
     "multinode": re.compile(r"vllm_fleet_instance_nodes|vllm_fleet_worker_state"),
+    # keepalived's VRRP state (the gateways' exporters, --vrrp-state): only fleets of two or more gateways
+    "ha": re.compile(r"vllm_fleet_gateway_vrrp_"),
 }
 
 

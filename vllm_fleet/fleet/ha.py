@@ -6,7 +6,10 @@ keepalived asks its own nginx two questions through ``vllm-fleet gateway-check``
 on nginx's loopback status server: does nginx answer (``GATEWAY_HEALTH_PATH``; no: the gateway gives the address
 up at once, VRRP's FAULT state), and does at least one engine answer through it (``GATEWAY_UPSTREAMS_PATH``; no:
 its priority drops below every gateway that reaches one, which takes the address over; when no gateway reaches
-an engine the address stays where it is and clients get the gateway's JSON errors, not a dead address).
+an engine the address stays where it is and clients get the gateway's JSON errors, not a dead address). After
+every state change keepalived's notify (``host/vrrp_notify.py``, as root) writes the state to
+``contracts.VRRP_STATE_FILE``, which the host exporter reads (``vllm_fleet_gateway_vrrp_master``): the alerts and
+``vllm-fleet status`` tell from it which gateway holds the address.
 
 ``monitoring.hosts``: Prometheus on each with the same targets, rules and external labels but ``replica`` (the
 Prometheus HA convention), dropped from the alerts it sends, so that every Alertmanager receives the same
@@ -26,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_fleet.contracts import VRRP_STATE_FILE
 from vllm_fleet.fleet.network import internal_address, monitoring_listen_address
 from vllm_fleet.fleet.spec import DEFAULT_VRRP_PRIORITY, FleetSpec
 
@@ -42,6 +46,10 @@ VRRP_AUTH_FILE = "/etc/keepalived/vllm-fleet-vrrp-auth.conf"
 # keepalived runs the checks as this user (enable_script_security): they only ask nginx on loopback
 SCRIPT_USER = "nobody"
 SCRIPT_GROUP = "nogroup"
+# keepalived's notify: writes the VRRP state for the host exporter (vllm_fleet_gateway_vrrp_master), as root
+# (named on the notify line): the file under /run is root's, so that no other user can claim the address
+VRRP_NOTIFY_MODULE = "vllm_fleet.host.vrrp_notify"
+NOTIFY_USER = "root"
 # nginx's own bounds on the upstream question: connect, answer, and all engines tried together (seconds)
 UPSTREAM_CONNECT_SECONDS = 1
 UPSTREAM_READ_SECONDS = 2
@@ -111,6 +119,11 @@ class KeepalivedPlan(BaseModel):
     auth_file: str
     script_user: str
     script_group: str
+    # keepalived's notify (run as notify_user after every state change, with TYPE NAME STATE PRIORITY
+    # appended): writes state_file, which the host exporter reads (--vrrp-state)
+    notify: str
+    notify_user: str
+    state_file: str
 
 
 def gateway_check_urls(spec: FleetSpec) -> tuple[str, str]:
@@ -133,6 +146,12 @@ def vrrp_checks(spec: FleetSpec) -> list[VrrpCheck]:
     ]  # fmt: skip
 
 
+def vrrp_notify(spec: FleetSpec) -> str:
+    """keepalived's notify command: the tools venv's interpreter straight into the module (like the checks),
+    naming the state file (keepalived appends TYPE NAME STATE PRIORITY)."""
+    return f"{spec.paths.venv}/bin/python -I -m {VRRP_NOTIFY_MODULE} --state-file {VRRP_STATE_FILE}"
+
+
 def keepalived_plan(spec: FleetSpec, host: str) -> KeepalivedPlan | None:
     """``host``'s keepalived.conf, when it is one of two or more gateway hosts."""
     if not spec.gateway_ha or host not in spec.gateway_hosts:
@@ -153,6 +172,9 @@ def keepalived_plan(spec: FleetSpec, host: str) -> KeepalivedPlan | None:
         auth_file=VRRP_AUTH_FILE if vrrp.auth_secret else "",
         script_user=SCRIPT_USER,
         script_group=SCRIPT_GROUP,
+        notify=vrrp_notify(spec),
+        notify_user=NOTIFY_USER,
+        state_file=VRRP_STATE_FILE,
     )
 
 

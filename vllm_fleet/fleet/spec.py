@@ -695,6 +695,12 @@ class AlertThresholds(_Model):
     key_at_budget_for: str = "10m"
     # VllmFleetGatewayAdmissionDown: the gateway's admission service not scraped for this long
     admission_down_for: str = "2m"
+    # VllmFleetGatewayAddressNotHeld / VllmFleetGatewayAddressSplit: no gateway, or two, hold gateway.virtual_address
+    # for this long (a failover moves it within seconds)
+    gateway_address_for: str = "1m"
+    # VllmFleetGatewayPeerDown / VllmFleetMonitoringPeerDown: a gateway or monitoring host of two or more lost for
+    # this long
+    ha_peer_down_for: str = "3m"
     rate_window: str = "5m"
     # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
     group_wait: str = "30s"
@@ -1073,6 +1079,7 @@ def load_spec(path: str | Path) -> FleetSpec:
 _HA_FIELDS = {
     "gateway": ("hosts", "virtual_address", "vrrp"),
     "monitoring": ("hosts", "alertmanager_cluster_port"),
+    "alerts": ("gateway_address_for", "ha_peer_down_for"),
 }
 
 
@@ -1085,8 +1092,9 @@ def spec_hash(spec: FleetSpec) -> str:
     for m in d["models"]:
         if m["stack"] is None:
             del m["stack"]
-    # nor one that names no second gateway or monitoring host (their fields at their defaults)
-    for section, model in (("gateway", Gateway), ("monitoring", Monitoring)):
+    # nor one that names no second gateway or monitoring host (their fields, and their alerts' durations, at
+    # their defaults)
+    for section, model in (("gateway", Gateway), ("monitoring", Monitoring), ("alerts", AlertThresholds)):
         for name in _HA_FIELDS[section]:
             default = model.model_fields[name].get_default(call_default_factory=True)
             dumped = default.model_dump(mode="json") if isinstance(default, BaseModel) else default

@@ -10,6 +10,11 @@ its per-key series too, and a "Top keys" section follows the table: the ``TOP_KE
 admitted in the last ``KEY_WINDOW`` (in flight, queued, admitted, refused, the budgets at 100 %), and a line for
 each other key at a budget. A multi-node instance's ranks > 0 get a worker row
 each, under their instance (``vllm-worker@NAME`` on the rank's host: its state file via that host's exporter).
+With two or more gateways (``gateway.hosts``) a line says which holds ``gateway.virtual_address`` (each
+gateway's keepalived state, ``vllm_fleet_gateway_vrrp_state`` / ``_master`` from its exporter); with two or more
+monitoring hosts (``monitoring.hosts``) a line per host says whether its Prometheus and Alertmanager are scraped
+and how many members its Alertmanager's cluster counts (``alertmanager_cluster_members``). The monitoring hosts'
+Prometheus servers are asked in turn (``prometheus_urls``): the first that answers is read.
 
 Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
 draining, drained, probe failing, a rank of its group not joined) or ``down`` (failed, stopped, unreachable,
@@ -38,6 +43,7 @@ from vllm_fleet.fleet.spec import FleetSpec, spec_hash
 
 EXIT_SERVING, EXIT_DEGRADED, EXIT_DOWN, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXPORTER_JOB, ENGINE_JOB = "vllm-fleet-exporter", "vllm"  # monitoring/prometheus.yml.j2
+NGINX_JOB, PROMETHEUS_JOB, ALERTMANAGER_JOB = "nginx", "prometheus", "alertmanager"
 METRICS = (
     "up",
     "vllm_fleet_instance_state",
@@ -55,6 +61,11 @@ METRICS = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
+    # high availability (vllm_fleet.fleet.observability.VRRP_METRICS, ALERTMANAGER_CLUSTER_METRICS)
+    "vllm_fleet_gateway_vrrp_master",
+    "vllm_fleet_gateway_vrrp_state",
+    "vllm_fleet_gateway_vrrp_state_since_timestamp_seconds",
+    "alertmanager_cluster_members",
 )
 # the gateway admission service's per-key gauges (vllm_fleet.fleet.observability.ADMISSION_METRICS)
 KEY_METRICS = (
@@ -145,6 +156,28 @@ class KeyRow:
 
 
 @dataclass
+class GatewayHostStatus:
+    """One of two or more gateways: its keepalived's VRRP state as its host exporter reports it."""
+
+    host: str
+    state: str = "UNKNOWN"  # MASTER | BACKUP | FAULT | STOP | UNKNOWN; unreachable: its exporter not scraped
+    holds: bool = False  # it holds the virtual address (vllm_fleet_gateway_vrrp_master)
+    since: float | None = None  # when keepalived reported that state
+    nginx_up: bool | None = None  # its nginx exporter scraped (None: Prometheus has no such target)
+
+
+@dataclass
+class MonitoringHostStatus:
+    """One of two or more monitoring hosts: its Prometheus and Alertmanager scraped (None: no such target in
+    the Prometheus asked), and the members its Alertmanager's cluster counts."""
+
+    host: str
+    prometheus_up: bool | None = None
+    alertmanager_up: bool | None = None
+    cluster_members: int | None = None
+
+
+@dataclass
 class HostStatus:
     name: str
     reachable: bool
@@ -166,6 +199,12 @@ class FleetStatus:
     admission_up: bool | None = None  # its metrics scraped (None: not asked, or no admission service)
     keys: list[KeyRow] = field(default_factory=list)  # the busiest keys (TOP_KEYS), most admitted first
     keys_at_budget: list[KeyRow] = field(default_factory=list)  # other keys at a budget
+    # the Prometheus servers asked before the one that answered, and why each did not
+    prometheus_errors: list[str] = field(default_factory=list)
+    virtual_address: str = ""  # gateway.virtual_address ("": one gateway)
+    gateways: list[GatewayHostStatus] = field(default_factory=list)  # two or more gateways only
+    holders: list[str] = field(default_factory=list)  # the gateways that hold the virtual address
+    monitoring: list[MonitoringHostStatus] = field(default_factory=list)  # two or more monitoring hosts only
 
     @property
     def exit_code(self) -> int:
@@ -183,9 +222,14 @@ class FleetStatus:
 # ------------------------------------------------------------------------------------------------ reading
 
 
+def prometheus_urls(spec: FleetSpec) -> list[str]:
+    """Each monitoring host's Prometheus (``monitoring.hosts``, in order): ``status`` asks them in turn."""
+    return [f"http://{spec.host(h).address}:{spec.monitoring.prometheus_port}" for h in spec.monitoring_hosts]
+
+
 def prometheus_url(spec: FleetSpec) -> str:
-    host = next(h for h in spec.hosts if h.name == spec.monitoring_host)
-    return f"http://{host.address}:{spec.monitoring.prometheus_port}"
+    """The first monitoring host's Prometheus."""
+    return prometheus_urls(spec)[0]
 
 
 def _source_address(host: str) -> str | None:
@@ -203,10 +247,10 @@ def unanswered_hint(spec: FleetSpec, url: str) -> str:
     """What to do when Prometheus at ``url`` does not answer in time: the monitoring host's firewall drops
     every packet it does not admit (``firewall.admin_sources`` besides the monitoring host), so a controller
     that is not admitted waits for the timeout."""
-    mon = spec.monitoring_host
+    target = urllib.parse.urlsplit(url).hostname or ""
+    mon = next((h for h in spec.monitoring_hosts if spec.host(h).address == target), spec.monitoring_host)
     if not spec.firewall.enabled:
         return f" (is the monitoring host {mon} up and Prometheus running there?)"
-    target = urllib.parse.urlsplit(url).hostname or ""
     sources = ", ".join(spec.firewall.admin_sources) or "none"
     me = _source_address(target) if target else None
     mine = f"; this machine's address towards {target} is {me}" if me else ""
@@ -262,6 +306,20 @@ def query(
         except (KeyError, IndexError, ValueError):
             continue
     return out
+
+
+def ask(
+    spec: FleetSpec, urls: list[str], auth: tuple[str, str] | None = None
+) -> tuple[str, list[Sample], list[str]]:
+    """``QUERY`` to each Prometheus of ``urls`` in turn: (the first that answered, its samples, why each one
+    before it did not). None answering: ``StatusError`` with every reason."""
+    errors: list[str] = []
+    for url in urls:
+        try:
+            return url, query(url, QUERY, auth, timeout_hint=unanswered_hint(spec, url)), errors
+        except StatusError as exc:
+            errors.append(str(exc))
+    raise StatusError("\n".join(errors))
 
 
 # ------------------------------------------------------------------------------------------------ judging
@@ -323,7 +381,42 @@ def judge(
         st.admission = True
         st.admission_up = idx.one("up", job=ADMISSION_JOB) == 1
         st.keys, st.keys_at_budget = _keys(idx)
+    if spec.gateway_ha:
+        st.virtual_address = spec.gateway.virtual_address
+        st.gateways = [_gateway(idx, g, reachable.get(g, False)) for g in spec.gateway_hosts]
+        st.holders = [g.host for g in st.gateways if g.holds]
+    if spec.monitoring_ha:
+        st.monitoring = [_monitoring(idx, m) for m in spec.monitoring_hosts]
     return st
+
+
+def _up(idx: _Index, job: str, host: str) -> bool | None:
+    up = idx.one("up", job=job, host=host)
+    return None if up is None else up == 1
+
+
+def _gateway(idx: _Index, host: str, exporter_up: bool) -> GatewayHostStatus:
+    """A gateway's VRRP state from its exporter; ``unreachable`` when that is not scraped (a dead holder too:
+    it holds nothing any more)."""
+    g = GatewayHostStatus(host, nginx_up=_up(idx, NGINX_JOB, host))
+    if not exporter_up:
+        g.state = "unreachable"
+        return g
+    current = [lv["state"] for lv, v in idx.find("vllm_fleet_gateway_vrrp_state", host=host) if v == 1]
+    g.state = current[0] if current else "UNKNOWN"
+    g.holds = idx.one("vllm_fleet_gateway_vrrp_master", host=host) == 1
+    g.since = idx.one("vllm_fleet_gateway_vrrp_state_since_timestamp_seconds", host=host) or None
+    return g
+
+
+def _monitoring(idx: _Index, host: str) -> MonitoringHostStatus:
+    members = idx.one("alertmanager_cluster_members", job=ALERTMANAGER_JOB, host=host)
+    return MonitoringHostStatus(
+        host,
+        _up(idx, PROMETHEUS_JOB, host),
+        _up(idx, ALERTMANAGER_JOB, host),
+        None if members is None else int(members),
+    )
 
 
 def _keys(idx: _Index) -> tuple[list[KeyRow], list[KeyRow]]:
@@ -509,6 +602,7 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
         elif not h.deployed_spec:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
+    out += _ha_lines(st)
     if st.admission:
         out += _keys_table(st)
     serving = sum(r.verdict == "serving" for r in st.rows)
@@ -520,6 +614,41 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
     return "\n".join(out)
+
+
+def _ha_lines(st: FleetStatus) -> list[str]:
+    """Who holds the virtual address (two or more gateways), each monitoring host's Prometheus and Alertmanager
+    (two or more monitoring hosts), and the Prometheus servers that did not answer before the one read."""
+    out: list[str] = []
+    if st.gateways:
+
+        def gateway(g: GatewayHostStatus) -> str:
+            if g.state == "unreachable":
+                return f"{g.host} unreachable (its exporter is not scraped)"
+            text = f"{g.host} {g.state}" + (f" for {_age(g.since, st.at)}" if g.since else "")
+            return text + (" (nginx exporter not scraped)" if g.nginx_up is False else "")
+
+        if len(st.holders) == 1:
+            held = f"held by {st.holders[0]}"
+        elif not st.holders:
+            held = "HELD BY NO GATEWAY"
+        else:
+            held = f"HELD BY {len(st.holders)} GATEWAYS: {', '.join(st.holders)} (split brain)"
+        out.append(
+            f"gateway address {st.virtual_address}: {held}; " + ", ".join(gateway(g) for g in st.gateways)
+        )
+
+    def up(v: bool | None) -> str:
+        return "up" if v else "not scraped" if v is None else "DOWN"
+
+    for m in st.monitoring:
+        line = f"monitoring {m.host}: Prometheus {up(m.prometheus_up)}, Alertmanager {up(m.alertmanager_up)}"
+        if m.cluster_members is not None:
+            line += f" (cluster of {m.cluster_members}/{len(st.monitoring)})"
+        out.append(line)
+    if st.prometheus_errors:
+        out.append(f"read from Prometheus at {st.prometheus}; before it: " + "; ".join(st.prometheus_errors))
+    return out
 
 
 _KEY_COLUMNS = (
@@ -585,11 +714,13 @@ def _auth(a: argparse.Namespace, spec: FleetSpec) -> tuple[str, str] | None:
 
 
 def run(a: argparse.Namespace, spec: FleetSpec) -> int:
-    url = a.prometheus or prometheus_url(spec)
+    urls = [a.prometheus] if a.prometheus else prometheus_urls(spec)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not a.json
     while True:
         try:
-            st = judge(spec, query(url, QUERY, _auth(a, spec), timeout_hint=unanswered_hint(spec, url)), url)
+            url, samples, errors = ask(spec, urls, _auth(a, spec))
+            st = judge(spec, samples, url)
+            st.prometheus_errors = errors
         except StatusError as exc:
             if a.json:
                 print(json.dumps({"fleet": spec.name, "error": str(exc), "exit_code": EXIT_UNREACHABLE}))

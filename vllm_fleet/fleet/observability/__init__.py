@@ -35,3 +35,14 @@ ADMISSION_METRICS = (
     "vllm_fleet_gateway_admission_up",
 )
 ADMISSION_JOB = "vllm-fleet-admission"  # monitoring/prometheus.yml.j2
+
+# High availability (gateway.hosts, monitoring.hosts; docs/design/ha.md): the host exporter's VRRP families on a
+# gateway of two or more (``--vrrp-state``: vllm_fleet/host/exporter/vrrp.py; labels host, instance and, on
+# ``_state``, state = MASTER | BACKUP | FAULT | STOP | UNKNOWN), and Alertmanager's own cluster gauge (every
+# Prometheus scrapes every Alertmanager: job ``alertmanager``)
+VRRP_METRICS = (
+    "vllm_fleet_gateway_vrrp_master",
+    "vllm_fleet_gateway_vrrp_state",
+    "vllm_fleet_gateway_vrrp_state_since_timestamp_seconds",
+)
+ALERTMANAGER_CLUSTER_METRICS = ("alertmanager_cluster_members",)

@@ -288,6 +288,74 @@ ALERTS: tuple[Alert, ...] = (
              "sum by (host) (increase(vllm_fleet_gateway_admission_fail_open_total[${rate_window}])) > 0",
     ),
     Alert(
+        # gateway.hosts (docs/design/ha.md): each gateway's host exporter reads keepalived's state
+        # (vllm_fleet_gateway_vrrp_master, 1 on the holder). A dead holder exports nothing, so the sum over the
+        # gateways that answer is 0; every gateway lost (no series at all) is the second clause. One gateway: no
+        # VRRP series and one nginx target, nothing fires. Each Prometheus evaluates this alone: one cut off
+        # from the holder sees no holder (its peer alert fires too)
+        "VllmFleetGatewayAddressNotHeld", "critical", scope="fleet",
+        section="high availability (gateway.hosts, monitoring.hosts)",
+        summary="No gateway holds the fleet's virtual address",
+        description="No gateway reports holding the virtual address (gateway.virtual_address: keepalived MASTER) "
+                    "for ${gateway_address_for}, or every gateway's nginx exporter is down: clients of the address "
+                    "get no answer. `vllm-fleet status` shows each gateway's VRRP state.",
+        value="sum(vllm_fleet_gateway_vrrp_master)", op="==", threshold=0, for_="gateway_address_for",
+        expr="${value} ${op} ${threshold}\n"
+             "or on ()\n"
+             '(sum(up{job="nginx"}) == 0 and on () count(up{job="nginx"}) > 1)',
+    ),
+    Alert(
+        # two holders: their VRRP advertisements do not reach each other (protocol 112 blocked between them, an
+        # interface down on one side, another router with the same virtual_router_id)
+        "VllmFleetGatewayAddressSplit", "critical", scope="fleet",
+        summary="Two or more gateways hold the fleet's virtual address (split brain)",
+        description='{{ $value | printf "%.0f" }} gateways report holding the virtual address '
+                    "(gateway.virtual_address: keepalived MASTER) for ${gateway_address_for}: their VRRP "
+                    "advertisements do not reach each other, and clients' connections go to either.",
+        value="sum(vllm_fleet_gateway_vrrp_master)", op=">", threshold=1, for_="gateway_address_for",
+    ),
+    Alert(
+        # a gateway of two or more that could not take the address over: its nginx exporter or host exporter
+        # not scraped (the host, or its network, is gone), or its keepalived in FAULT (its nginx does not answer),
+        # STOP or UNKNOWN (not running); while another gateway's nginx exporter answers (none: NotHeld)
+        "VllmFleetGatewayPeerDown", "warning", scope="fleet",
+        summary="A gateway of the HA pair is lost: the virtual address has no standby there",
+        description="Gateway host {{ $labels.host }} has been lost for ${ha_peer_down_for} "
+                    '({{ $value | printf "%.0f" }} sign(s): its nginx exporter or host exporter not scraped, or '
+                    "its keepalived in FAULT, STOP or UNKNOWN) while another gateway serves: it cannot take the "
+                    "virtual address over, one more failure and no gateway holds it.",
+        value="count by (host) (\n"
+              '  up{job="nginx"} == 0\n'
+              '  or (up{job="vllm-fleet-exporter"} == 0 and on (host) up{job="nginx"})\n'
+              '  or vllm_fleet_gateway_vrrp_state{state=~"FAULT|STOP|UNKNOWN"} == 1\n'
+              ")",
+        op=">=", threshold=1, for_="ha_peer_down_for",
+        expr="${value}\n${op} ${threshold}\n"
+             'and on () count(up{job="nginx"} == 1) >= 1\n'
+             'and on () count(up{job="nginx"}) > 1',
+    ),
+    Alert(
+        # monitoring.hosts (docs/design/ha.md): every Prometheus scrapes every Prometheus and Alertmanager (job
+        # prometheus, alertmanager), so each sees a lost peer; an Alertmanager whose cluster has fewer members
+        # than the Alertmanagers that answer is cut off from the others' gossip (notifications and silences no
+        # longer shared: duplicates). Only with two or more Alertmanager targets
+        "VllmFleetMonitoringPeerDown", "warning", scope="fleet",
+        summary="A Prometheus or Alertmanager of the monitoring pair is down or out of the cluster",
+        description='{{ if eq $labels.problem "down" }}Prometheus cannot scrape the {{ $labels.job }} of '
+                    "monitoring host {{ $labels.host }}{{ else }}The Alertmanager of monitoring host "
+                    '{{ $labels.host }} has {{ $value | printf "%.0f" }} cluster member(s), fewer than the '
+                    "Alertmanagers that answer (their gossip on monitoring.alertmanager_cluster_port does not "
+                    "pass){{ end }} for ${ha_peer_down_for}: the monitoring pair has lost its redundancy.",
+        value='(\n'
+              '  label_replace(up{job=~"prometheus|alertmanager"} == 0, "problem", "down", "", "")\n'
+              "  or\n"
+              '  label_replace(alertmanager_cluster_members < on () group_left () count(up{job="alertmanager"} == 1), '
+              '"problem", "cluster", "", "")\n'
+              ")\n"
+              'and on () count(up{job="alertmanager"}) > 1',
+        for_="ha_peer_down_for",
+    ),
+    Alert(
         "Watchdog", "none", section="pipeline", scope="fleet",
         summary="Always firing: proves Prometheus -> Alertmanager works",
         description="This alert always fires. If it stops arriving at its receiver, the alerting pipeline is "
@@ -418,7 +486,7 @@ def rules_yaml(ctx: dict[str, Any]) -> str:
                 out.append(f"      # {'-' * 64} {a.section}")
             seen.add(a.name)
             out.append(f"      - alert: {a.name}")
-            if a.op is None:  # a constant expression (Watchdog): one plain line
+            if a.op is None and "\n" not in r.expr:  # a constant expression (Watchdog): one plain line
                 out.append(f"        expr: {r.expr}")
             else:
                 out.append("        expr: |")

@@ -7,16 +7,17 @@ per headless rank of a multi-node instance on this host, the worker's state file
 (``{state_dir}/workers/{name}.json``: waiting / joined / rank0_gone / exited) and the restart count of
 ``vllm-worker@NAME.service``; NVML GPU metrics (nvidia-ml-py: utilisation,
 memory, temperature, power, ECC, XID) when the host has NVIDIA GPUs, and — on the gateway host — request
-counts by model and status code from the gateway's JSON access log (the nginx exporter has no status codes).
+counts by model and status code from the gateway's JSON access log (the nginx exporter has no status codes)
+and, on a gateway of two or more, keepalived's VRRP state (``--vrrp-state``: whether it holds the address).
 
 Everything is read at scrape time (no background state) except the access log, which is tailed
 incrementally on each scrape, and NVML XID events, which a thread collects.
 
 One module per collector, each a prometheus_client ``Collector`` owning its series: ``states`` (the state files
 and configs: ``StateFiles``; the manifest and the drained set: ``Deployment``), ``systemd``
-(``SystemdRestarts``), ``access_log`` (``AccessLogTail``), ``nvml`` (``Nvml``); ``registry`` composes the
-ones the arguments enable (``FleetCollector``, ``build_registry``). This module is the command (``add_args``,
-its handler) and re-exports the names other code uses.
+(``SystemdRestarts``), ``access_log`` (``AccessLogTail``), ``vrrp`` (``VrrpState``), ``nvml`` (``Nvml``);
+``registry`` composes the ones the arguments enable (``FleetCollector``, ``build_registry``). This module is the
+command (``add_args``, its handler) and re-exports the names other code uses.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import threading
 from prometheus_client import generate_latest, start_http_server
 
 from vllm_fleet.contracts import MANIFEST_PATH as MANIFEST_FILE
+from vllm_fleet.contracts import VRRP_STATE_FILE
 from vllm_fleet.host.drain import STATE_FILE as DRAIN_STATE_FILE
 from vllm_fleet.host.exporter.access_log import DURATION_BUCKETS, AccessLogTail
 from vllm_fleet.host.exporter.common import PREFIX, log
@@ -53,6 +55,7 @@ from vllm_fleet.host.exporter.systemd import (
     systemd_available,
     unit_restarts,
 )
+from vllm_fleet.host.exporter.vrrp import VrrpReading, VrrpState, read_vrrp
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -69,10 +72,13 @@ __all__ = [
     "StateFiles",
     "SystemdReadError",
     "SystemdRestarts",
+    "VrrpReading",
+    "VrrpState",
     "Worker",
     "add_args",
     "build_registry",
     "read_instances",
+    "read_vrrp",
     "read_workers",
     "systemd_available",
     "unit_restarts",
@@ -119,5 +125,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--drain-state", default=DRAIN_STATE_FILE, help="the gateway's drained-set file (on the gateway host)"
     )
     p.add_argument("--manifest", default=MANIFEST_FILE, help="the deployment manifest of this host")
+    p.add_argument(
+        "--vrrp-state",
+        default="",
+        metavar="PATH",
+        help=f"keepalived's VRRP state file (a gateway of two or more: {VRRP_STATE_FILE}); none: no VRRP series",
+    )
     p.add_argument("--once", action="store_true", help="print the metrics once and exit")
     p.set_defaults(handler=_run)

@@ -21,12 +21,14 @@ from vllm_fleet.host.exporter.common import PREFIX
 from vllm_fleet.host.exporter.nvml import Nvml
 from vllm_fleet.host.exporter.states import Deployment, StateFiles
 from vllm_fleet.host.exporter.systemd import SystemdRestarts, systemd_available
+from vllm_fleet.host.exporter.vrrp import VrrpState, vrrp_metrics
 
 
 class FleetCollector(Collector):
     """Every series of the host exporter, in this order: the instances' and workers' state files, their restart
     counts (when systemd runs, ``use_systemd=None``: when it is there), the gateway's access log, the deployment
-    (manifest, drained set), the GPUs (NVML), then the read-error counter and the scrape duration."""
+    (manifest, drained set), keepalived's VRRP state (a gateway of two or more), the GPUs (NVML), then the
+    read-error counter and the scrape duration."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class FleetCollector(Collector):
         drain_state: Path | None = None,
         manifest: Path | None = None,
         worker_config_dir: Path | None = None,
+        vrrp_state: Path | None = None,
     ) -> None:
         self.states = StateFiles(state_dir, config_dir, worker_config_dir)
         self.use_systemd = systemd_available() if use_systemd is None else use_systemd
@@ -45,6 +48,7 @@ class FleetCollector(Collector):
         self.access_log = access_log
         self.deployment = Deployment(manifest, drain_state)
         self.nvml = nvml
+        self.vrrp = VrrpState(vrrp_state) if vrrp_state is not None else None
 
     def collect(self) -> Iterator[Metric]:
         started = time.monotonic()
@@ -55,9 +59,14 @@ class FleetCollector(Collector):
         if self.access_log is not None:
             yield from self.access_log.collect()
         yield from self.deployment.collect()
+        errors = states.errors
+        if self.vrrp is not None:
+            vrrp = self.vrrp.read()
+            errors += vrrp.error
+            yield from vrrp_metrics(vrrp)
         if self.nvml is not None:
             yield from self.nvml.collect()
-        yield self.states.read_errors(states.errors)
+        yield self.states.read_errors(errors)
         yield GaugeMetricFamily(
             PREFIX + "exporter_scrape_duration_seconds",
             "Time this scrape took",
@@ -67,7 +76,7 @@ class FleetCollector(Collector):
 
 def build_registry(args: argparse.Namespace) -> CollectorRegistry:
     """The registry of ``vllm-fleet exporter ARGS``: the access log only with ``--access-log``, NVML unless
-    ``--no-nvml``, the manifest and the drained set where their paths are given."""
+    ``--no-nvml``, the manifest, the drained set and keepalived's VRRP state where their paths are given."""
     registry = CollectorRegistry()
     tail = (
         AccessLogTail(Path(args.access_log), from_start=args.access_log_from_start)
@@ -84,6 +93,7 @@ def build_registry(args: argparse.Namespace) -> CollectorRegistry:
             drain_state=Path(args.drain_state) if args.drain_state else None,
             manifest=Path(args.manifest) if args.manifest else None,
             worker_config_dir=Path(args.worker_config_dir) if args.worker_config_dir else None,
+            vrrp_state=Path(args.vrrp_state) if args.vrrp_state else None,
         )
     )
     return registry

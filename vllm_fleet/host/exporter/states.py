@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from vllm_fleet.contracts import (
     read_worker_state,
 )
 from vllm_fleet.files import read_json_object
-from vllm_fleet.host.exporter.common import PREFIX, log
+from vllm_fleet.host.exporter.common import PREFIX, log, pid_alive
 
 STATES = ("loading", "ready", "draining", "failed", "stopped")
 
@@ -122,26 +121,13 @@ def read_workers(state_dir: Path, config_dir: Path | None) -> tuple[list[Worker]
     for name, st in states:
         w = found.setdefault(name, Worker(name))
         pid = st.get("worker_pid")
-        if st.get("state") in ("waiting", "joined") and isinstance(pid, int) and not _alive(pid):
+        if st.get("state") in ("waiting", "joined") and isinstance(pid, int) and not pid_alive(pid):
             # killed (SIGKILL at a stop timeout, the OOM killer): it could not write its last state
             st = {**st, "state": "exited", "reason": "the worker process is gone"}
         w.state = st
         w.model = w.model or str(st.get("served_model_name") or name)
         w.rank = w.rank if w.rank is not None else st.get("rank")
     return sorted(found.values(), key=lambda w: w.name), cfg_errors + st_errors
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (any user's: EPERM means it does)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _number(v: Any) -> float | None:
