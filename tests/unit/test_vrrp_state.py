@@ -196,7 +196,7 @@ def _files(spec: FleetSpec, host: str) -> dict[str, str]:
 def test_keepalived_runs_the_notify_as_root_and_the_gateway_s_exporter_reads_its_file() -> None:
     spec = ha_spec()
     notify = (
-        f'    notify "/opt/vllm-fleet/venv/bin/python -I -m vllm_fleet.host.vrrp_notify --state-file '
+        f'    notify "/opt/vllm-fleet/venv/bin/vllm-fleet-vrrp-notify --state-file '
         f'{VRRP_STATE_FILE}" root\n'
     )
     exporter = "/etc/systemd/system/vllm-fleet-exporter.service"
@@ -248,7 +248,7 @@ def test_a_real_keepalived_runs_the_rendered_notify(tmp_path: Path) -> None:
         f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m vllm_fleet.host.vrrp_notify "$@"\n'
     )
     wrapper.chmod(0o755)
-    venv_notify = f"{spec.paths.venv}/bin/python -I -m {ha.VRRP_NOTIFY_MODULE}"
+    venv_notify = f"{spec.paths.venv}/bin/{ha.VRRP_NOTIFY_SCRIPT}"
     assert venv_notify in conf
     conf = conf.replace(venv_notify, str(wrapper)).replace(VRRP_STATE_FILE, str(state))
     conf = conf.replace("    enable_script_security\n", "")

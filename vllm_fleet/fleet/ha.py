@@ -48,7 +48,8 @@ SCRIPT_USER = "nobody"
 SCRIPT_GROUP = "nogroup"
 # keepalived's notify: writes the VRRP state for the host exporter (vllm_fleet_gateway_vrrp_master), as root
 # (named on the notify line): the file under /run is root's, so that no other user can claim the address
-VRRP_NOTIFY_MODULE = "vllm_fleet.host.vrrp_notify"
+# (the venv's console script of vllm_fleet.host.vrrp_notify, for the reason GATEWAY_CHECK_SCRIPT says)
+VRRP_NOTIFY_SCRIPT = "vllm-fleet-vrrp-notify"
 NOTIFY_USER = "root"
 # nginx's own bounds on the upstream question: connect, answer, and all engines tried together (seconds)
 UPSTREAM_CONNECT_SECONDS = 1
@@ -147,9 +148,9 @@ def vrrp_checks(spec: FleetSpec) -> list[VrrpCheck]:
 
 
 def vrrp_notify(spec: FleetSpec) -> str:
-    """keepalived's notify command: the tools venv's interpreter straight into the module (like the checks),
-    naming the state file (keepalived appends TYPE NAME STATE PRIORITY)."""
-    return f"{spec.paths.venv}/bin/python -I -m {VRRP_NOTIFY_MODULE} --state-file {VRRP_STATE_FILE}"
+    """keepalived's notify command: the tools venv's console script (like the checks), naming the state file
+    (keepalived appends TYPE NAME STATE PRIORITY)."""
+    return f"{spec.paths.venv}/bin/{VRRP_NOTIFY_SCRIPT} --state-file {VRRP_STATE_FILE}"
 
 
 def keepalived_plan(spec: FleetSpec, host: str) -> KeepalivedPlan | None:

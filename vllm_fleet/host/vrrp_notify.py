@@ -1,7 +1,7 @@
 """keepalived's ``notify`` on a gateway host of two or more (docs/design/ha.md): the VRRP state, for the exporter.
 
-keepalived runs ``python -I -m vllm_fleet.host.vrrp_notify --state-file PATH`` after every state change of the
-gateway's ``vrrp_instance``, with four arguments of its own appended (keepalived.conf(5), ``notify``): TYPE
+keepalived runs ``VENV/bin/vllm-fleet-vrrp-notify --state-file PATH`` (this module's console script) after
+every state change of the gateway's ``vrrp_instance``, with four arguments of its own appended (keepalived.conf(5), ``notify``): TYPE
 (``INSTANCE``), NAME (the instance), STATE (``MASTER`` | ``BACKUP`` | ``FAULT`` | ``STOP``) and PRIORITY. This
 writes them, with the time and keepalived's process id (the notify's parent), as one JSON object
 (``vllm_fleet.contracts.VrrpStateFile``) to the state file, replaced atomically (a temp file in the same folder
