@@ -196,8 +196,7 @@ def _files(spec: FleetSpec, host: str) -> dict[str, str]:
 def test_keepalived_runs_the_notify_as_root_and_the_gateway_s_exporter_reads_its_file() -> None:
     spec = ha_spec()
     notify = (
-        f'    notify "/opt/vllm-fleet/venv/bin/vllm-fleet-vrrp-notify --state-file '
-        f'{VRRP_STATE_FILE}" root\n'
+        f'    notify "/opt/vllm-fleet/venv/bin/vllm-fleet-vrrp-notify --state-file {VRRP_STATE_FILE}" root\n'
     )
     exporter = "/etc/systemd/system/vllm-fleet-exporter.service"
     for host in ("h1", "h2"):

@@ -1,8 +1,9 @@
 """keepalived's ``notify`` on a gateway host of two or more (docs/design/ha.md): the VRRP state, for the exporter.
 
 keepalived runs ``VENV/bin/vllm-fleet-vrrp-notify --state-file PATH`` (this module's console script) after
-every state change of the gateway's ``vrrp_instance``, with four arguments of its own appended (keepalived.conf(5), ``notify``): TYPE
-(``INSTANCE``), NAME (the instance), STATE (``MASTER`` | ``BACKUP`` | ``FAULT`` | ``STOP``) and PRIORITY. This
+every state change of the gateway's ``vrrp_instance``, with four arguments of its own appended
+(keepalived.conf(5), ``notify``): TYPE (``INSTANCE``), NAME (the instance), STATE (``MASTER`` | ``BACKUP``
+| ``FAULT`` | ``STOP``) and PRIORITY. This
 writes them, with the time and keepalived's process id (the notify's parent), as one JSON object
 (``vllm_fleet.contracts.VrrpStateFile``) to the state file, replaced atomically (a temp file in the same folder
 + rename): the host exporter reads it at every scrape (``vllm_fleet_gateway_vrrp_master``,
