@@ -18,6 +18,7 @@ ORDER = [
     "gateway",
     "gateway-limits",
     "gateway-scale",
+    "ha",
     "routing",
     "engine-service",
     "ansible",

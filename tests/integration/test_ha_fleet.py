@@ -5,7 +5,9 @@ deployment and the address, not the engine.
 
 Deploy → exactly one gateway holds the address and answers through it, every gateway-only host runs the tools
 venv and the exporter → a rerun changes nothing → the holder's link cut under steady plain and streamed traffic
-(tests the takeover: failed requests, the gap, the new holder) → the hosts are torn down with the module.
+(tests the takeover: failed requests, the gap, the new holder) → an instance down and a monitoring host powered
+off at once: the page still arrives, once (a Slack-compatible receiver on the bridge) → the hosts are torn down
+with the module.
 `extended` (`make test-all`): three more hosts and a deploy are ~5 minutes that CI's 30-minute budget has not
 got yet; figures from the same scenario on `make demo DEMO_SPEC=examples/tiny-cpu-ha.yml` are in
 docs/perf/ha.md.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from ansible_fleet import (
 
 from vllm_fleet.devtools.failover import FailoverLoad, FailoverReport
 from vllm_fleet.devtools.gateway_testing import wait_for
+from vllm_fleet.devtools.sandbox_net import parse_address
+from vllm_fleet.devtools.slack import SlackReceiver
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.extended]
 
@@ -69,6 +74,9 @@ def ha(sandbox_factory: Any, tiny_model: Path, tmp_path_factory: pytest.TempPath
     }
     example = yaml.safe_load((REPO / "examples" / "tiny-cpu-ha.yml").read_text())
     spec = retarget_spec(example, names, {n: hosts[names[n]].address for n in names})
+    # the page count: Alertmanager posts to a Slack-compatible receiver here, on the sandbox bridge's address
+    slack = SlackReceiver(parse_address(hosts[names["h3"]].address).gateway)
+    spec["slack"] = {"enabled": True}
     spec_path = work / "fleet.yml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     models = work / "models"
@@ -77,7 +85,8 @@ def ha(sandbox_factory: Any, tiny_model: Path, tmp_path_factory: pytest.TempPath
     inventory, _ = write_inventory(work / "inventory", list(hosts.values()))
     extra = ["-e", f"vllm_fleet_models_src={models}", "-e", f"vllm_fleet_wheelhouse={wh}",
              "-e", f"vllm_fleet_wheelhouse_remote={WHEELHOUSE_MOUNT}",
-             "-e", f"vllm_fleet_self_wheel={self_wheel(work / 'whl')}"]  # fmt: skip
+             "-e", f"vllm_fleet_self_wheel={self_wheel(work / 'whl')}",
+             "-e", f"vllm_fleet_slack_webhook_url={slack.url}"]  # fmt: skip
     tree = work / "templates"
     for manifest in REPO.glob("*/artifacts.yml"):
         shutil.copytree(manifest.parent, tree / manifest.parent.name)
@@ -87,11 +96,13 @@ def ha(sandbox_factory: Any, tiny_model: Path, tmp_path_factory: pytest.TempPath
     )
     fleet.names = names  # type: ignore[attr-defined]
     fleet.vip = vip  # type: ignore[attr-defined]
+    fleet.slack = slack  # type: ignore[attr-defined]
     _, fleet.stack = stack_with(fleet, work, "vf-stack-sim", SIM_STACK)
     fleet.stack += ["-e", "vllm_fleet_doctor_load=false"]
     try:
         yield fleet
     finally:
+        slack.close()
         for name in hosts:
             subprocess.run(["ip", "link", "set", f"vb-{name}", "up"], capture_output=True, check=False)
             down(name)
@@ -148,3 +159,26 @@ def test_holder_cut_off_moves_the_address_and_only_in_flight_requests_fail(ha: F
     subprocess.run(["ip", "link", "set", f"vb-{ha.names[old]}", "up"], check=True)  # type: ignore[attr-defined]
     # back on the network with an equal priority: it does not take the address back
     assert wait_for(lambda: holders(ha, vip) == [other], timeout=30), holders(ha, vip)
+
+
+def test_a_monitoring_host_powered_off_during_an_alert_still_pages_once(ha: Fleet) -> None:
+    """h2 and h3 run Prometheus and a clustered Alertmanager. An instance goes down (VllmInstanceDown, for
+    alerts.instance_down_for) and h2 is powered off at once (its processes killed, its link gone): h3's
+    Prometheus and Alertmanager page alone. Alertmanager's cluster is at-least-once; the goal is one page."""
+    slack = ha.slack  # type: ignore[attr-defined]
+    names = ha.names  # type: ignore[attr-defined]
+    h3 = ha.hosts[names["h3"]]
+    t0 = time.time()
+    h3.run("systemctl stop vllm@tiny-b.service")
+    subprocess.run(["machinectl", "terminate", names["h2"]], check=True)
+
+    def pages() -> list[tuple[float, Any]]:
+        return [(t, p) for t, p in slack.find("VllmInstanceDown", "FIRING") if t > t0]
+
+    # for (1m) + group_wait, and the second Alertmanager's wait (peer_timeout × its position) at most
+    assert wait_for(lambda: len(pages()) >= 1, timeout=300, interval=1), slack.posts[-3:]
+    first = pages()[0][0]
+    print(f"page after {first - t0:.1f} s")
+    # a duplicate would come within the peers' wait, well inside a group_interval: watch for one that long
+    assert not wait_for(lambda: len(pages()) > 1, timeout=90, interval=1), [t - t0 for t, _ in pages()]
+    print(f"pages: {len(pages())} (duplicates: {len(pages()) - 1})")

@@ -37,6 +37,7 @@ import pytest
 import yaml
 
 from vllm_fleet.devtools.promql import ABSENT_BY_DESIGN, selectors, substitute
+from vllm_fleet.devtools.slack import SlackReceiver
 from vllm_fleet.devtools.testing import EngineProcess, free_port, http_json
 from vllm_fleet.fleet.observability.dashboards import panel_queries
 from vllm_fleet.fleet.render import render_monitoring
@@ -71,44 +72,6 @@ QUEUE_WAIT_THRESHOLD = 0.5  # a request-latency bucket bound; the first bound is
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-class SlackReceiver:
-    """A Slack-compatible incoming-webhook endpoint: records every POSTed JSON with its arrival time."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.posts: list[tuple[float, dict[str, Any]]] = []
-        received = self.posts
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append((time.time(), json.loads(body)))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/services/T000/B000/slack"
-
-    def find(self, alertname: str, status: str) -> list[tuple[float, dict[str, Any]]]:
-        return [
-            (t, p)
-            for t, p in list(self.posts)
-            for a in p.get("attachments", [])
-            if alertname in a.get("title", "") and a.get("title", "").startswith(f"[{status}")
-        ]
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
 @dataclass
 class Procs:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
