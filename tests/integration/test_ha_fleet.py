@@ -15,6 +15,7 @@ docs/perf/ha.md.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -55,6 +56,20 @@ def holders(fleet: Fleet, vip: str) -> list[str]:
         if re.search(rf"\binet {re.escape(vip)}/", res.stdout):
             out.append(n)
     return out
+
+
+def status(fleet: Fleet) -> dict[str, Any]:
+    """``vllm-fleet status --json`` as an operator on h3 (a monitoring host) runs it: each monitoring host's
+    Prometheus asked in turn, the first that answers read."""
+    h3 = fleet.hosts[fleet.names["h3"]]  # type: ignore[attr-defined]
+    h3.copy_to(fleet.spec_path, "/tmp/fleet.yml", mode=0o644)
+    cp = h3.run("/opt/vllm-fleet/venv/bin/vllm-fleet status /tmp/fleet.yml --json", timeout=120, check=False)
+    return json.loads(cp.stdout)  # type: ignore[no-any-return]
+
+
+def status_holders(fleet: Fleet) -> list[str]:
+    names = {v: k for k, v in fleet.names.items()}  # type: ignore[attr-defined]
+    return sorted(names.get(h, h) for h in status(fleet).get("holders") or [])
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +130,10 @@ def test_deploy_puts_the_address_on_one_gateway_and_serves_through_it(ha: Fleet)
     vip = ha.vip  # type: ignore[attr-defined]
     # the checks pass twice (rise 2, every 2-3 s) before a gateway may take the address
     assert wait_for(lambda: len(holders(ha, vip)) == 1, timeout=60), holders(ha, vip)
-    status, body = ha.chat()
-    assert status == 200 and body["choices"], body
+    code, body = ha.chat()
+    assert code == 200 and body["choices"], body
+    # `vllm-fleet status` names the holder (keepalived's notify -> the gateway's exporter -> Prometheus)
+    assert wait_for(lambda: status_holders(ha) == holders(ha, vip), timeout=120, interval=3), status(ha)
     for n in GATEWAYS:
         h = ha.hosts[ha.names[n]]  # type: ignore[attr-defined]
         active = h.run("systemctl is-active keepalived nginx vllm-fleet-admission vllm-fleet-exporter").stdout
@@ -159,6 +176,7 @@ def test_holder_cut_off_moves_the_address_and_only_in_flight_requests_fail(ha: F
     subprocess.run(["ip", "link", "set", f"vb-{ha.names[old]}", "up"], check=True)  # type: ignore[attr-defined]
     # back on the network with an equal priority: it does not take the address back
     assert wait_for(lambda: holders(ha, vip) == [other], timeout=30), holders(ha, vip)
+    assert wait_for(lambda: status_holders(ha) == [other], timeout=120, interval=3), status(ha)
 
 
 def test_a_monitoring_host_powered_off_during_an_alert_still_pages_once(ha: Fleet) -> None:
@@ -182,3 +200,6 @@ def test_a_monitoring_host_powered_off_during_an_alert_still_pages_once(ha: Flee
     # a duplicate would come within the peers' wait, well inside a group_interval: watch for one that long
     assert not wait_for(lambda: len(pages()) > 1, timeout=90, interval=1), [t - t0 for t, _ in pages()]
     print(f"pages: {len(pages())} (duplicates: {len(pages()) - 1})")
+    # status, from h3's Prometheus now: h2's Prometheus and Alertmanager down, h3's cluster alone
+    mon = {m["host"]: m for m in status(ha)["monitoring"]}
+    assert mon[names["h2"]]["prometheus_up"] is False and mon[names["h3"]]["alertmanager_up"] is True, mon
