@@ -202,3 +202,26 @@ def stack_with(fleet: Fleet, tmp_path: Path, name: str, files: dict[str, str]) -
     args = ["-e", f"vllm_fleet_install_lock={lock}",
             "-e", json.dumps({"vllm_fleet_pip_extra_args": ["--find-links", EXTRA_WHEELS]})]  # fmt: skip
     return lock, args
+
+
+PROM_QUERIES = r"""
+import base64, json, sys, urllib.parse, urllib.request as u
+base, queries = sys.argv[1], json.loads(sys.argv[2])
+pw = open('/etc/prometheus/vllm-fleet-web.password').read().strip()
+auth = 'Basic ' + base64.b64encode(('vllm-fleet:' + pw).encode()).decode()
+out = {}
+for q in queries:
+    req = u.Request(base + '/api/v1/query?' + urllib.parse.urlencode({'query': q}), headers={'Authorization': auth})
+    doc = json.loads(u.urlopen(req, timeout=20).read())
+    out[q] = doc['data']['result'] if doc['status'] == 'success' else doc
+print(json.dumps(out))
+"""
+
+
+def prometheus(fleet: Fleet, queries: list[str], host: str | None = None) -> dict[str, Any]:
+    """Instant queries against the fleet's Prometheus, run on the monitoring host (``host``: that monitoring
+    host's, a sandbox name)."""
+    mon = fleet.hosts[host or fleet.spec["monitoring"]["host"]]
+    base = f"http://{mon.address}:9090"
+    cp = mon.run(["python3", "-c", PROM_QUERIES, base, json.dumps(queries)], check=True, timeout=120)
+    return dict(json.loads(cp.stdout))

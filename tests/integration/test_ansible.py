@@ -42,6 +42,7 @@ from ansible_fleet import (
     SIM_STACK,
     WHEELHOUSE_MOUNT,
     Fleet,
+    prometheus,
     recap,
     record,
     retarget,
@@ -673,28 +674,6 @@ def _restarts(fleet: Fleet, name: str) -> int | None:
 
 # runs on the monitoring host (its firewall admits nothing else to Prometheus): argv[1] a JSON list of PromQL
 # queries; prints {query: result vector}, with the generated basic-auth password
-PROM_QUERIES = r"""
-import base64, json, sys, urllib.parse, urllib.request as u
-base, queries = sys.argv[1], json.loads(sys.argv[2])
-pw = open('/etc/prometheus/vllm-fleet-web.password').read().strip()
-auth = 'Basic ' + base64.b64encode(('vllm-fleet:' + pw).encode()).decode()
-out = {}
-for q in queries:
-    req = u.Request(base + '/api/v1/query?' + urllib.parse.urlencode({'query': q}), headers={'Authorization': auth})
-    doc = json.loads(u.urlopen(req, timeout=20).read())
-    out[q] = doc['data']['result'] if doc['status'] == 'success' else doc
-print(json.dumps(out))
-"""
-
-
-def prometheus(fleet: Fleet, queries: list[str]) -> dict[str, Any]:
-    """Instant queries against the fleet's Prometheus, run on the monitoring host."""
-    mon = fleet.hosts[fleet.spec["monitoring"]["host"]]
-    base = f"http://{mon.address}:9090"
-    cp = mon.run(["python3", "-c", PROM_QUERIES, base, json.dumps(queries)], check=True, timeout=120)
-    return dict(json.loads(cp.stdout))
-
-
 def test_day_2_turn_on_tls_with_a_self_signed_certificate(fleet: Fleet) -> None:
     """A user's day-2 change to the example: `gateway.tls: {self_signed: true, plain_http: serve}` in the spec
     and the playbook again. The role made one certificate for the gateway host's name and address on the

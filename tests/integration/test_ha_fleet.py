@@ -31,6 +31,7 @@ from ansible_fleet import (
     SIM_STACK,
     WHEELHOUSE_MOUNT,
     Fleet,
+    prometheus,
     recap,
     stack_with,
     what_changed,
@@ -200,6 +201,19 @@ def test_a_monitoring_host_powered_off_during_an_alert_still_pages_once(ha: Flee
     # a duplicate would come within the peers' wait, well inside a group_interval: watch for one that long
     assert not wait_for(lambda: len(pages()) > 1, timeout=90, interval=1), [t - t0 for t, _ in pages()]
     print(f"pages: {len(pages())} (duplicates: {len(pages()) - 1})")
+
+    # the lost peer is an alert of its own on h3's Prometheus (pending until alerts.ha_peer_down_for)
+    def peer_alerts() -> set[str]:
+        (got,) = prometheus(
+            ha, ['ALERTS{alertname=~"VllmFleet(Monitoring|Gateway)PeerDown"}'], names["h3"]
+        ).values()
+        return {r["metric"]["alertname"] for r in got}
+
+    assert wait_for(
+        lambda: peer_alerts() == {"VllmFleetMonitoringPeerDown", "VllmFleetGatewayPeerDown"},
+        timeout=120,
+        interval=5,
+    ), peer_alerts()
     # status, from h3's Prometheus now: h2's Prometheus and Alertmanager down, h3's cluster alone
     mon = {m["host"]: m for m in status(ha)["monitoring"]}
     assert mon[names["h2"]]["prometheus_up"] is False and mon[names["h3"]]["alertmanager_up"] is True, mon
