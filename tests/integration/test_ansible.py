@@ -591,10 +591,13 @@ def test_flag_change_restarts_only_that_instance(fleet: Fleet, tmp_path: Path) -
     after = fleet.unit_pids()
     restarted = sorted(n for n in before if before[n] != after[n])
     assert restarted == [target["name"]], (before, after)
-    # it was drained on the gateway first and put back afterwards
+    # it was drained on the gateway first (on every gateway host: here the one) and put back afterwards
     assert re.search(
-        rf"TASK \[engine : Drain on the gateway - {target['name']}\].*?\n(changed|ok): ", out, re.S
-    )
+        rf"TASK \[engine : Drain on every gateway - {target['name']}\].*?\n(changed|ok): \[[^\n]*"
+        rf"\(item={re.escape(fleet.spec['gateway']['host'])}\)",
+        out,
+        re.S,
+    ), what_changed(out)
     gw = fleet.hosts[fleet.spec["gateway"]["host"]]
     state = gw.run("cat /etc/vllm-fleet/gateway/drained.json").stdout
     assert json.loads(state or '{"drained": []}')["drained"] == []
