@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import http.server
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.contracts import GATEWAY_PEERS_FILE, GatewayPeers
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
 from vllm_fleet.fleet import ha
 from vllm_fleet.fleet.context import build_context
@@ -254,6 +256,27 @@ def test_nginx_asks_every_engine_for_keepalived() -> None:
     assert "proxy_next_upstream_tries 0;" in status
 
 
+def local_gateways(tmp_path: Path, engine_ports: list[int]) -> dict[str, Any]:
+    """The example on this machine: gateways h1 and h2 on 127.0.0.1 and 127.0.0.2 (their peer servers listen
+    there), the engines' host h3 on 127.0.0.1 at ``engine_ports``; free ports, no keys, no limits, logs and the
+    drained set under ``tmp_path``."""
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    d = data(gateway={"port": free_port(), "stub_status_port": free_port(), "peer_port": free_port()})
+    d["gateway"]["auth"] = "none"
+    d["gateway"]["listen_address"] = "127.0.0.1"  # the plan wants 0.0.0.0; a test opens no port to the world
+    d["gateway"]["limits"] = {"enabled": False}
+    d["gateway"]["access_log"] = str(tmp_path / "access.log")
+    d["gateway"]["error_log"] = str(tmp_path / "error.log")
+    d["gateway"]["state_file"] = str(tmp_path / "a" / "drained.json")
+    for h, addr in zip(d["hosts"], ("127.0.0.1", "127.0.0.2", "127.0.0.1"), strict=True):
+        h["address"] = addr
+    d["gateway"]["virtual_address"] = "10.77.0.9"  # the hosts left the /24
+    for m, port in zip(d["models"], engine_ports, strict=True):
+        m["port"] = port
+    return d
+
+
 class _Engine(http.server.BaseHTTPRequestHandler):
     status = 200
 
@@ -287,18 +310,7 @@ def test_the_rendered_gateway_answers_keepalived(
 ) -> None:
     """nginx -t passes, and the running nginx answers /vf/upstreams 200 while one engine answers its /health
     (after another that answers 503), 502 when none is reachable; vllm-fleet gateway-check says the same."""
-    from vllm_fleet.devtools.gateway_testing import free_port
-
-    d = data(gateway={"port": free_port(), "stub_status_port": free_port(), "auth": "none"})
-    d["gateway"]["listen_address"] = "127.0.0.1"  # the plan wants 0.0.0.0; a test opens no port to the world
-    d["gateway"]["limits"] = {"enabled": False}
-    d["gateway"]["access_log"] = str(tmp_path / "access.log")
-    d["gateway"]["error_log"] = str(tmp_path / "error.log")
-    d["gateway"]["state_file"] = str(tmp_path / "drained.json")
-    d["hosts"][2]["address"] = "127.0.0.1"  # the engines' host: where the fake engines listen
-    d["gateway"]["virtual_address"] = "10.77.0.9"  # h3 left the /24
-    for m, srv in zip(d["models"], engines, strict=True):
-        m["port"] = srv.server_address[1]
+    d = local_gateways(tmp_path, [srv.server_address[1] for srv in engines])
     spec = parse_spec(d)
     render_fleet(spec, tmp_path / "out")
     g = NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
@@ -328,6 +340,97 @@ def test_gateway_check_fails_without_an_answer(tmp_path: Path) -> None:
     ok, why = check(url, 1)
     assert not ok and "refused" in why.lower()
     assert cli.main(["gateway-check", "--quiet", url]) == 1  # the command an operator runs
+
+
+# --------------------------------------------------------------------------- drains between the gateways
+
+
+def _peer_conf(spec: FleetSpec, host: str) -> str:
+    return files(spec, host)["/etc/nginx/vllm-fleet/peer.conf"]
+
+
+def test_each_gateway_takes_drains_from_the_other_gateways_only() -> None:
+    spec = load_spec(EXAMPLE)
+    conf = files(spec, "h1")["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert conf == files(spec, "h2")["/etc/nginx/conf.d/vllm-fleet.conf"]  # still the same on each gateway
+    assert "\ninclude vllm-fleet/peer.conf;\n" in conf
+    for host, own, other in (("h1", "10.77.0.71", "10.77.0.72"), ("h2", "10.77.0.72", "10.77.0.71")):
+        server = _peer_conf(spec, host)
+        assert re.findall(r"^\s*listen (\S+);", server, re.M) == [f"{own}:8082"]  # its fleet address only
+        assert re.findall(r"^\s*(allow|deny) (\S+);", server, re.M) == [("allow", other), ("deny", "all")]
+        assert re.search(r"location = /vf/drained \{\s+js_content vf\.peer;\s+\}", server)
+        peers = GatewayPeers.from_dict(json.loads(files(spec, host)[GATEWAY_PEERS_FILE]))
+        assert (peers.host, peers.source) == (host, own)
+        assert [(p.name, p.url) for p in peers.peers] == [
+            ("h2" if host == "h1" else "h1", f"http://{other}:8082/vf/drained")
+        ]
+    assert not [d for d in files(spec, "h3") if "peer" in d]  # not a gateway
+    # three gateways: each allows the two others, and tells them
+    d = data(gateway={"hosts": ["h1", "h2", "h3"], "peer_port": 8090})
+    three = parse_spec(d)
+    server = _peer_conf(three, "h2")
+    assert re.findall(r"^\s*(allow|deny) (\S+);", server, re.M) == [
+        ("allow", "10.77.0.71"),
+        ("allow", "10.77.0.73"),
+        ("deny", "all"),
+    ]
+    assert "listen 10.77.0.72:8090;" in server
+    peers = GatewayPeers.from_dict(json.loads(files(three, "h3")[GATEWAY_PEERS_FILE]))
+    assert [p.url for p in peers.peers] == [
+        "http://10.77.0.71:8090/vf/drained",
+        "http://10.77.0.72:8090/vf/drained",
+    ]
+
+
+def test_one_gateway_has_no_peer_server_and_keeps_its_drained_set_root_s() -> None:
+    spec = load_spec(REPO / "examples/tiny-cpu-2hosts.yml")
+    fs = files(spec, spec.gateway_host)
+    assert not [d for d in fs if "peer" in d] and "peer.conf" not in fs["/etc/nginx/conf.d/vllm-fleet.conf"]
+    vf = build_context(spec, spec.gateway_host)["vf"]
+    assert vf["gateway_peer"] is None
+    assert vf["gateway_state_folder"] == {
+        "path": "/etc/vllm-fleet/gateway",
+        "owner": "root",
+        "group": "root",
+        "mode": "0755",
+    }
+    assert all(8082 not in h.ports for h in make_plan(spec).hosts)
+    assert not any("8082" in r for h in spec.hosts for r in _rules(spec, h.name))
+
+
+def test_the_drained_set_folder_is_nginx_s_to_write_on_a_gateway_of_two() -> None:
+    """nginx's workers (www-data) apply the other gateways' drains: a temp file in the folder, then a rename."""
+    spec = parse_spec(data(gateway={"state_file": "/var/lib/vf-gw/drained.json"}))
+    for host in ("h1", "h2"):
+        vf = build_context(spec, host)["vf"]
+        assert vf["gateway_state_folder"] == {
+            "path": "/var/lib/vf-gw",
+            "owner": "root",
+            "group": "www-data",
+            "mode": "0775",
+        }
+    assert build_context(spec, "h3")["vf"]["gateway_state_folder"] is None
+
+
+def test_the_peer_port_is_a_port_of_each_gateway_and_may_not_clash() -> None:
+    plan = make_plan(load_spec(EXAMPLE))
+    ports = {h.name: h.ports for h in plan.hosts}
+    assert ports["h1"][8082] == ports["h2"][8082] == "gateway.peer_port"
+    assert 8082 not in ports["h3"]  # not a gateway
+    clash = parse_spec(data(gateway={"peer_port": 8081}))
+    assert problems(clash) == [
+        "gateway.peer_port: port 8081 on h1 is already used by gateway.stub_status_port",
+        "gateway.peer_port: port 8081 on h2 is already used by gateway.stub_status_port",
+    ]
+
+
+def test_the_peer_port_is_open_to_the_other_gateways_only() -> None:
+    spec = load_spec(EXAMPLE)
+    h1, h2, h3 = (_rules(spec, h) for h in ("h1", "h2", "h3"))
+    assert 'ip saddr { 10.77.0.72 } tcp dport { 8082 } accept comment "drains: the other gateway hosts"' in h1
+    assert 'ip saddr { 10.77.0.71 } tcp dport { 8082 } accept comment "drains: the other gateway hosts"' in h2
+    assert not any("8082" in r for r in h3)
+    assert sum("8082" in r for r in h1) == 1  # nowhere else (not with the clients' port)
 
 
 # --------------------------------------------------------------------------- Prometheus and Alertmanager
