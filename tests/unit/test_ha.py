@@ -332,6 +332,235 @@ def test_the_rendered_gateway_answers_keepalived(
         g.stop()
 
 
+class _Served(http.server.BaseHTTPRequestHandler):
+    """An engine that answers every POST with who it is."""
+
+    protocol_version = "HTTP/1.1"
+    name = ""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps({"served_by": self.name}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def named_engines() -> Iterator[list[http.server.ThreadingHTTPServer]]:
+    """The example's two instances, tiny-a and tiny-b, on loopback."""
+    servers = []
+    for name in ("tiny-a", "tiny-b"):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("S", (_Served,), {"name": name}))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    yield servers
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _served(port: int, n: int = 16) -> set[str]:
+    """Who served ``n`` chats of distinct prompts through the gateway on ``port`` (cache-aware: each its engine)."""
+    from vllm_fleet.devtools.gateway_testing import chat_body
+    from vllm_fleet.devtools.testing import http_json
+
+    out = set()
+    for i in range(n):
+        body = chat_body(messages=[{"role": "user", "content": f"{i} {i * 7919} what is drained?"}])
+        status, answer = http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", body, timeout=10)
+        assert status == 200, answer
+        out.add(answer["served_by"])
+    return out
+
+
+def _post(url: str, body: bytes, source: str, method: str = "POST") -> tuple[int, dict[str, Any], str]:
+    """A request to a peer location from ``source``: the status, the JSON answer ({} if none), Allow."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request(method, u.path, body=body if method == "POST" else None)
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = {}
+        return resp.status, doc, resp.getheader("Allow") or ""
+    finally:
+        conn.close()
+
+
+def _drained(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"drained", "updated"} and isinstance(doc["updated"], float)
+    return list(doc["drained"])
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None or not Path(JS_MODULE).exists(), reason="needs nginx + njs")
+def test_a_drain_on_either_gateway_reaches_the_other(
+    tmp_path: Path, named_engines: list[http.server.ThreadingHTTPServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real nginx gateways rendered from one spec, h1 on 127.0.0.1 and h2 on 127.0.0.2 (each its own client
+    port and drained-set file, as on two hosts): `vllm-fleet drain` on h1 changes both drained sets and neither
+    gateway sends the instance a request; undrain on h2 likewise; a peer that refuses or is down is exit 4, the
+    local change staying; the peer location takes only a well-formed operation, from the other gateway only."""
+    from vllm_fleet import cli
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    spec = parse_spec(local_gateways(tmp_path, [srv.server_address[1] for srv in named_engines]))
+    render_fleet(spec, tmp_path / "out")
+    etc = {h: tmp_path / "out" / h / "etc" / "nginx" for h in ("h1", "h2")}
+    state = {"h1": tmp_path / "a" / "drained.json", "h2": tmp_path / "b" / "drained.json"}
+    for p in state.values():
+        p.parent.mkdir()
+    # h2 on this same machine: its own client and status ports and drained-set file
+    port = {"h1": spec.gateway.port, "h2": free_port()}
+    stub = {"h1": spec.gateway.stub_status_port, "h2": free_port()}
+    conf = etc["h2"] / "conf.d" / "vllm-fleet.conf"
+    text = conf.read_text()
+    for old, new in ((port["h1"], port["h2"]), (stub["h1"], stub["h2"])):
+        assert text.count(f"listen 127.0.0.1:{old};") == 1
+        text = text.replace(f"listen 127.0.0.1:{old};", f"listen 127.0.0.1:{new};")
+    conf.write_text(text)
+    routes = {h: etc[h] / "vllm-fleet" / "routes.json" for h in etc}
+    doc = json.loads(routes["h2"].read_text())
+    assert doc["state_file"] == str(state["h1"])
+    routes["h2"].write_text(json.dumps(dict(doc, state_file=str(state["h2"]))))
+    peers = {h: etc[h] / "vllm-fleet" / "peers.json" for h in etc}
+    url = {h: f"http://127.0.0.{h[1]}:{spec.gateway.peer_port}/vf/drained" for h in etc}
+    assert [p.url for p in GatewayPeers.load(peers["h1"]).peers] == [url["h2"]]
+
+    def run(cmd: str, host: str, *extra: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        argv = [cmd, "tiny-a", "--routes", str(routes[host]), "--state", str(state[host]), *extra]
+        rc = cli.main(argv if "--peers" in extra else [*argv, "--peers", str(peers[host])])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    gw = {h: NginxGateway(etc[h], tmp_path / f"prefix-{h}", workers=1) for h in etc}
+    for h, g in gw.items():
+        g.start(health_url=f"http://127.0.0.1:{stub[h]}/vf/health")
+    try:
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-a", "tiny-b"}
+
+        assert run("drain", "h1") == (0, "drained: tiny-a\npeer h2: drained: tiny-a\n", "")
+        assert _drained(state["h1"]) == _drained(state["h2"]) == ["tiny-a"]
+        assert oct(state["h2"].stat().st_mode & 0o777) == "0o644"  # the router and the exporter read it
+        # no temp file left
+        assert [p.name for p in state["h2"].parent.iterdir()] == ["drained.json"]
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-b"}
+        log = Path(spec.gateway.error_log).read_text()
+        assert "vllm-fleet: drain tiny-a from gateway 127.0.0.1: drained [tiny-a]" in log
+
+        assert run("undrain", "h2") == (0, "drained: (none)\npeer h1: drained: (none)\n", "")
+        assert _drained(state["h1"]) == _drained(state["h2"]) == []
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-a", "tiny-b"}
+
+        # the peer location: a POST of one operation on a known instance, from the other gateway only
+        assert _post(url["h2"], b"", "127.0.0.1", "GET")[::2] == (405, "POST")
+        for bad in (
+            b"nope",
+            b'{"evict": "tiny-a"}',
+            b'{"drain": "tiny-a", "undrain": "tiny-b"}',
+            b'{"drain": 1}',
+        ):
+            status, answer, _ = _post(url["h2"], bad, "127.0.0.1")
+            assert (status, answer["error"].startswith("expected {")) == (400, True), bad
+        status, answer, _ = _post(url["h2"], b'{"drain": "tiny-x"}', "127.0.0.1")
+        assert (status, answer) == (
+            400,
+            {"error": 'unknown instance "tiny-x" in the routing table of this gateway'},
+        )
+        assert _post(url["h2"], b'{"drain": "tiny-a"}', "127.0.0.3")[0] == 403  # not a gateway's address
+        assert _post(url["h1"], b'{"drain": "tiny-a"}', "127.0.0.1")[0] == 403  # h1 does not take its own
+        assert _drained(state["h2"]) == []
+
+        # refused by the peer (here: from an address it does not allow): exit 4, the local change stays
+        wrong = tmp_path / "peers-wrong-source.json"
+        wrong.write_text(peers["h1"].read_text().replace('"127.0.0.1"', '"127.0.0.3"'))
+        rc, out, err = run("drain", "h1", "--peers", str(wrong))
+        assert (rc, out) == (4, "drained: tiny-a\n")
+        assert err.startswith("peer h2: REFUSED (HTTP 403: Forbidden)\ndrain: h2 did not take it:")
+        assert _drained(state["h1"]) == ["tiny-a"] and _drained(state["h2"]) == []
+
+        # a peer that is down: exit 4, named, the local change stays; --local tells nobody
+        gw["h2"].stop()
+        rc, out, err = run("undrain", "h1")
+        assert (rc, out) == (4, "drained: (none)\n")
+        assert err.startswith(f"peer h2: NOT reached ({url['h2']}: Connection refused)\n"), err
+        assert "rerun `vllm-fleet undrain tiny-a` once they answer" in err
+        assert _drained(state["h1"]) == []
+        assert run("drain", "h1", "--local") == (0, "drained: tiny-a\n", "")
+        assert _drained(state["h1"]) == ["tiny-a"] and _drained(state["h2"]) == []
+    finally:
+        for g in gw.values():
+            g.stop()
+
+
+def test_drain_waits_on_no_silent_peer_and_tells_none_when_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer that takes the connection but never answers costs the timeout and is named; a peers file that is
+    not one is exit 4 after the local change; a drain refused here (exit 3) tells no peer."""
+    import socket
+    import time
+
+    from vllm_fleet import cli
+    from vllm_fleet.contracts import GatewayPeer
+    from vllm_fleet.host.drain import tell_peer
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # connects, never accepted, never answered
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/vf/drained"
+        t0 = time.monotonic()
+        outcome = tell_peer(GatewayPeer("h2", url), "tiny-a", True, "127.0.0.1", timeout=0.5)
+        assert time.monotonic() - t0 < 2
+        assert (outcome.ok, outcome.line()) == (False, f"peer h2: NOT reached ({url}: timed out)")
+    finally:
+        silent.close()
+
+    spec = parse_spec(local_gateways(tmp_path, [9101, 9102]))
+    render_fleet(spec, tmp_path / "out")
+    routes = tmp_path / "out" / "h1" / "etc" / "nginx" / "vllm-fleet" / "routes.json"
+    state = tmp_path / "drained.json"
+    bad = tmp_path / "peers.json"
+    bad.write_text(
+        '{"schema": 1, "fleet": "tinyha", "host": "h1", "source": "127.0.0.1", "peers": [{"name": "h2"}]}'
+    )
+    capsys.readouterr()
+    assert (
+        cli.main(["drain", "tiny-a", "--routes", str(routes), "--state", str(state), "--peers", str(bad)])
+        == 4
+    )
+    out, err = capsys.readouterr()
+    assert out == "drained: tiny-a\n" and err == (
+        f"drain: peers file {bad}: {bad}: peers[0].url: missing: the other gateways were NOT told\n"
+    )
+    # tiny-b is the model's last server in rotation: refused, nothing changed, no peer asked (none is there)
+    closed = tmp_path / "peers-closed.json"
+    closed.write_text(
+        bad.read_text().replace('{"name": "h2"}', '{"name": "h2", "url": "http://127.0.0.1:9/x"}')
+    )
+    assert (
+        cli.main(["drain", "tiny-b", "--routes", str(routes), "--state", str(state), "--peers", str(closed)])
+        == 3
+    )
+    out, err = capsys.readouterr()
+    assert out == "" and "refused: draining tiny-b leaves model(s) tiny-qwen3" in err and "peer" not in err
+    assert _drained(state) == ["tiny-a"]
+
+
 def test_gateway_check_fails_without_an_answer(tmp_path: Path) -> None:
     from vllm_fleet import cli
     from vllm_fleet.devtools.gateway_testing import free_port
