@@ -252,7 +252,8 @@ PLUGINS: dict[str, Plugin] = {
     ),
     "drain": Plugin(
         "vllm_fleet.host.drain:add_drain_args",
-        "take an engine instance out of the gateway's rotation (no nginx reload, no config change)",
+        "take an engine instance out of the gateway's rotation, every gateway's with gateway.hosts (no nginx "
+        "reload, no config change)",
     ),
     "exporter": Plugin(
         "vllm_fleet.host.exporter:add_args",
@@ -292,7 +293,7 @@ PLUGINS: dict[str, Plugin] = {
     ),
     "undrain": Plugin(
         "vllm_fleet.host.drain:add_undrain_args",
-        "put a drained engine instance back into the gateway's rotation",
+        "put a drained engine instance back into the gateway's rotation (every gateway's with gateway.hosts)",
     ),
 }
 

@@ -20,6 +20,9 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   by ``vllm_fleet.host.admission_service``.
 - ``VrrpStateFile``: ``VRRP_STATE_FILE`` on a gateway host of two or more, written by keepalived's notify
   (``vllm_fleet.host.vrrp_notify``), read by the host exporter (``vllm_fleet.host.exporter.vrrp``).
+- ``GatewayPeers``: ``GATEWAY_PEERS_FILE`` on a gateway host of two or more, rendered on the controller
+  (``vllm_fleet.fleet.ha.gateway_peer_plan``), read by ``vllm-fleet drain`` (``vllm_fleet.host.drain``): the other
+  gateways, told every drain and undrain.
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -463,6 +466,60 @@ def read_vrrp_state(path: str | Path) -> VrrpStateFile:
     except ValueError as exc:
         raise ContractError(f"{p}: not JSON ({exc})") from None
     return parse_vrrp_state(data, str(p))
+
+
+# ------------------------------------------------------------------------- the gateways' peers (gateway HA)
+
+# On each gateway host of two or more: the other gateways, which `vllm-fleet drain` / `undrain` (run on this
+# host) tell the same operation through their nginx's peer location (``GATEWAY_PEER_PATH`` on
+# ``gateway.peer_port`` of their fleet address). Rendered from the plan (fleet/ha.py ``gateway_peer_plan``,
+# nginx/peers.json.j2), read by ``vllm_fleet.host.drain``. Next to routes.json, in a folder only root writes,
+# and not in the drained-set folder: on a gateway of two or more nginx's workers (www-data) write there, and
+# whoever can replace this file chooses where the drains go.
+GATEWAY_PEERS_FILE = "/etc/nginx/vllm-fleet/peers.json"
+# the peer location: POST {"drain": NAME} or {"undrain": NAME}, answered {"drained": [...]} (nginx/router.js.j2)
+GATEWAY_PEER_PATH = "/vf/drained"
+GATEWAY_PEERS_SCHEMA = 1  # raised when a field changes meaning
+
+
+@dataclass(frozen=True)
+class GatewayPeer:
+    """Another gateway: its host's name and the URL of its peer location (``http://ADDR:PORT/vf/drained``)."""
+
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class GatewayPeers:
+    """``GATEWAY_PEERS_FILE``: this gateway (``host``), the address drain connects from (``source``: the host's
+    fleet address, the one the other gateways' nginx allows) and the other gateways, in the spec's order."""
+
+    schema: int
+    fleet: str
+    host: str
+    source: str
+    peers: list[GatewayPeer]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> GatewayPeers:
+        """Check every field (``ContractError`` names the file and the field: ``peers[1].url``)."""
+        d = _schema_checked(data, source, GATEWAY_PEERS_SCHEMA, "a gateway peers file")
+        peers: GatewayPeers = _dataclass_from(cls, d, source, "")
+        for i, p in enumerate(peers.peers):
+            if not p.url.startswith("http://"):
+                raise ContractError(
+                    f"{_where(source, f'peers[{i}].url')}: expected http://..., got {p.url!r}"
+                )
+        return peers
+
+    @classmethod
+    def load(cls, path: str | Path) -> GatewayPeers:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        return cls.from_dict(*_contract_json(path))
 
 
 # GPU facts from the host to the planner: the CSV of ``nvidia-smi --query-gpu=NVSMI_FIELDS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import http.server
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.contracts import GATEWAY_PEERS_FILE, GatewayPeers
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
 from vllm_fleet.fleet import ha
 from vllm_fleet.fleet.context import build_context
@@ -254,6 +256,27 @@ def test_nginx_asks_every_engine_for_keepalived() -> None:
     assert "proxy_next_upstream_tries 0;" in status
 
 
+def local_gateways(tmp_path: Path, engine_ports: list[int]) -> dict[str, Any]:
+    """The example on this machine: gateways h1 and h2 on 127.0.0.1 and 127.0.0.2 (their peer servers listen
+    there), the engines' host h3 on 127.0.0.1 at ``engine_ports``; free ports, no keys, no limits, logs and the
+    drained set under ``tmp_path``."""
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    d = data(gateway={"port": free_port(), "stub_status_port": free_port(), "peer_port": free_port()})
+    d["gateway"]["auth"] = "none"
+    d["gateway"]["listen_address"] = "127.0.0.1"  # the plan wants 0.0.0.0; a test opens no port to the world
+    d["gateway"]["limits"] = {"enabled": False}
+    d["gateway"]["access_log"] = str(tmp_path / "access.log")
+    d["gateway"]["error_log"] = str(tmp_path / "error.log")
+    d["gateway"]["state_file"] = str(tmp_path / "a" / "drained.json")
+    for h, addr in zip(d["hosts"], ("127.0.0.1", "127.0.0.2", "127.0.0.1"), strict=True):
+        h["address"] = addr
+    d["gateway"]["virtual_address"] = "10.77.0.9"  # the hosts left the /24
+    for m, port in zip(d["models"], engine_ports, strict=True):
+        m["port"] = port
+    return d
+
+
 class _Engine(http.server.BaseHTTPRequestHandler):
     status = 200
 
@@ -287,18 +310,7 @@ def test_the_rendered_gateway_answers_keepalived(
 ) -> None:
     """nginx -t passes, and the running nginx answers /vf/upstreams 200 while one engine answers its /health
     (after another that answers 503), 502 when none is reachable; vllm-fleet gateway-check says the same."""
-    from vllm_fleet.devtools.gateway_testing import free_port
-
-    d = data(gateway={"port": free_port(), "stub_status_port": free_port(), "auth": "none"})
-    d["gateway"]["listen_address"] = "127.0.0.1"  # the plan wants 0.0.0.0; a test opens no port to the world
-    d["gateway"]["limits"] = {"enabled": False}
-    d["gateway"]["access_log"] = str(tmp_path / "access.log")
-    d["gateway"]["error_log"] = str(tmp_path / "error.log")
-    d["gateway"]["state_file"] = str(tmp_path / "drained.json")
-    d["hosts"][2]["address"] = "127.0.0.1"  # the engines' host: where the fake engines listen
-    d["gateway"]["virtual_address"] = "10.77.0.9"  # h3 left the /24
-    for m, srv in zip(d["models"], engines, strict=True):
-        m["port"] = srv.server_address[1]
+    d = local_gateways(tmp_path, [srv.server_address[1] for srv in engines])
     spec = parse_spec(d)
     render_fleet(spec, tmp_path / "out")
     g = NginxGateway(tmp_path / "out" / "h1" / "etc" / "nginx", tmp_path / "prefix")
@@ -320,6 +332,235 @@ def test_the_rendered_gateway_answers_keepalived(
         g.stop()
 
 
+class _Served(http.server.BaseHTTPRequestHandler):
+    """An engine that answers every POST with who it is."""
+
+    protocol_version = "HTTP/1.1"
+    name = ""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps({"served_by": self.name}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def named_engines() -> Iterator[list[http.server.ThreadingHTTPServer]]:
+    """The example's two instances, tiny-a and tiny-b, on loopback."""
+    servers = []
+    for name in ("tiny-a", "tiny-b"):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("S", (_Served,), {"name": name}))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    yield servers
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _served(port: int, n: int = 16) -> set[str]:
+    """Who served ``n`` chats of distinct prompts through the gateway on ``port`` (cache-aware: each its engine)."""
+    from vllm_fleet.devtools.gateway_testing import chat_body
+    from vllm_fleet.devtools.testing import http_json
+
+    out = set()
+    for i in range(n):
+        body = chat_body(messages=[{"role": "user", "content": f"{i} {i * 7919} what is drained?"}])
+        status, answer = http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", body, timeout=10)
+        assert status == 200, answer
+        out.add(answer["served_by"])
+    return out
+
+
+def _post(url: str, body: bytes, source: str, method: str = "POST") -> tuple[int, dict[str, Any], str]:
+    """A request to a peer location from ``source``: the status, the JSON answer ({} if none), Allow."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request(method, u.path, body=body if method == "POST" else None)
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = {}
+        return resp.status, doc, resp.getheader("Allow") or ""
+    finally:
+        conn.close()
+
+
+def _drained(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"drained", "updated"} and isinstance(doc["updated"], float)
+    return list(doc["drained"])
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None or not Path(JS_MODULE).exists(), reason="needs nginx + njs")
+def test_a_drain_on_either_gateway_reaches_the_other(
+    tmp_path: Path, named_engines: list[http.server.ThreadingHTTPServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real nginx gateways rendered from one spec, h1 on 127.0.0.1 and h2 on 127.0.0.2 (each its own client
+    port and drained-set file, as on two hosts): `vllm-fleet drain` on h1 changes both drained sets and neither
+    gateway sends the instance a request; undrain on h2 likewise; a peer that refuses or is down is exit 4, the
+    local change staying; the peer location takes only a well-formed operation, from the other gateway only."""
+    from vllm_fleet import cli
+    from vllm_fleet.devtools.gateway_testing import free_port
+
+    spec = parse_spec(local_gateways(tmp_path, [srv.server_address[1] for srv in named_engines]))
+    render_fleet(spec, tmp_path / "out")
+    etc = {h: tmp_path / "out" / h / "etc" / "nginx" for h in ("h1", "h2")}
+    state = {"h1": tmp_path / "a" / "drained.json", "h2": tmp_path / "b" / "drained.json"}
+    for p in state.values():
+        p.parent.mkdir()
+    # h2 on this same machine: its own client and status ports and drained-set file
+    port = {"h1": spec.gateway.port, "h2": free_port()}
+    stub = {"h1": spec.gateway.stub_status_port, "h2": free_port()}
+    conf = etc["h2"] / "conf.d" / "vllm-fleet.conf"
+    text = conf.read_text()
+    for old, new in ((port["h1"], port["h2"]), (stub["h1"], stub["h2"])):
+        assert text.count(f"listen 127.0.0.1:{old};") == 1
+        text = text.replace(f"listen 127.0.0.1:{old};", f"listen 127.0.0.1:{new};")
+    conf.write_text(text)
+    routes = {h: etc[h] / "vllm-fleet" / "routes.json" for h in etc}
+    doc = json.loads(routes["h2"].read_text())
+    assert doc["state_file"] == str(state["h1"])
+    routes["h2"].write_text(json.dumps(dict(doc, state_file=str(state["h2"]))))
+    peers = {h: etc[h] / "vllm-fleet" / "peers.json" for h in etc}
+    url = {h: f"http://127.0.0.{h[1]}:{spec.gateway.peer_port}/vf/drained" for h in etc}
+    assert [p.url for p in GatewayPeers.load(peers["h1"]).peers] == [url["h2"]]
+
+    def run(cmd: str, host: str, *extra: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        argv = [cmd, "tiny-a", "--routes", str(routes[host]), "--state", str(state[host]), *extra]
+        rc = cli.main(argv if "--peers" in extra else [*argv, "--peers", str(peers[host])])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    gw = {h: NginxGateway(etc[h], tmp_path / f"prefix-{h}", workers=1) for h in etc}
+    for h, g in gw.items():
+        g.start(health_url=f"http://127.0.0.1:{stub[h]}/vf/health")
+    try:
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-a", "tiny-b"}
+
+        assert run("drain", "h1") == (0, "drained: tiny-a\npeer h2: drained: tiny-a\n", "")
+        assert _drained(state["h1"]) == _drained(state["h2"]) == ["tiny-a"]
+        assert oct(state["h2"].stat().st_mode & 0o777) == "0o644"  # the router and the exporter read it
+        # no temp file left
+        assert [p.name for p in state["h2"].parent.iterdir()] == ["drained.json"]
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-b"}
+        log = Path(spec.gateway.error_log).read_text()
+        assert "vllm-fleet: drain tiny-a from gateway 127.0.0.1: drained [tiny-a]" in log
+
+        assert run("undrain", "h2") == (0, "drained: (none)\npeer h1: drained: (none)\n", "")
+        assert _drained(state["h1"]) == _drained(state["h2"]) == []
+        assert _served(port["h1"]) == _served(port["h2"]) == {"tiny-a", "tiny-b"}
+
+        # the peer location: a POST of one operation on a known instance, from the other gateway only
+        assert _post(url["h2"], b"", "127.0.0.1", "GET")[::2] == (405, "POST")
+        for bad in (
+            b"nope",
+            b'{"evict": "tiny-a"}',
+            b'{"drain": "tiny-a", "undrain": "tiny-b"}',
+            b'{"drain": 1}',
+        ):
+            status, answer, _ = _post(url["h2"], bad, "127.0.0.1")
+            assert (status, answer["error"].startswith("expected {")) == (400, True), bad
+        status, answer, _ = _post(url["h2"], b'{"drain": "tiny-x"}', "127.0.0.1")
+        assert (status, answer) == (
+            400,
+            {"error": 'unknown instance "tiny-x" in the routing table of this gateway'},
+        )
+        assert _post(url["h2"], b'{"drain": "tiny-a"}', "127.0.0.3")[0] == 403  # not a gateway's address
+        assert _post(url["h1"], b'{"drain": "tiny-a"}', "127.0.0.1")[0] == 403  # h1 does not take its own
+        assert _drained(state["h2"]) == []
+
+        # refused by the peer (here: from an address it does not allow): exit 4, the local change stays
+        wrong = tmp_path / "peers-wrong-source.json"
+        wrong.write_text(peers["h1"].read_text().replace('"127.0.0.1"', '"127.0.0.3"'))
+        rc, out, err = run("drain", "h1", "--peers", str(wrong))
+        assert (rc, out) == (4, "drained: tiny-a\n")
+        assert err.startswith("peer h2: REFUSED (HTTP 403: Forbidden)\ndrain: h2 did not take it:")
+        assert _drained(state["h1"]) == ["tiny-a"] and _drained(state["h2"]) == []
+
+        # a peer that is down: exit 4, named, the local change stays; --local tells nobody
+        gw["h2"].stop()
+        rc, out, err = run("undrain", "h1")
+        assert (rc, out) == (4, "drained: (none)\n")
+        assert err.startswith(f"peer h2: NOT reached ({url['h2']}: Connection refused)\n"), err
+        assert "rerun `vllm-fleet undrain tiny-a` once they answer" in err
+        assert _drained(state["h1"]) == []
+        assert run("drain", "h1", "--local") == (0, "drained: tiny-a\n", "")
+        assert _drained(state["h1"]) == ["tiny-a"] and _drained(state["h2"]) == []
+    finally:
+        for g in gw.values():
+            g.stop()
+
+
+def test_drain_waits_on_no_silent_peer_and_tells_none_when_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer that takes the connection but never answers costs the timeout and is named; a peers file that is
+    not one is exit 4 after the local change; a drain refused here (exit 3) tells no peer."""
+    import socket
+    import time
+
+    from vllm_fleet import cli
+    from vllm_fleet.contracts import GatewayPeer
+    from vllm_fleet.host.drain import tell_peer
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # connects, never accepted, never answered
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/vf/drained"
+        t0 = time.monotonic()
+        outcome = tell_peer(GatewayPeer("h2", url), "tiny-a", True, "127.0.0.1", timeout=0.5)
+        assert time.monotonic() - t0 < 2
+        assert (outcome.ok, outcome.line()) == (False, f"peer h2: NOT reached ({url}: timed out)")
+    finally:
+        silent.close()
+
+    spec = parse_spec(local_gateways(tmp_path, [9101, 9102]))
+    render_fleet(spec, tmp_path / "out")
+    routes = tmp_path / "out" / "h1" / "etc" / "nginx" / "vllm-fleet" / "routes.json"
+    state = tmp_path / "drained.json"
+    bad = tmp_path / "peers.json"
+    bad.write_text(
+        '{"schema": 1, "fleet": "tinyha", "host": "h1", "source": "127.0.0.1", "peers": [{"name": "h2"}]}'
+    )
+    capsys.readouterr()
+    assert (
+        cli.main(["drain", "tiny-a", "--routes", str(routes), "--state", str(state), "--peers", str(bad)])
+        == 4
+    )
+    out, err = capsys.readouterr()
+    assert out == "drained: tiny-a\n" and err == (
+        f"drain: peers file {bad}: {bad}: peers[0].url: missing: the other gateways were NOT told\n"
+    )
+    # tiny-b is the model's last server in rotation: refused, nothing changed, no peer asked (none is there)
+    closed = tmp_path / "peers-closed.json"
+    closed.write_text(
+        bad.read_text().replace('{"name": "h2"}', '{"name": "h2", "url": "http://127.0.0.1:9/x"}')
+    )
+    assert (
+        cli.main(["drain", "tiny-b", "--routes", str(routes), "--state", str(state), "--peers", str(closed)])
+        == 3
+    )
+    out, err = capsys.readouterr()
+    assert out == "" and "refused: draining tiny-b leaves model(s) tiny-qwen3" in err and "peer" not in err
+    assert _drained(state) == ["tiny-a"]
+
+
 def test_gateway_check_fails_without_an_answer(tmp_path: Path) -> None:
     from vllm_fleet import cli
     from vllm_fleet.devtools.gateway_testing import free_port
@@ -328,6 +569,97 @@ def test_gateway_check_fails_without_an_answer(tmp_path: Path) -> None:
     ok, why = check(url, 1)
     assert not ok and "refused" in why.lower()
     assert cli.main(["gateway-check", "--quiet", url]) == 1  # the command an operator runs
+
+
+# --------------------------------------------------------------------------- drains between the gateways
+
+
+def _peer_conf(spec: FleetSpec, host: str) -> str:
+    return files(spec, host)["/etc/nginx/vllm-fleet/peer.conf"]
+
+
+def test_each_gateway_takes_drains_from_the_other_gateways_only() -> None:
+    spec = load_spec(EXAMPLE)
+    conf = files(spec, "h1")["/etc/nginx/conf.d/vllm-fleet.conf"]
+    assert conf == files(spec, "h2")["/etc/nginx/conf.d/vllm-fleet.conf"]  # still the same on each gateway
+    assert "\ninclude vllm-fleet/peer.conf;\n" in conf
+    for host, own, other in (("h1", "10.77.0.71", "10.77.0.72"), ("h2", "10.77.0.72", "10.77.0.71")):
+        server = _peer_conf(spec, host)
+        assert re.findall(r"^\s*listen (\S+);", server, re.M) == [f"{own}:8082"]  # its fleet address only
+        assert re.findall(r"^\s*(allow|deny) (\S+);", server, re.M) == [("allow", other), ("deny", "all")]
+        assert re.search(r"location = /vf/drained \{\s+js_content vf\.peer;\s+\}", server)
+        peers = GatewayPeers.from_dict(json.loads(files(spec, host)[GATEWAY_PEERS_FILE]))
+        assert (peers.host, peers.source) == (host, own)
+        assert [(p.name, p.url) for p in peers.peers] == [
+            ("h2" if host == "h1" else "h1", f"http://{other}:8082/vf/drained")
+        ]
+    assert not [d for d in files(spec, "h3") if "peer" in d]  # not a gateway
+    # three gateways: each allows the two others, and tells them
+    d = data(gateway={"hosts": ["h1", "h2", "h3"], "peer_port": 8090})
+    three = parse_spec(d)
+    server = _peer_conf(three, "h2")
+    assert re.findall(r"^\s*(allow|deny) (\S+);", server, re.M) == [
+        ("allow", "10.77.0.71"),
+        ("allow", "10.77.0.73"),
+        ("deny", "all"),
+    ]
+    assert "listen 10.77.0.72:8090;" in server
+    peers = GatewayPeers.from_dict(json.loads(files(three, "h3")[GATEWAY_PEERS_FILE]))
+    assert [p.url for p in peers.peers] == [
+        "http://10.77.0.71:8090/vf/drained",
+        "http://10.77.0.72:8090/vf/drained",
+    ]
+
+
+def test_one_gateway_has_no_peer_server_and_keeps_its_drained_set_root_s() -> None:
+    spec = load_spec(REPO / "examples/tiny-cpu-2hosts.yml")
+    fs = files(spec, spec.gateway_host)
+    assert not [d for d in fs if "peer" in d] and "peer.conf" not in fs["/etc/nginx/conf.d/vllm-fleet.conf"]
+    vf = build_context(spec, spec.gateway_host)["vf"]
+    assert vf["gateway_peer"] is None
+    assert vf["gateway_state_folder"] == {
+        "path": "/etc/vllm-fleet/gateway",
+        "owner": "root",
+        "group": "root",
+        "mode": "0755",
+    }
+    assert all(8082 not in h.ports for h in make_plan(spec).hosts)
+    assert not any("8082" in r for h in spec.hosts for r in _rules(spec, h.name))
+
+
+def test_the_drained_set_folder_is_nginx_s_to_write_on_a_gateway_of_two() -> None:
+    """nginx's workers (www-data) apply the other gateways' drains: a temp file in the folder, then a rename."""
+    spec = parse_spec(data(gateway={"state_file": "/var/lib/vf-gw/drained.json"}))
+    for host in ("h1", "h2"):
+        vf = build_context(spec, host)["vf"]
+        assert vf["gateway_state_folder"] == {
+            "path": "/var/lib/vf-gw",
+            "owner": "root",
+            "group": "www-data",
+            "mode": "0775",
+        }
+    assert build_context(spec, "h3")["vf"]["gateway_state_folder"] is None
+
+
+def test_the_peer_port_is_a_port_of_each_gateway_and_may_not_clash() -> None:
+    plan = make_plan(load_spec(EXAMPLE))
+    ports = {h.name: h.ports for h in plan.hosts}
+    assert ports["h1"][8082] == ports["h2"][8082] == "gateway.peer_port"
+    assert 8082 not in ports["h3"]  # not a gateway
+    clash = parse_spec(data(gateway={"peer_port": 8081}))
+    assert problems(clash) == [
+        "gateway.peer_port: port 8081 on h1 is already used by gateway.stub_status_port",
+        "gateway.peer_port: port 8081 on h2 is already used by gateway.stub_status_port",
+    ]
+
+
+def test_the_peer_port_is_open_to_the_other_gateways_only() -> None:
+    spec = load_spec(EXAMPLE)
+    h1, h2, h3 = (_rules(spec, h) for h in ("h1", "h2", "h3"))
+    assert 'ip saddr { 10.77.0.72 } tcp dport { 8082 } accept comment "drains: the other gateway hosts"' in h1
+    assert 'ip saddr { 10.77.0.71 } tcp dport { 8082 } accept comment "drains: the other gateway hosts"' in h2
+    assert not any("8082" in r for r in h3)
+    assert sum("8082" in r for r in h1) == 1  # nowhere else (not with the clients' port)
 
 
 # --------------------------------------------------------------------------- Prometheus and Alertmanager

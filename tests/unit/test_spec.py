@@ -186,7 +186,7 @@ def test_the_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
 
     d = copy.deepcopy(SEED4)
     before = spec_hash(parse_spec(d))
-    d["gateway"].update({"virtual_address": "", "vrrp": {"advert_int": 1}})
+    d["gateway"].update({"virtual_address": "", "vrrp": {"advert_int": 1}, "peer_port": 8082})
     d["monitoring"] = {**d.get("monitoring", {}), "alertmanager_cluster_port": 9094}
     d["alerts"] = {**d.get("alerts", {}), "gateway_address_for": "1m", "ha_peer_down_for": "3m"}
     assert spec_hash(parse_spec(d)) == before
@@ -194,4 +194,7 @@ def test_the_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
     assert spec_hash(parse_spec(d)) != before
     d["monitoring"]["alertmanager_cluster_port"] = 9094
     d["alerts"]["ha_peer_down_for"] = "5m"
+    assert spec_hash(parse_spec(d)) != before
+    d["alerts"]["ha_peer_down_for"] = "3m"
+    d["gateway"]["peer_port"] = 8090
     assert spec_hash(parse_spec(d)) != before

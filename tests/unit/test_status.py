@@ -633,6 +633,34 @@ def test_no_holder_two_holders_and_a_lost_monitoring_host_are_named() -> None:
     assert _line(table(st), "monitoring h2") == "monitoring h2: Prometheus not scraped, Alertmanager DOWN"
 
 
+def test_an_instance_drained_on_one_gateway_only_is_named() -> None:
+    """A drain that did not reach every gateway (vllm-fleet drain's exit 4, a gateway down at the time): each
+    gateway's exporter reports its own drained set, and status names the instances they disagree on."""
+    spec = parse_spec(ha_doc(), "t")
+
+    def drained(samples: list[Sample], host: str, *names: str) -> list[Sample]:
+        lab = {"__name__": "vllm_fleet_gateway_drained", "job": "vllm-fleet-exporter", "host": host}
+        return samples + [({**lab, "instance": n}, 1.0) for n in names]
+
+    base = ha_samples(spec, {"h1": "MASTER", "h2": "BACKUP"}, {"h1": 2, "h2": 2})
+    st = judge(spec, drained(drained(base, "h1", "a", "b"), "h2", "b"), now=NOW)
+    assert [(g.host, g.drained) for g in st.gateways] == [("h1", ["a", "b"]), ("h2", ["b"])]
+    assert st.drained_on_some == {"a": ["h1"]}
+    assert _line(table(st), "instance a") == (
+        "instance a: drained on h1, NOT on h2 (a drain or undrain did not reach every gateway: rerun "
+        "`vllm-fleet drain a` or `undrain a` on a gateway host)"
+    )
+    assert "instance b" not in table(st)  # drained on both: the table's ROTATION says so
+    assert {r.instance: r.rotation for r in st.rows} == {"a": "drained", "b": "drained", "c": "in"}
+    assert json.loads(json.dumps(st.to_dict()))["drained_on_some"] == {"a": ["h1"]}
+    # the same sets: nothing to say; a gateway whose exporter is down is not compared
+    st = judge(spec, drained(drained(base, "h1", "b"), "h2", "b"), now=NOW)
+    assert st.drained_on_some == {} and "instance " not in table(st)
+    down = ha_samples(spec, {"h1": "MASTER", "h2": "BACKUP"}, {"h1": 2}, h2=0)
+    st = judge(spec, drained(down, "h1", "c"), now=NOW)
+    assert st.drained_on_some == {} and st.gateways[1].drained is None
+
+
 def test_status_asks_each_monitoring_host_s_prometheus_in_turn(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -36,7 +36,7 @@ from vllm_fleet.fleet.engine import (
     model_path,
     rank_address,
 )
-from vllm_fleet.fleet.ha import gateway_ha_vars, keepalived_plan, monitoring_server
+from vllm_fleet.fleet.ha import drained_set_file, gateway_ha_vars, keepalived_plan, monitoring_server
 from vllm_fleet.fleet.host_contract import HostContracts
 from vllm_fleet.fleet.hostplan import host_deploy_plan
 from vllm_fleet.fleet.network import (
@@ -207,7 +207,7 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     # every gateway host (two or more: behind gateway.virtual_address, keepalived; fleet/ha.py)
     vf["gateway_hosts"] = spec.gateway_hosts
     vf["gateway_ha"] = gateway_ha_vars(spec, vf["upstreams"])
-    vf["gateway_state_file"] = spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
+    vf["gateway_state_file"] = drained_set_file(spec)
     # gateway.limits: the admission service's file (fleet/admission_config.py), where nginx reaches it
     vf["gateway_admission"] = admission_config(spec, plan) if spec.gateway.admission else None
     vf["gateway_admission_on"] = spec.gateway.admission

@@ -29,7 +29,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_fleet.contracts import VRRP_STATE_FILE
+from vllm_fleet.contracts import (
+    GATEWAY_PEER_PATH,
+    GATEWAY_PEERS_FILE,
+    GATEWAY_PEERS_SCHEMA,
+    VRRP_STATE_FILE,
+    GatewayPeer,
+    GatewayPeers,
+)
+from vllm_fleet.fleet.admission_config import NGINX_GROUP
 from vllm_fleet.fleet.network import internal_address, monitoring_listen_address
 from vllm_fleet.fleet.spec import DEFAULT_VRRP_PRIORITY, FleetSpec
 
@@ -207,6 +215,78 @@ def gateway_ha_vars(spec: FleetSpec, upstreams: list[dict[str, Any]]) -> dict[st
         "total_seconds": UPSTREAM_TOTAL_SECONDS,
         "virtual_address": str(virtual_interface(spec).ip),
     }
+
+
+def drained_set_file(spec: FleetSpec) -> str:
+    """Where `vllm-fleet drain` keeps the drained set on a gateway host: ``gateway.state_file``, else
+    ``PATHS.CONFIG_DIR/gateway/drained.json``."""
+    return spec.gateway.state_file or f"{spec.paths.config_dir}/gateway/drained.json"
+
+
+class StateFolder(BaseModel):
+    """The drained-set file's folder on a gateway host, as the gateway role makes it (``vf.gateway_state_folder``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str
+    owner: str
+    group: str
+    mode: str
+
+
+def drained_set_folder(spec: FleetSpec, host: str) -> StateFolder | None:
+    """``host``'s drained-set folder: root's (0755), where only `vllm-fleet drain` (root) replaces the file; on a
+    gateway of two or more group ``www-data`` and 0775, because its nginx's workers apply the other gateways'
+    drains there too (a temp file in the folder, then a rename: the folder must be theirs to write). The file
+    stays 0644 either way (the router and the host exporter read it). None: not a gateway host."""
+    if not spec.gateway.enabled or host not in spec.gateway_hosts:
+        return None
+    path = drained_set_file(spec).rsplit("/", 1)[0] or "/"
+    if spec.gateway_ha:
+        return StateFolder(path=path, owner="root", group=NGINX_GROUP, mode="0775")
+    return StateFolder(path=path, owner="root", group="root", mode="0755")
+
+
+class GatewayPeerPlan(BaseModel):
+    """A gateway of two or more: its nginx's peer server (nginx/peer.conf.j2), where the other gateways'
+    `vllm-fleet drain` / `undrain` reach it, and its peers file (``contracts.GATEWAY_PEERS_FILE``), which its own
+    drain reads to tell them (``vf.gateway_peer``; None on other hosts and with one gateway)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # where the peer server listens: this host's fleet address and gateway.peer_port
+    listen_address: str
+    port: int
+    path: str
+    # the only addresses it answers (403 for every other): the other gateways' fleet addresses
+    allow: list[str]
+    # the peers file: where it is, and what it says (contracts.GatewayPeers)
+    peers_file: str
+    peers: dict[str, Any]
+
+
+def gateway_peer_plan(spec: FleetSpec, host: str) -> GatewayPeerPlan | None:
+    """``host``'s peer server and peers file, when it is one of two or more gateway hosts."""
+    if not spec.gateway_ha or host not in spec.gateway_hosts:
+        return None
+    port = spec.gateway.peer_port
+    own = internal_address(spec.host(host))
+    others = [(h, internal_address(spec.host(h))) for h in spec.gateway_hosts if h != host]
+    peers = GatewayPeers(
+        schema=GATEWAY_PEERS_SCHEMA,
+        fleet=spec.name,
+        host=host,
+        source=own,
+        peers=[GatewayPeer(name=h, url=f"http://{a}:{port}{GATEWAY_PEER_PATH}") for h, a in others],
+    )
+    return GatewayPeerPlan(
+        listen_address=own,
+        port=port,
+        path=GATEWAY_PEER_PATH,
+        allow=list(dict.fromkeys(a for _, a in others)),
+        peers_file=GATEWAY_PEERS_FILE,
+        peers=peers.to_dict(),
+    )
 
 
 class MonitoringPeer(BaseModel):

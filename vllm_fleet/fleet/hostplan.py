@@ -23,7 +23,15 @@ from pydantic import BaseModel, ConfigDict
 
 from vllm_fleet.contracts import HostContract
 from vllm_fleet.fleet.engine import model_path
-from vllm_fleet.fleet.ha import KeepalivedPlan, MonitoringServer, certificate_addresses
+from vllm_fleet.fleet.ha import (
+    GatewayPeerPlan,
+    KeepalivedPlan,
+    MonitoringServer,
+    StateFolder,
+    certificate_addresses,
+    drained_set_folder,
+    gateway_peer_plan,
+)
 from vllm_fleet.fleet.playfacts import pip_source_args
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec
 
@@ -133,6 +141,12 @@ class HostDeployPlan(BaseModel):
     # a gateway host: the addresses its self-signed certificate names (fleet/ha.py certificate_addresses; the
     # virtual address too with two or more gateways); else []
     gateway_cert_addresses: list[str]
+    # a gateway host: the drained-set file's folder as the gateway role makes it (group www-data, 0775 on a
+    # gateway of two or more: its nginx applies the other gateways' drains there; fleet/ha.py); else None
+    gateway_state_folder: StateFolder | None
+    # one of two or more gateway hosts: its nginx's peer server and its peers file (fleet/ha.py GatewayPeerPlan);
+    # else None
+    gateway_peer: GatewayPeerPlan | None
 
 
 def stack_gpus(spec: FleetSpec, host: str, name: str) -> int:
@@ -209,6 +223,8 @@ def host_deploy_plan(
         monitoring_address=monitoring_address,
         gateway_admission=gateway_admission,
         gateway_cert_addresses=certificate_addresses(spec, host) if gateway else [],
+        gateway_state_folder=drained_set_folder(spec, host),
+        gateway_peer=gateway_peer_plan(spec, host),
     )
 
 

@@ -116,6 +116,9 @@ def firewall_rules(spec: FleetSpec, host: str) -> list[dict[str, object]]:
         # VRRP is an IP protocol of its own (112), without ports: keepalived's unicast advertisements
         rules.append({"comment": "VRRP: the other gateway hosts", "proto": VRRP_PROTOCOL, "ports": [],
                       "sources": by_family(peers)})  # fmt: skip
+        # their `vllm-fleet drain` / `undrain`, which this gateway's nginx applies to its own drained set
+        rules.append({"comment": "drains: the other gateway hosts", "ports": [gw.peer_port],
+                      "sources": by_family(peers)})  # fmt: skip
     rules += _multi_node_rules(spec, host, by_family)
     for r in rules:
         r.setdefault("proto", "tcp")

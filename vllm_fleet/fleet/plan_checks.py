@@ -72,6 +72,9 @@ def host_service_ports(spec: FleetSpec, host: str) -> list[tuple[int, str]]:
     if gateway_here:
         ports.append((spec.gateway.port, "gateway.port"))
         ports.append((spec.gateway.stub_status_port, "gateway.stub_status_port"))
+        if spec.gateway_ha:
+            # the peer server: the other gateways' drains and undrains (on the fleet address)
+            ports.append((spec.gateway.peer_port, "gateway.peer_port"))
         if spec.gateway.admission:
             ports.append((spec.gateway.limits.metrics_port, "gateway.limits.metrics_port"))
         if spec.gateway.tls:

@@ -557,6 +557,10 @@ class Gateway(_Model):
     # (docs/gateway.md "Per-key limits"); a number below that worst case is refused
     worker_connections: int | None = Field(None, ge=64)
     stub_status_port: Port = 8081
+    # with two or more gateways: where each gateway's nginx takes a drain or undrain from the other gateways
+    # (POST /vf/drained on its fleet address, allowed from the other gateways' addresses only), so that
+    # `vllm-fleet drain NAME` on any gateway host reaches them all (docs/gateway.md)
+    peer_port: Port = 8082
     # instance names the spec keeps out of rotation (rendered `down`; `vllm-fleet drain` keeps its own set in
     # state_file, and undrain does not override these)
     drained: list[str] = []
@@ -1077,7 +1081,7 @@ def load_spec(path: str | Path) -> FleetSpec:
 
 # the fields issue 30 added: at their defaults they leave the hash of a spec as it was before them
 _HA_FIELDS = {
-    "gateway": ("hosts", "virtual_address", "vrrp"),
+    "gateway": ("hosts", "virtual_address", "vrrp", "peer_port"),
     "monitoring": ("hosts", "alertmanager_cluster_port"),
     "alerts": ("gateway_address_for", "ha_peer_down_for"),
 }

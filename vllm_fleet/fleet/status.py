@@ -11,10 +11,12 @@ admitted in the last ``KEY_WINDOW`` (in flight, queued, admitted, refused, the b
 each other key at a budget. A multi-node instance's ranks > 0 get a worker row
 each, under their instance (``vllm-worker@NAME`` on the rank's host: its state file via that host's exporter).
 With two or more gateways (``gateway.hosts``) a line says which holds ``gateway.virtual_address`` (each
-gateway's keepalived state, ``vllm_fleet_gateway_vrrp_state`` / ``_master`` from its exporter); with two or more
-monitoring hosts (``monitoring.hosts``) a line per host says whether its Prometheus and Alertmanager are scraped
-and how many members its Alertmanager's cluster counts (``alertmanager_cluster_members``). The monitoring hosts'
-Prometheus servers are asked in turn (``prometheus_urls``): the first that answers is read.
+gateway's keepalived state, ``vllm_fleet_gateway_vrrp_state`` / ``_master`` from its exporter), and a line names
+each instance that some gateways drain and others do not (``vllm_fleet_gateway_drained`` per gateway: a drain
+that did not reach every gateway); with two or more monitoring hosts (``monitoring.hosts``) a line per host says
+whether its Prometheus and Alertmanager are scraped and how many members its Alertmanager's cluster counts
+(``alertmanager_cluster_members``). The monitoring hosts' Prometheus servers are asked in turn
+(``prometheus_urls``): the first that answers is read.
 
 Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
 draining, drained, probe failing, a rank of its group not joined) or ``down`` (failed, stopped, unreachable,
@@ -164,6 +166,8 @@ class GatewayHostStatus:
     holds: bool = False  # it holds the virtual address (vllm_fleet_gateway_vrrp_master)
     since: float | None = None  # when keepalived reported that state
     nginx_up: bool | None = None  # its nginx exporter scraped (None: Prometheus has no such target)
+    # its drained set, as its exporter reads its drained-set file (vllm_fleet_gateway_drained); None: unreachable
+    drained: list[str] | None = None
 
 
 @dataclass
@@ -204,6 +208,9 @@ class FleetStatus:
     virtual_address: str = ""  # gateway.virtual_address ("": one gateway)
     gateways: list[GatewayHostStatus] = field(default_factory=list)  # two or more gateways only
     holders: list[str] = field(default_factory=list)  # the gateways that hold the virtual address
+    # instance → the gateways that drain it, where some reachable gateways do and others do not (a drain or
+    # undrain that did not reach every gateway: vllm-fleet drain's exit 4)
+    drained_on_some: dict[str, list[str]] = field(default_factory=dict)
     monitoring: list[MonitoringHostStatus] = field(default_factory=list)  # two or more monitoring hosts only
 
     @property
@@ -361,7 +368,7 @@ def judge(
         )
         st.hosts.append(HostStatus(h.name, up == 1, deployed, bool(deployed) and deployed != want))
     reachable = {h.name: h.reachable for h in st.hosts}
-    gateway_seen = reachable.get(spec.gateway_host, False) if spec.gateway.enabled else False
+    gateway_seen = any(reachable.get(g, False) for g in spec.gateway_hosts) if spec.gateway.enabled else False
     for m in spec.models:
         row = Row(m.host, m.name, m.served_model_name or m.name, m.role, list(m.gpus))
         _fill(row, idx, reachable.get(m.host, False), gateway_seen, spec.gateway.enabled)
@@ -385,6 +392,7 @@ def judge(
         st.virtual_address = spec.gateway.virtual_address
         st.gateways = [_gateway(idx, g, reachable.get(g, False)) for g in spec.gateway_hosts]
         st.holders = [g.host for g in st.gateways if g.holds]
+        st.drained_on_some = _drained_on_some(st.gateways)
     if spec.monitoring_ha:
         st.monitoring = [_monitoring(idx, m) for m in spec.monitoring_hosts]
     return st
@@ -406,7 +414,22 @@ def _gateway(idx: _Index, host: str, exporter_up: bool) -> GatewayHostStatus:
     g.state = current[0] if current else "UNKNOWN"
     g.holds = idx.one("vllm_fleet_gateway_vrrp_master", host=host) == 1
     g.since = idx.one("vllm_fleet_gateway_vrrp_state_since_timestamp_seconds", host=host) or None
+    g.drained = sorted(
+        lv.get("instance", "") for lv, v in idx.find("vllm_fleet_gateway_drained", host=host) if v == 1
+    )
     return g
+
+
+def _drained_on_some(gateways: list[GatewayHostStatus]) -> dict[str, list[str]]:
+    """Instance → the gateways that drain it, for each instance that some reachable gateways drain and others
+    do not."""
+    seen = [g for g in gateways if g.drained is not None]
+    out: dict[str, list[str]] = {}
+    for inst in sorted({i for g in seen for i in g.drained or []}):
+        on = [g.host for g in seen if inst in (g.drained or [])]
+        if len(on) < len(seen):
+            out[inst] = on
+    return out
 
 
 def _monitoring(idx: _Index, host: str) -> MonitoringHostStatus:
@@ -637,6 +660,13 @@ def _ha_lines(st: FleetStatus) -> list[str]:
         out.append(
             f"gateway address {st.virtual_address}: {held}; " + ", ".join(gateway(g) for g in st.gateways)
         )
+        seen = [g.host for g in st.gateways if g.drained is not None]
+        for inst, on in st.drained_on_some.items():
+            off = [h for h in seen if h not in on]
+            out.append(
+                f"instance {inst}: drained on {', '.join(on)}, NOT on {', '.join(off)} (a drain or undrain did not "
+                f"reach every gateway: rerun `vllm-fleet drain {inst}` or `undrain {inst}` on a gateway host)"
+            )
 
     def up(v: bool | None) -> str:
         return "up" if v else "not scraped" if v is None else "DOWN"
