@@ -4,7 +4,8 @@ h2 h3, two instances on h3). The instances run the sim stack (tests/ansible_flee
 deployment and the address, not the engine.
 
 Deploy → exactly one gateway holds the address and answers through it, every gateway-only host runs the tools
-venv and the exporter → a rerun changes nothing → the holder's link cut under steady plain and streamed traffic
+venv and the exporter → a rerun changes nothing → a drain on either gateway host reaches both (no request to
+the drained instance through either) → the holder's link cut under steady plain and streamed traffic
 (tests the takeover: failed requests, the gap, the new holder) → an instance down and a monitoring host powered
 off at once: the page still arrives, once (a Slack-compatible receiver on the bridge) → the hosts are torn down
 with the module.
@@ -148,6 +149,44 @@ def test_rerun_changes_nothing(ha: Fleet) -> None:
     assert rc == 0, out[-4000:]
     changed = {h: r["changed"] for h, r in recap(out).items()}
     assert set(changed.values()) == {0}, (changed, what_changed(out))
+
+
+def test_a_drain_on_either_gateway_host_reaches_both(ha: Fleet) -> None:
+    """`vllm-fleet drain tiny-a` on one gateway host tells the other (its nginx's peer location): neither
+    gateway sends tiny-a a request, whichever address a client uses; `undrain` on the other puts it back on
+    both."""
+    from vllm_fleet.devtools.testing import http_json
+    from vllm_fleet.fleet.spec import load_spec
+
+    names = ha.names  # type: ignore[attr-defined]
+    log = load_spec(ha.spec_path).gateway.access_log
+    tiny_a = f"{ha.hosts[names['h3']].address}:{ha.spec['models'][0]['port']}"
+    assert ha.spec["models"][0]["name"] == "tiny-a"
+    venv = "/opt/vllm-fleet/venv/bin/vllm-fleet"
+    for via, other in (("h2", "h1"), ("h1", "h2")):
+        gw = ha.hosts[names[via]]
+        res = gw.run(f"{venv} drain tiny-a")
+        assert res.returncode == 0 and f"peer {names[other]}: drained: tiny-a" in res.stdout, res
+        for n in GATEWAYS:
+            state = ha.hosts[names[n]].run("cat /etc/vllm-fleet/gateway/drained.json").stdout
+            assert json.loads(state)["drained"] == ["tiny-a"], (n, state)
+        seen = {n: int(ha.hosts[names[n]].run(f"wc -l < {log}").stdout) for n in GATEWAYS}
+        for n in GATEWAYS:  # each gateway's own address: a client that does not use the virtual one
+            url = f"http://{ha.hosts[names[n]].address}:{ha.spec['gateway']['port']}/v1/chat/completions"
+            for i in range(12):
+                body = {"model": "tiny-qwen3", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"prefix {i} {via}: hello"}]}  # fmt: skip
+                code, answer = http_json("POST", url, body, timeout=60, headers=ha.auth)
+                assert code == 200, answer
+        for n in GATEWAYS:
+            lines = ha.hosts[names[n]].run(f"tail -n +{seen[n] + 1} {log}").stdout.splitlines()
+            upstreams = [json.loads(x)["upstream_addr"] for x in lines if x.strip()]
+            assert len(upstreams) >= 12 and not any(tiny_a in u for u in upstreams), (n, upstreams)
+        res = ha.hosts[names[other]].run(f"{venv} undrain tiny-a")
+        assert res.returncode == 0 and f"peer {names[via]}: drained: (none)" in res.stdout, res
+        for n in GATEWAYS:
+            state = ha.hosts[names[n]].run("cat /etc/vllm-fleet/gateway/drained.json").stdout
+            assert json.loads(state)["drained"] == [], (n, state)
 
 
 def test_holder_cut_off_moves_the_address_and_only_in_flight_requests_fail(ha: Fleet) -> None:
