@@ -86,13 +86,21 @@ step "4/5 a real chat completion through the gateway (http://$GW_ADDR:8000)"
 # the gateway requires an API key: the playbook generated one next to the inventory (docs/security.md)
 KEY_FILE="$WORK/inventory/vllm-fleet-secrets/gateway-api-key"
 python - "$GW_ADDR" "$KEY_FILE" <<'PY'
-import json, sys, urllib.request
+import json, sys, time, urllib.error, urllib.request
 body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Say hello to the fleet."}], "max_tokens": 16}
 key = open(sys.argv[2]).read().split()[0]
 req = urllib.request.Request(f"http://{sys.argv[1]}:8000/v1/chat/completions", json.dumps(body).encode(),
                              {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-with urllib.request.urlopen(req, timeout=60) as r:
-    out = json.load(r)
+# two or more gateways: the virtual address comes up once keepalived's checks have passed twice (a few s)
+for attempt in range(30):
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.load(r)
+        break
+    except urllib.error.URLError as exc:
+        if attempt == 29 or isinstance(exc, urllib.error.HTTPError):
+            raise
+        time.sleep(2)
 print(f"HTTP {r.status}  model={out['model']}  finish={out['choices'][0]['finish_reason']}  "
       f"tokens={out['usage']['completion_tokens']}")
 print("reply (random tiny model, so gibberish):", repr(out["choices"][0]["message"]["content"]))
