@@ -108,10 +108,12 @@ PY
 
 step "5/5 what was deployed, and where"
 for h in "${HOSTS[@]}"; do
-  vllm-fleet sandbox ssh "$h" "python3 -c \"import json; m=json.load(open('/var/lib/vllm-fleet/manifest.json')); s=m['stack']; \
+  # a host without engines (a gateway or monitoring host only) has no deployment manifest
+  vllm-fleet sandbox ssh "$h" "test -e /var/lib/vllm-fleet/manifest.json || { echo host $h: no engines; exit 0; }; \
+python3 -c \"import json; m=json.load(open('/var/lib/vllm-fleet/manifest.json')); s=m['stack']; \
 print('host', m['host'], '| fleet', m['fleet'], '| spec', m['spec_hash'], '|', s['vllm_dist'], s['vllm'], '| torch', s['torch']); \
 [print('  ', i['unit'], 'port', i['port'], 'model', i['model']['path'], '(%d files, sha256-verified)' % len(i['model']['checksums'])) for i in m['instances']]\""
-  vllm-fleet sandbox ssh "$h" "systemctl --no-legend list-units 'vllm@*' nginx.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service | sed 's/^/   /'"
+  vllm-fleet sandbox ssh "$h" "systemctl --no-legend list-units 'vllm@*' nginx.service keepalived.service prometheus.service prometheus-alertmanager.service 'prometheus-*exporter.service' vllm-fleet-exporter.service vllm-fleet-admission.service | sed 's/^/   /'"
 done
 echo "   gateway:    http://$GW_ADDR:8000/v1  (OpenAI + Anthropic APIs; API key in $KEY_FILE)"
 # where Prometheus really listens (vllm_fleet/fleet/network.py: loopback on a one-host fleet, else the monitoring
