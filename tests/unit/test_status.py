@@ -708,3 +708,22 @@ def test_status_asks_each_monitoring_host_s_prometheus_in_turn(
     assert status.run(args, spec) == 3
     err = capsys.readouterr().err
     assert f"Prometheus at {first}: " in err and f"Prometheus at {second}: " in err
+
+
+def test_a_host_without_engines_is_not_asked_for_a_deployment_manifest() -> None:
+    """A gateway- or monitoring-only host has no deployment manifest (the engine role writes it): status says
+    nothing about its drift; an engine host without one is still named."""
+    doc = spec_doc()
+    doc["hosts"].append({"name": "g3", "address": "10.0.0.3"})
+    spec = parse_spec(doc, "t")
+    samples = healthy(spec)
+    samples.append(({"__name__": "up", "job": "vllm-fleet-exporter", "host": "g3", "instance": "g3"}, 1.0))
+    text = table(judge(spec, samples, now=NOW))
+    assert "host g3" not in text, text
+    # h1's manifest gone: named
+    no_h1 = [
+        (lab, v)
+        for lab, v in samples
+        if not (lab["__name__"] == "vllm_fleet_deployed_info" and lab["host"] == "h1")
+    ]
+    assert "host h1: no deployment manifest exported" in table(judge(spec, no_h1, now=NOW))

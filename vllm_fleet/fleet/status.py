@@ -187,6 +187,9 @@ class HostStatus:
     reachable: bool
     deployed_spec: str = ""  # the spec hash the host's manifest records ("" when unknown)
     drift: bool = False
+    # it runs an instance or a headless rank: the engine role writes its deployment manifest (a gateway- or
+    # monitoring-only host has none, and no drift to tell)
+    engines: bool = True
 
 
 @dataclass
@@ -366,7 +369,8 @@ def judge(
         deployed = next(
             (lv.get("spec_hash", "") for lv, _ in idx.find("vllm_fleet_deployed_info", host=h.name)), ""
         )
-        st.hosts.append(HostStatus(h.name, up == 1, deployed, bool(deployed) and deployed != want))
+        engines = bool(spec.models_on(h.name) or spec.workers_on(h.name))
+        st.hosts.append(HostStatus(h.name, up == 1, deployed, bool(deployed) and deployed != want, engines))
     reachable = {h.name: h.reachable for h in st.hosts}
     gateway_seen = any(reachable.get(g, False) for g in spec.gateway_hosts) if spec.gateway.enabled else False
     for m in spec.models:
@@ -623,7 +627,7 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             )
         elif h.drift:
             out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
-        elif not h.deployed_spec:
+        elif not h.deployed_spec and h.engines:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
     out += _ha_lines(st)
     if st.admission:
