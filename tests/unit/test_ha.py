@@ -764,3 +764,14 @@ def test_a_self_signed_certificate_names_the_virtual_address_too() -> None:
     raw["gateway"] = {"host": "h1", "port": 8000}
     one = parse_spec(raw)
     assert build_context(one, "h1")["vf"]["gateway_cert_addresses"] == ["10.77.0.71"]
+
+
+def test_keepalived_stops_before_nginx_at_shutdown() -> None:
+    """A clean poweroff of the holder: keepalived (ordered after nginx, so stopped before it) gives the address
+    up first, while nginx still finishes what it holds. Only on gateways of two or more."""
+    spec = load_spec(EXAMPLE)
+    drop_in = "/etc/systemd/system/keepalived.service.d/vllm-fleet.conf"
+    text = files(spec, "h1")[drop_in]
+    (after,) = [ln for ln in text.splitlines() if ln.startswith("After=")]
+    assert after.split("=", 1)[1].split() == ["nginx.service", "vllm-fleet-admission.service"]
+    assert drop_in not in files(spec, "h3")  # not a gateway
