@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.cpu_throttle import throttled
+from vllm_fleet.devtools.cpu_throttle import FLOOR_PERCENT, throttled
 from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, group_processes, http_json
 from vllm_fleet.host.launcher import EXIT_CONFIG
 from vllm_fleet.host.notify import NotifyListener
@@ -296,15 +296,16 @@ def _pings_between(run: Run, t0: float, t1: float) -> list[float]:
 
 @pytest.mark.extended
 def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> None:
-    """Idle, but its CPUs taken (a CFS quota of 0.5 % of one CPU on every engine process: what a neighbour's
-    burst does on a small host): the decode probe times out, the kernel shows the engine's threads waiting for a
-    CPU, so the check passes as ``starved`` and the pings go on (before, the watchdog killed such an engine:
-    the previous CI failure). ``starved_grace_seconds`` after the engine last answered in time the checks
-    fail again (a spinning hang on a starved host is caught after all); once the CPUs are back, pings resume."""
+    """Idle, but its CPUs taken (a CFS quota of 0.1 % of one CPU, the kernel's least, on every engine process:
+    what a neighbour's burst does on a small host): the decode probe times out, the kernel shows the engine's
+    threads waiting for a CPU, so the check passes as ``starved`` and the pings go on (before, the watchdog
+    killed such an engine: the previous CI failure). ``starved_grace_seconds`` after the engine last answered
+    in time the checks fail again (a spinning hang on a starved host is caught after all); once the CPUs are
+    back, pings resume."""
     run.notify.wait_for("READY", "1", timeout=1500)
     grace = SERVICE["starved_grace_seconds"]
     before = run.state()["probes_starved_total"]
-    with throttled(sorted(group_processes(run.engine_pid())), 0.5):
+    with throttled(sorted(group_processes(run.engine_pid())), FLOOR_PERCENT):
         t0 = time.monotonic()
         deadline = t0 + grace + 60
         while time.monotonic() < deadline and run.state()["probes_starved_total"] == before:

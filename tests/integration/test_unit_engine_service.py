@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_fleet.devtools.cpu_throttle import host_pids_of_group, throttled
+from vllm_fleet.devtools.cpu_throttle import FLOOR_PERCENT, host_pids_of_group, throttled
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import load_spec
 
@@ -228,27 +228,39 @@ def test_two_instances_get_their_cuda_visible_devices(host: Remote) -> None:
 
 def test_an_idle_engine_starved_of_cpu_is_not_restarted(host: Remote) -> None:
     """The previous CI failure: on 2 cores a neighbour's burst starved idle tiny-a's 1-token decode probe past
-    its timeout, and the watchdog killed a healthy engine. Here tiny-a's processes get 0.5 % of one CPU (a CFS
-    quota, from this machine) for more than two watchdog periods: its checks time out, the kernel shows its
-    threads waiting for a CPU, the launcher counts them as starved and keeps pinging — no restart; once the
-    CPUs are back it serves at once."""
+    its timeout, and the watchdog killed a healthy engine. Here tiny-a's processes get 0.1 % of one CPU (a CFS
+    quota, from this machine, the least the kernel allows) for more than two watchdog periods and until a
+    check was late: its checks time out, the kernel shows its threads waiting for a CPU, the launcher counts
+    them as starved and keeps pinging — no restart; once the CPUs are back it serves at once."""
     before = host.show("vllm@tiny-a", "NRestarts", "MainPID")
     starved0 = host.state("tiny-a")["probes_starved_total"]
     pids = host_pids_of_group(host.h.pid1, host.state("tiny-a")["engine_pid"])
     assert len(pids) >= 3, pids  # API server, engine core, worker
     hold = 2 * SERVICE["watchdog_seconds"] + 10
-    with throttled(pids, 0.5):
-        time.sleep(hold)
-        during = host.state("tiny-a")
+    with throttled(pids, FLOOR_PERCENT):
+        t0 = time.monotonic()
+        try:
+            starved = host.wait(
+                lambda: (
+                    time.monotonic() - t0 >= hold
+                    and host.state("tiny-a")["probes_starved_total"] > starved0
+                    and host.state("tiny-a")
+                ),
+                hold + 60,
+                "two watchdog periods starved, and a check counted as starved",
+            )
+        except AssertionError as exc:
+            journal = host.sh("journalctl --no-pager -o cat -u vllm@tiny-a | tail -60")
+            raise AssertionError(f"{exc}\n{journal}") from None
+        held = time.monotonic() - t0
     after = host.show("vllm@tiny-a", "NRestarts", "MainPID")
     journal = host.sh("journalctl --no-pager -o cat -u vllm@tiny-a | tail -200")
     assert after == before, f"restarted while starved: {before} → {after}\n{journal[-3000:]}"
-    assert during["probes_starved_total"] > starved0, during  # the starvation was real, and seen as such
     assert "Probe late, engine alive: starved of CPU" in journal
     t0 = time.monotonic()
     assert host.completion(8101, "tiny-a")["choices"]
     print(
-        f"tiny-a at 0.5 % CPU for {hold}s: {during['probes_starved_total'] - starved0} starved checks, "
+        f"tiny-a at {FLOOR_PERCENT} % CPU for {held:.0f}s: {starved['probes_starved_total'] - starved0} starved checks, "
         f"no restart; a completion {time.monotonic() - t0:.1f}s after the CPUs came back"
     )
 

@@ -17,6 +17,10 @@ from pathlib import Path
 from vllm_fleet.devtools.testing import group_processes
 
 CGROUP = Path("/sys/fs/cgroup")
+# The least CPU a quota can leave: the kernel's minimum quota (1 ms) in its longest period (1 s). Starvation
+# tests use it: at 0.5 % a fast CI machine's idle tiny engine still answered a 1-token decode probe (about
+# 30 ms of CPU) within its 6 s timeout, so no check was late and none counted as starved.
+FLOOR_PERCENT = 0.1
 
 
 class ThrottleError(RuntimeError):
