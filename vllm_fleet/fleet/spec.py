@@ -282,7 +282,8 @@ class ModelInstance(_Model):
     env: dict[str, str] = {}
     # allow other instances that also set share_gpus to use the same GPUs (memory shares must add up)
     share_gpus: bool = False
-    role: Literal["primary", "backup", "fallback"] = "primary"
+    # canary: set by the plan only, for the instance a ``rollouts`` entry derives (never written in ``models``)
+    role: Literal["primary", "backup", "fallback", "canary"] = "primary"
     pool: str = "default"
     # per served model: every instance of it that sets routing must set the same
     routing: Routing | None = None
@@ -328,6 +329,54 @@ class ModelInstance(_Model):
             if "\n" in a:
                 raise ValueError(f"argument contains a newline: {a!r}")
         return v
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+class RolloutSlo(_Model):
+    """What a canary must hold over its window, on its own (``None``: not judged on its own)."""
+
+    ttft_p95_seconds: float | None = Field(None, gt=0)
+    e2e_p95_seconds: float | None = Field(None, gt=0)
+    # failed (5xx, or turned away full) / all requests the gateways sent it
+    error_ratio: float = Field(0.01, ge=0, le=1)
+
+
+class CanaryPlacement(_Model):
+    """Where the canary instance runs: every other setting is the served model's first primary instance as the
+    spec now writes it (the new version)."""
+
+    name: Annotated[str, Field(pattern=NAME_RE)]
+    host: str
+    port: int = Field(ge=1024, le=65535)
+    gpus: list[int] = []
+
+    _unique_gpus = field_validator("gpus")(classmethod(lambda cls, v: _gpu_indices(v)))
+
+
+class Rollout(_Model):
+    """How a change to a served model's instances reaches them (docs/rollouts.md): the spec writes the new
+    version in ``models``; instances that already run keep the version they run until ``vllm-fleet rollout``
+    has shown a canary (``canary``: one more instance of the new version) to serve ``share`` of the model's
+    requests for ``window_seconds`` within ``slo`` and no worse than the stable instances by more than
+    ``margin``, on at least ``min_requests`` requests per side. Then it promotes (a rolling restart of the
+    stable instances through the drain path); else it drains and stops the canary and reports why."""
+
+    model: str  # a served model name (models[].served_model_name)
+    canary: CanaryPlacement
+    share: float = Field(0.1, gt=0, le=0.5)
+    window_seconds: int = Field(600, ge=10)
+    min_requests: int = Field(100, ge=1)
+    slo: RolloutSlo = RolloutSlo()
+    # the canary's TTFT and end-to-end p95 may exceed the stable instances' by this fraction (0.25: 25 %)
+    margin: float = Field(0.25, ge=0)
+    # the window ends without min_requests on both sides: the rollout waits up to this long more, then reverts
+    # the canary as inconclusive
+    extra_wait_seconds: int = Field(300, ge=0)
+    # the gateways send the canary traffic only while the controller renews this lease (a dead controller:
+    # the canary is out of rotation within it, and stopped on its host)
+    lease_seconds: int = Field(60, ge=10, le=3600)
 
 
 # --------------------------------------------------------------------------- stack
@@ -785,6 +834,8 @@ class FleetSpec(_Model):
     alerts: AlertThresholds = AlertThresholds()
     slack: Slack = Slack()
     firewall: Firewall = Firewall()
+    # canary rollouts per served model (docs/rollouts.md); each derives one more instance into ``models``
+    rollouts: list[Rollout] = []
     _index: _HostIndex | None = PrivateAttr(default=None)
 
     @field_validator("slack", mode="before")
@@ -860,6 +911,31 @@ class FleetSpec(_Model):
     def groups_on(self, host: str) -> list[ModelInstance]:
         """The multi-node instances with a rank (0 or more) on ``host``."""
         return [m for m in self._by_host().groups.get(host, []) if m.multi_node]
+
+    def rollout_of(self, served_model: str) -> Rollout | None:
+        """The ``rollouts`` entry of a served model, or None."""
+        return next((r for r in self.rollouts if r.model == served_model), None)
+
+    def canary_of(self, served_model: str) -> ModelInstance | None:
+        """The canary instance a served model's rollout derives (in ``models``), or None."""
+        r = self.rollout_of(served_model)
+        return None if r is None else next((m for m in self.models if m.name == r.canary.name), None)
+
+    def field_path(self, path: str) -> str:
+        """A problem's field path as the user wrote the spec: ``models[N]...`` of a derived canary names its
+        ``rollouts[K].canary`` entry."""
+        m = re.match(r"models\[(\d+)\](.*)", path)
+        if not m or int(m.group(1)) >= len(self.models):
+            return path
+        inst = self.models[int(m.group(1))]
+        if inst.role != "canary":
+            return path
+        k = next((k for k, r in enumerate(self.rollouts) if r.canary.name == inst.name), None)
+        return (
+            path
+            if k is None
+            else f"rollouts[{k}].canary{m.group(2)} (the canary of {inst.served_model_name!r})"
+        )
 
     def model(self, name: str) -> ModelInstance:
         for m in self.models:
@@ -1039,12 +1115,102 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
     return problems
 
 
+def _rollout_checks(spec: FleetSpec) -> list[tuple[str, str]]:
+    """Each rollout names a served model with a primary instance (one rollout per model) and a canary that can
+    run beside it: a new instance name, a known host, GPUs where the profile needs them, one host."""
+    problems: list[tuple[str, str]] = []
+    host_names = [h.name for h in spec.hosts]
+    names = {m.name for m in spec.models}
+    seen: dict[str, int] = {}
+    canaries: dict[str, int] = {}
+    for k, r in enumerate(spec.rollouts):
+        path = f"rollouts[{k}]"
+        if r.model in seen:
+            problems.append(
+                (f"{path}.model", f"served model {r.model!r} already has rollouts[{seen[r.model]}]")
+            )
+        seen.setdefault(r.model, k)
+        first = next((m for m in spec.models if m.served_model_name == r.model and m.role == "primary"), None)
+        if first is None:
+            served = sorted({m.served_model_name for m in spec.models})
+            problems.append(
+                (f"{path}.model", f"no primary instance serves {r.model!r} (served: {', '.join(served)})")
+            )
+        elif first.multi_node:
+            problems.append((f"{path}.model", f"{r.model!r} spans hosts (placement): no canary for it yet"))
+        c = r.canary
+        if c.name in names:
+            problems.append((f"{path}.canary.name", f"instance name {c.name!r} is already used in models"))
+        if c.name in canaries:
+            problems.append(
+                (f"{path}.canary.name", f"{c.name!r} is already rollouts[{canaries[c.name]}]'s canary")
+            )
+        canaries.setdefault(c.name, k)
+        if c.host not in host_names:
+            problems.append(
+                (f"{path}.canary.host", f"unknown host {c.host!r} (hosts: {', '.join(host_names)})")
+            )
+        if first is not None and spec.stack_of(first).profile == "gpu" and not c.gpus:
+            problems.append((f"{path}.canary.gpus", "the gpu profile needs at least one GPU index"))
+    return problems
+
+
+def _derive_canaries(spec: FleetSpec) -> None:
+    """Append each rollout's canary to ``models``: the served model's first primary instance as the spec writes
+    it (the new version) on the canary's name, host, port and GPUs, ``role: canary``."""
+    for r in spec.rollouts:
+        first = next(m for m in spec.models if m.served_model_name == r.model and m.role == "primary")
+        c = r.canary
+        spec.models.append(
+            first.model_copy(
+                update={
+                    "name": c.name,
+                    "host": c.host,
+                    "port": c.port,
+                    "gpus": list(c.gpus),
+                    "role": "canary",
+                },
+                deep=True,
+            )
+        )
+
+
+def _strip_derived(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """A spec dumped from a parsed one carries its canaries in ``models`` (role canary): drop them, they are
+    derived again. ``role: canary`` on any other instance is the user's: refused."""
+    names = {
+        str((r.get("canary") or {}).get("name"))
+        for r in data.get("rollouts") or []
+        if isinstance(r, dict) and isinstance(r.get("canary"), dict)
+    }
+    models = data.get("models")
+    if not isinstance(models, list):
+        return []
+    problems: list[tuple[str, str]] = []
+    kept = []
+    for i, m in enumerate(models):
+        if isinstance(m, dict) and m.get("role") == "canary":
+            if m.get("name") in names:
+                continue
+            problems.append(
+                (f"models[{i}].role", "canary is set by rollouts[].canary: a canary is derived, not written")
+            )
+        kept.append(m)
+    data["models"] = kept
+    return problems
+
+
 def parse_spec(data: Any, source: str = "") -> FleetSpec:
     if not isinstance(data, dict):
         raise SpecError([("(root)", "the fleet spec must be a YAML mapping")], source)
     # Ansible-style wrapping: allow the spec under a top-level `vllm_fleet:` key (group_vars file)
     if set(data) == {"vllm_fleet"}:
         data = data["vllm_fleet"]
+    if isinstance(data, dict) and data.get("rollouts"):
+        data = dict(data)
+        problems = _strip_derived(data)
+        if problems:
+            raise SpecError(problems, source)
     try:
         spec = FleetSpec.model_validate(data)
     except ValidationError as exc:
@@ -1056,8 +1222,10 @@ def parse_spec(data: Any, source: str = "") -> FleetSpec:
             problems.append((_loc(err["loc"]), msg))
         raise SpecError(problems, source) from None
     problems = _cross_checks(spec)
+    problems += _rollout_checks(spec) if spec.rollouts else []
     if problems:
         raise SpecError(problems, source)
+    _derive_canaries(spec)
     return spec
 
 
@@ -1093,6 +1261,8 @@ def spec_hash(spec: FleetSpec) -> str:
     # a spec that names no extra stack hashes as it did before `stacks` / `models[].stack` existed
     if not d["stacks"]:
         del d["stacks"]
+    if not d["rollouts"]:  # nor one without rollouts (issue 29)
+        del d["rollouts"]
     for m in d["models"]:
         if m["stack"] is None:
             del m["stack"]
