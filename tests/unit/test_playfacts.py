@@ -18,7 +18,7 @@ FILTERS = (
     "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
     "model_tree", "model_pushes", "found_in_stack", "running_services", "lock_checks", "wheel_sources", "pip_source_args",
-    "vrrp_interface", "tools_wheels",
+    "vrrp_interface", "tools_wheels", "held",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -332,3 +332,32 @@ def test_the_wheels_a_host_without_engines_gets_of_the_wheelhouse() -> None:
     assert [Path(p).name.split("-")[0] for p in got] == [
         "MarkupSafe", "PyYAML", "pydantic", "pydantic_core", "typing_extensions",
     ]  # fmt: skip
+
+
+def test_a_canary_is_planned_but_neither_enabled_nor_started_nor_restarted() -> None:
+    planned = ["vllm@a.service", "vllm@canary.service", "vllm-worker@w.service"]
+    units = {"vllm@a.service": {"SubState": "dead", "UnitFileState": "disabled"}}
+    acts = pf.unit_actions(planned, units, [], autostart=["vllm@a.service", "vllm-worker@w.service"])
+    assert acts["to_enable"] == ["vllm@a.service", "vllm-worker@w.service"]
+    assert acts["to_start"] == ["vllm@a.service"]  # instances only (workers start --no-block, earlier)
+    assert acts["stale"] == []  # the canary's unit is planned: not stopped as stale
+    # a running canary (a rollout under way) is not restarted, whatever changed
+    inst = [*INSTANCES, {"name": "k", "unit": "vllm@k.service", "model_path": "/m/a", "role": "canary"}]
+    changed = [{"instance_name": "k", "dest": "/etc/vllm-fleet/instances/k.json"}]
+    assert pf.restarts(inst, changed, ["/m/a"], False) == ["a", "c"]
+    assert pf.restarts(inst, [], [], True) == ["a", "b", "c"]
+
+
+def test_held_instances_are_those_of_a_rollout_model_already_deployed_unless_promoted() -> None:
+    held = {"a": "tiny", "b": "tiny", "c": "other"}
+    configs = ["/etc/vllm-fleet/instances/a.json", "/etc/vllm-fleet/instances/c.json"]
+    assert pf.held(held, configs) == ["a", "c"]  # b is new: its first config is written
+    assert pf.held(held, configs, "tiny") == ["c"]
+    assert pf.held(held, configs, "tiny,other") == []
+    assert pf.held(held, configs, ["other"]) == ["a"]
+    items = [
+        {"component": "engine", "instance_name": "a", "dest": "a.json"},
+        {"component": "engine", "instance_name": "b", "dest": "b.json"},
+        {"component": "engine", "instance_name": "", "dest": "host.json"},
+    ]
+    assert [i["dest"] for i in pf.artifact_items(items, "engine", "all", ["a"])] == ["b.json", "host.json"]

@@ -89,6 +89,8 @@ def instance_ctx(
     command = engine_command(spec, m)
     d.update(
         unit=f"vllm@{m.name}.service",
+        # the label that sets a rollout's canary apart from the stable instances in Prometheus (docs/rollouts.md)
+        track="canary" if m.role == "canary" else "stable",
         model_path=model_path(spec, m),
         listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,

@@ -103,6 +103,14 @@ class HostDeployPlan(BaseModel):
     workers: list[dict[str, Any]]
     # every vllm@ and vllm-worker@ unit of this host (its instances', then its workers')
     units: list[str]
+    # of those, the units the play enables and starts and vllm-fleet.target wants: all but canaries (a canary
+    # runs only while `vllm-fleet rollout` runs it; docs/rollouts.md)
+    autostart_units: list[str]
+    # the canaries of this host (instance names): deployed, never started by the play, never restarted by it
+    canaries: list[str]
+    # instances of a served model with a ``rollouts`` entry: once running, the play keeps the config they run
+    # until `vllm-fleet rollout` promotes the change (site.yml -e vllm_fleet_rollout_promote=MODEL)
+    held: dict[str, str]
     # every model folder this host needs (its instances' and its ranks': a rank loads from its own copy)
     model_paths: list[str]
     # the weights its instances load (the preflight's free-space check adds vllm_fleet_min_free_gib)
@@ -199,6 +207,13 @@ def host_deploy_plan(
         instances=instances,
         workers=workers,
         units=[i["unit"] for i in instances + workers],
+        autostart_units=[i["unit"] for i in instances + workers if i.get("role") != "canary"],
+        canaries=[i["name"] for i in instances if i.get("role") == "canary"],
+        held={
+            i["name"]: i["served_model_name"]
+            for i in instances
+            if i.get("role") != "canary" and spec.rollout_of(i["served_model_name"]) is not None
+        },
         model_paths=list(dict.fromkeys(i["model_path"] for i in instances + workers)),
         weight_bytes=weight_bytes,
         ports=ports,

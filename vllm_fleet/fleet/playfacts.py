@@ -108,27 +108,46 @@ def unit_actions(
     enabled_links: Iterable[str],
     new_files: Iterable[str] = (),
     check_mode: bool = False,
+    autostart: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """What the engine role does with the host's units, from what systemd answered (the vllm_fleet_host_state
     module's ``units``, and the ``*.wants/`` links of enabled instances): ``running`` the planned units already
     running (those restart rolling, not start), ``enabled`` the units systemd counts as enabled (a link, or a
     state ``is-enabled`` accepts), ``to_enable`` the planned units not enabled yet, ``stale`` the instances and
     workers on the host that the spec no longer has (stopped and disabled), ``enable_target`` whether
-    vllm-fleet.target is to be enabled. In check mode a unit whose template file this run would create
-    (``new_files``, not on the host yet) cannot be enabled, so it is left out."""
+    vllm-fleet.target is to be enabled, ``to_start`` the planned ``vllm@`` instance units to start (not running).
+    Only the ``autostart`` units (default: every planned one) are enabled and started: a canary is planned (its
+    unit is not stale) but runs only during `vllm-fleet rollout`. In check mode a unit whose template file this
+    run would create (``new_files``, not on the host yet) cannot be enabled, so it is left out."""
     links = [str(x).rsplit("/", 1)[-1] for x in enabled_links]
     enabled = [u for u, s in units.items() if s.get("UnitFileState") in ENABLED_STATES]
     running = {u for u, s in units.items() if s.get("SubState") == "running"}
     known = list(dict.fromkeys([*units, *links]))
     new = [str(f).rsplit("/", 1)[-1] for f in new_files] if check_mode else []
-    to_enable = [u for u in planned if u not in enabled and f"{u.split('@', 1)[0]}@.service" not in new]
+    auto = set(planned if autostart is None else autostart)
+    to_enable = [
+        u for u in planned if u in auto and u not in enabled and f"{u.split('@', 1)[0]}@.service" not in new
+    ]
     return {
         "running": [u for u in planned if u in running],
+        "to_start": [u for u in planned if u in auto and u.startswith("vllm@") and u not in running],
         "enabled": enabled,
         "to_enable": to_enable,
         "enable_target": "vllm-fleet.target" not in enabled and "vllm-fleet.target" not in new,
         "stale": [u for u in known if _INSTANCE_UNIT.match(u) and u not in planned],
     }
+
+
+def held(held_models: Mapping[str, str], configs: Iterable[str], promote: str | Iterable[str] = "") -> list[str]:
+    """The instances whose change the play holds for `vllm-fleet rollout` (docs/rollouts.md): those of a served
+    model with a ``rollouts`` entry (``held_models``: instance -> served model, ``vf.held``) that already have a
+    config on the host (``configs``: its instance config files; a first deploy just writes it), unless the run
+    promotes their model (``promote``: ``-e vllm_fleet_rollout_promote=MODEL[,MODEL]``)."""
+    names = {str(c).rsplit("/", 1)[-1].removesuffix(".json") for c in configs}
+    if isinstance(promote, str):
+        promote = [p for p in promote.split(",") if p.strip()]
+    promoted = {str(p).strip() for p in promote}
+    return [n for n, model in held_models.items() if n in names and model not in promoted]
 
 
 def restarts(
@@ -141,8 +160,10 @@ def restarts(
     """The instances of a host to restart, by name: every one when the launcher (vllm-fleet in the fleet's own
     venv) or the shared unit ``vllm@.service`` changed; else those whose own artifacts changed (``changed``:
     the artifacts role's written items, ``instance_name`` set for per-instance files) or whose model folder
-    changed; plus the restarts an earlier, failed run left ``pending``."""
-    names = [str(i["name"]) for i in instances]
+    changed; plus the restarts an earlier, failed run left ``pending``. Never a canary: `vllm-fleet rollout`
+    starts and stops it (a running one keeps running what it started with)."""
+    canaries = {str(i["name"]) for i in instances if i.get("role") == "canary"}
+    names = [str(i["name"]) for i in instances if str(i["name"]) not in canaries]
     shared_unit = any(
         not a.get("instance_name") and str(a.get("dest", "")).endswith("vllm@.service") for a in changed
     )
@@ -152,6 +173,7 @@ def restarts(
         models = set(model_changed)
         out = [str(a["instance_name"]) for a in changed if a.get("instance_name")]
         out += [str(i["name"]) for i in instances if i.get("model_path") in models]
+    out = [n for n in out if n not in canaries]
     return list(dict.fromkeys([*out, *(str(p).rsplit("/", 1)[-1] for p in pending)]))
 
 
@@ -165,11 +187,17 @@ def rolling_restarts(
 
 
 def artifact_items(
-    artifacts: list[Mapping[str, Any]], component: str, which: str = "all"
+    artifacts: list[Mapping[str, Any]], component: str, which: str = "all", hold: Iterable[str] = ()
 ) -> list[dict[str, Any]]:
     """The artifacts of ``component`` (``vf.artifacts``) the artifacts role renders: ``instance`` the
-    per-instance files, ``shared`` the others, ``all`` both."""
-    mine = [dict(a) for a in artifacts if a.get("component") == component]
+    per-instance files, ``shared`` the others, ``all`` both; never the files of the instances in ``hold``
+    (``held``)."""
+    held = set(hold)
+    mine = [
+        dict(a)
+        for a in artifacts
+        if a.get("component") == component and not (a.get("instance_name") and a["instance_name"] in held)
+    ]
     if which == "instance":
         return [a for a in mine if a.get("instance_name")]
     if which == "shared":

@@ -36,6 +36,7 @@ class FilterModule:
         "unit_actions",
         "restarts",
         "rolling_restarts",
+        "held",
         "artifact_items",
         "host_files",
         "artifacts_outcome",
