@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.fleet.spec import SpecError, load_spec, parse_spec
+from vllm_fleet.fleet.spec import SpecError, load_spec, parse_spec, spec_hash
 
 REPO = Path(__file__).resolve().parents[2]
 SEED4 = yaml.safe_load((REPO / "examples/seed-004-4xa100.yml").read_text())
@@ -198,3 +198,94 @@ def test_the_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
     d["alerts"]["ha_peer_down_for"] = "3m"
     d["gateway"]["peer_port"] = 8090
     assert spec_hash(parse_spec(d)) != before
+
+
+# --------------------------------------------------------------------------- rollouts (issue 29)
+
+
+def _rollout_spec(**rollout: object) -> dict[str, object]:
+    import yaml
+
+    d = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/tiny-cpu-2hosts.yml").read_text())
+    r: dict[str, object] = {
+        "model": "tiny-qwen3",
+        "canary": {"name": "tiny-canary", "host": "h2", "port": 8111},
+    }
+    r.update(rollout)
+    d["rollouts"] = [r]
+    return d
+
+
+def test_a_rollout_derives_its_canary_from_the_first_primary_as_the_spec_writes_it() -> None:
+    d = _rollout_spec(share=0.2)
+    d["models"][0]["max_num_seqs"] = 1  # type: ignore[index]  # the new version
+    spec = parse_spec(d)
+    c = spec.canary_of("tiny-qwen3")
+    assert c is not None and c is spec.models[-1]
+    assert (c.name, c.host, c.port, c.role, c.served_model_name) == (
+        "tiny-canary",
+        "h2",
+        8111,
+        "canary",
+        "tiny-qwen3",
+    )
+    assert c.max_num_seqs == 1 and c.source == spec.models[0].source
+    assert spec.rollout_of("tiny-qwen3").share == 0.2  # type: ignore[union-attr]
+    # a parsed spec dumped and parsed again derives the same canary once
+    again = parse_spec(spec.model_dump(mode="json"))
+    assert [m.name for m in again.models] == [m.name for m in spec.models]
+    assert spec_hash(again) == spec_hash(spec)
+
+
+@pytest.mark.parametrize(
+    ("change", "path", "words"),
+    [
+        ({"model": "nope"}, "rollouts[0].model", "no primary instance serves 'nope'"),
+        (
+            {"canary": {"name": "tiny-a", "host": "h2", "port": 8111}},
+            "rollouts[0].canary.name",
+            "already used",
+        ),
+        (
+            {"canary": {"name": "c", "host": "h9", "port": 8111}},
+            "rollouts[0].canary.host",
+            "unknown host 'h9'",
+        ),
+        ({"share": 0.9}, "rollouts[0].share", "less than or equal to 0.5"),
+    ],
+)
+def test_a_bad_rollout_names_its_field(change: dict[str, object], path: str, words: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec(_rollout_spec(**change))
+    assert any(p == path and words in msg for p, msg in e.value.problems), e.value.problems
+
+
+def test_a_canary_is_derived_never_written() -> None:
+    d = _rollout_spec()
+    d["models"][2]["role"] = "canary"  # type: ignore[index]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert (
+        "models[2].role",
+        "canary is set by rollouts[].canary: a canary is derived, not written",
+    ) in e.value.problems
+
+
+def test_a_problem_of_the_canary_names_its_rollouts_entry() -> None:
+    spec = parse_spec(_rollout_spec())
+    assert spec.field_path("models[3].port") == "rollouts[0].canary.port (the canary of 'tiny-qwen3')"
+    assert spec.field_path("models[0].port") == "models[0].port"
+    assert spec_hash(parse_spec(_rollout_spec())) != spec_hash(
+        load_spec(Path(__file__).resolve().parents[2] / "examples/tiny-cpu-2hosts.yml")
+    )
+
+
+def test_the_plan_names_a_canary_problem_by_its_rollouts_entry() -> None:
+    from vllm_fleet.fleet.plan import make_plan
+
+    d = _rollout_spec(canary={"name": "tiny-canary", "host": "h2", "port": 8101})  # tiny-backup's port on h2
+    problems = [str(p) for p in make_plan(parse_spec(d), []).problems]
+    assert problems == [
+        "rollouts[0].canary.port (the canary of 'tiny-qwen3'): port 8101 on h2 is already used by models[2] "
+        "(tiny-backup)"
+    ]

@@ -338,7 +338,7 @@ def make_plan(
         vllm_version=spec.stack.vllm_version,
         hosts=hosts,
         instances=instances,
-        problems=[Problem(f.path, f.message) for f in found if f.severity == "problem"],
+        problems=[Problem(spec.field_path(f.path), f.message) for f in found if f.severity == "problem"],
         warnings=[str(f) for f in found if f.severity == "warning"],
         stacks=stacks.stacks,
     )
