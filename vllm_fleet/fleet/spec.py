@@ -351,6 +351,9 @@ class CanaryPlacement(_Model):
     host: str
     port: int = Field(ge=1024, le=65535)
     gpus: list[int] = []
+    # environment of the canary's engine over the copied instance's (what is per host or per device, e.g. the
+    # CPU cores a vLLM-CPU engine binds to)
+    env: dict[str, str] = {}
 
     _unique_gpus = field_validator("gpus")(classmethod(lambda cls, v: _gpu_indices(v)))
 
