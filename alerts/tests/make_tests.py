@@ -424,6 +424,7 @@ def build() -> str:
         series("up", adm, "1x30") + series("vllm_fleet_gateway_admission_fail_open_total", ex, "0x30"),
         alert("VllmFleetGatewayAdmissionDown", "10m", []),
     )
+    doc += canary_cases()
     doc += ha_cases()
     doc += case(
         "Watchdog always fires",
@@ -439,6 +440,92 @@ def build() -> str:
             ],
         ),
     )
+    return doc
+
+
+def canary_cases() -> str:
+    """A canary (rollouts[].canary, role canary: tiny-canary on h2) is deployed but stopped except during
+    ``vllm-fleet rollout``; Prometheus scrapes it all the time (job vllm, track canary). Stopped, never started or
+    left failed, it fires nothing, while a stable instance down beside it still fires; running and broken, it
+    does (docs/runbooks: VllmInstanceDown, VllmUnitRestartLoop, VllmFailoverActive)."""
+    doc = ""
+    c_up = 'job="vllm", host="h2", instance="tiny-canary", model="tiny-qwen3", role="canary", pool="default", track="canary"'
+    c_eng = c_up + ', model_name="tiny-qwen3", engine="0"'
+    c_exp = 'job="vllm-fleet-exporter", host="h2", instance="tiny-canary", model="tiny-qwen3"'
+    c_unit = c_exp + ', unit="vllm@tiny-canary.service"'
+    up_t = 'job="vllm", host="h1", instance="tiny", model="tiny-qwen3", role="primary", pool="default"'
+    t_exp = 'job="vllm-fleet-exporter", host="h1", instance="tiny", model="tiny-qwen3"'
+
+    def states(exp: str, current: str, values: str = "1x30") -> str:
+        """The launcher's one-hot state series (the exporter writes every state, 0 but the current one;
+        ``current`` "": no state file, all 0)."""
+        return "".join(
+            series("vllm_fleet_instance_state", exp + f', state="{s}"', values if s == current else "0x30")
+            for s in ("loading", "ready", "draining", "failed", "stopped")
+        )
+
+    tiny_down = (
+        {"job": "vllm", **LT, "role": "primary", "pool": "default"},
+        "Prometheus cannot scrape tiny (tiny-qwen3 on h1) and its launcher does not report it loading.",
+    )
+    quiet = ("VllmUnitRestartLoop", "VllmEngineCpuStarved", "VllmDecodeStalled", "VllmDecodeRateLow",
+             "VllmFailoverActive", "VllmMultiNodeGroupPartial")  # fmt: skip
+    doc += case(
+        "canary stopped after a rollout (launcher state stopped, its target down, restarts and starved checks "
+        "from its last run): nothing fires for it; tiny, a stable instance, down beside it fires",
+        series("up", c_up, "0x30")
+        + states(c_exp, "stopped")
+        + series("vllm_fleet_instance_restarts_total", c_unit, "2x30")
+        + series("vllm_fleet_probes_starved_total", c_unit, "7x30")
+        + series("up", up_t, "0x30")
+        + states(t_exp, "failed"),
+        fires_after("VllmInstanceDown", "30s", "3m", [tiny_down])
+        + alert("VllmInstanceDown", "25m", [tiny_down])
+        + "".join(alert(name, "25m", []) for name in quiet),
+    )
+    doc += case(
+        "canary never started (no state file: every state 0) or left failed by a crash before its rollout "
+        "stopped it: silent",
+        series("up", c_up, "0x30")
+        + states(c_exp, "")
+        + series("up", c_up.replace("tiny-canary", "other-canary"), "0x30")
+        + states(c_exp.replace("tiny-canary", "other-canary"), "failed"),
+        alert("VllmInstanceDown", "5m", []) + alert("VllmInstanceDown", "25m", []),
+    )
+    canary_down = (
+        {"job": "vllm", "host": "h2", "instance": "tiny-canary", "model": "tiny-qwen3", "role": "canary",
+         "pool": "default", "track": "canary"},
+        "Prometheus cannot scrape tiny-canary (tiny-qwen3 on h2) and its launcher does not report it loading.",
+    )  # fmt: skip
+    doc += case(
+        "canary running in a rollout: loading (silent), serving its share beside the serving primary (no "
+        "failover), then its launcher reports it ready but its engine stops answering at 6m (fires 1m later)",
+        series("up", c_up, "0 0 1x3 0x25")
+        + states(c_exp, "loading", "1 1 0x28")
+        + states(c_exp, "ready", "0 0 1x28")
+        + series("vllm:request_success_total", c_eng + ', finished_reason="stop"', "0 0 0+5x28")
+        + series("vllm:num_requests_running", c_eng, "0 0 2x28")
+        + series("vllm:request_success_total", T + ', finished_reason="stop"', "0+50x30")
+        + series("vllm:num_requests_running", T, "4x30"),
+        alert("VllmInstanceDown", "1m", [])
+        + alert("VllmFailoverActive", "5m", [])
+        + fires_after("VllmInstanceDown", "6m", "7m", [canary_down]),
+    )
+    doc += case(
+        "canary crash-looping in a rollout: 4 restarts of vllm@tiny-canary within 15 min (fires)",
+        series("vllm_fleet_instance_restarts_total", c_unit, "0 0 0 0 0 1 2 3 4 4x21"),
+        alert(
+            "VllmUnitRestartLoop",
+            "9m",
+            [
+                (
+                    {"job": "vllm-fleet-exporter", "host": "h2", "instance": "tiny-canary", "model": "tiny-qwen3",
+                     "unit": "vllm@tiny-canary.service"},
+                    "systemd restarted vllm@tiny-canary.service (tiny-canary on h2) 4 times in 15m (threshold 3).",
+                )
+            ],
+        ),
+    )  # fmt: skip
     return doc
 
 

@@ -41,6 +41,16 @@ def engine_hosts_only(vf: dict[str, Any]) -> None:
         pytest.skip("no engine instance on this host")
 
 
+def running(vf: dict[str, Any]) -> list[dict[str, Any]]:
+    """The instances of this host that run after a deploy: all but canaries (``rollouts[].canary``, role
+    canary), which are deployed (config, unit drop-in) but run only during ``vllm-fleet rollout``."""
+    return [i for i in vf["instances"] if i["role"] != "canary"]
+
+
+def canaries(vf: dict[str, Any]) -> list[dict[str, Any]]:
+    return [i for i in vf["instances"] if i["role"] == "canary"]
+
+
 def test_service_user(host: Any, vf: dict[str, Any]) -> None:
     engine_hosts_only(vf)
     user = host.user(vf["paths"]["user"])
@@ -88,7 +98,7 @@ def check_stack(host: Any, vf: dict[str, Any], venv: str) -> None:
 
 def test_units_enabled_active_ready(host: Any, vf: dict[str, Any]) -> None:
     engine_hosts_only(vf)
-    for inst in vf["instances"]:
+    for inst in running(vf):
         svc = host.service(inst["unit"])
         assert svc.is_enabled, f"{inst['unit']} is not enabled"
         props = dict(
@@ -117,9 +127,11 @@ def test_engines_listen_only_where_intended(host: Any, vf: dict[str, Any]) -> No
     answers /health there, and no two instances share a port."""
     engine_hosts_only(vf)
     listeners = _listeners(host)
-    ports = [i["port"] for i in vf["instances"]]
+    ports = [
+        i["port"] for i in vf["instances"]
+    ]  # a canary's port too: it must be free when a rollout starts it
     assert len(ports) == len(set(ports)), f"duplicate ports: {ports}"
-    for inst in vf["instances"]:
+    for inst in running(vf):
         addrs = listeners.get(inst["port"], [])
         assert addrs == [inst["listen_address"]], (
             f"{inst['name']} listens on {addrs}, planned {inst['listen_address']}"
@@ -132,7 +144,7 @@ def test_engines_listen_only_where_intended(host: Any, vf: dict[str, Any]) -> No
 def test_cuda_visible_devices_as_planned(host: Any, vf: dict[str, Any]) -> None:
     """The engine process of each unit runs with the planned CUDA_VISIBLE_DEVICES (/proc/PID/environ)."""
     engine_hosts_only(vf)
-    for inst in vf["instances"]:
+    for inst in running(vf):
         main = host.check_output(f"systemctl show -p MainPID --value {inst['unit']}").strip()
         pids = [main, *host.check_output(f"cat /proc/{main}/task/*/children").split()]
         wanted = ",".join(str(g) for g in inst["gpus"])
@@ -163,6 +175,26 @@ def test_instance_configs_present(host: Any, vf: dict[str, Any]) -> None:
         )
         assert host.file(str(python)).exists, cfg["command"][0]
         assert cfg["command"][1:] == inst["command"][1:], inst["name"]
+
+
+def test_canaries_deployed_not_started_by_the_fleet(host: Any, vf: dict[str, Any]) -> None:
+    """A canary's files are deployed (its instance config, checked with the others above, and its unit drop-in),
+    but its unit is neither enabled nor wanted by vllm-fleet.target: only `vllm-fleet rollout` starts it, so it
+    may be active (a rollout in progress) or not, and neither is checked here."""
+    engine_hosts_only(vf)
+    if not canaries(vf):
+        pytest.skip("no canary on this host")
+    wants = host.check_output("systemctl show -p Wants --value vllm-fleet.target").split()
+    for inst in canaries(vf):
+        assert host.file(f"{vf['paths']['config_dir']}/instances/{inst['name']}.json").is_file, inst["name"]
+        dropin = host.file(f"/etc/systemd/system/{inst['unit']}.d/10-fleet.conf")
+        assert dropin.is_file, f"{inst['name']}: no unit drop-in {dropin.path}"
+        load = host.check_output(f"systemctl show -p LoadState --value {inst['unit']}").strip()
+        assert load == "loaded", f"{inst['unit']}: LoadState={load}"
+        assert not host.service(inst["unit"]).is_enabled, f"{inst['unit']} is enabled: it would start at boot"
+        assert inst["unit"] not in wants, (
+            f"vllm-fleet.target wants {inst['unit']}: it would start with the fleet"
+        )
 
 
 def test_deployment_manifest(host: Any, vf: dict[str, Any]) -> None:
@@ -220,7 +252,8 @@ def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:
         down = [
             f"{t['labels'].get('job')}/{t['scrapeUrl']}: {t['lastError']}"
             for t in targets
-            if t["health"] != "up"
+            # a canary's engine target is down except during `vllm-fleet rollout` (its unit is not started)
+            if t["health"] != "up" and t["labels"].get("role") != "canary"
         ]
         if targets and not down:
             break

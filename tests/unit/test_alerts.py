@@ -418,3 +418,37 @@ def test_observability_doc_lists_the_table() -> None:
         "docs/observability.md is behind the alerts table: run tools/alerts_doc.py"
     )
     assert len(markdown_table().splitlines()) == 2 + len(ALERTS)
+
+
+def test_canary_cases_fail_against_rules_blind_to_canaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The canary cases are not vacuous: with the rules as they were before canaries (every stopped target down,
+    any role but primary a failover), promtool reports a stopped canary as down and a running one as failover."""
+    import dataclasses
+
+    from vllm_fleet.fleet.observability import alerts
+
+    old = {
+        "VllmInstanceDown": dict(
+            value='up{job="vllm"}',
+            expr='${value} ${op} ${threshold}\nunless on (instance) (vllm_fleet_instance_state{state="loading"} == 1)',
+        ),
+        "VllmFailoverActive": dict(
+            value='sum by (model) (rate(vllm:request_success_total{role!="primary"}[${rate_window}]))'
+            ' + sum by (model) (vllm:num_requests_running{role!="primary"})'
+        ),
+    }
+    blind = tuple(dataclasses.replace(a, **old[a.name]) if a.name in old else a for a in alerts.ALERTS)
+    monkeypatch.setattr(alerts, "ALERTS", blind)
+    shutil.copy(render_rules(spec_data(), tmp_path / "blind"), tmp_path / "vllm-fleet.rules.yml")
+    shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
+    r = subprocess.run(
+        ["promtool", "test", "rules", "vllm-fleet.test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    # a stopped canary reported down, and one never started / left failed
+    assert "alertname: VllmInstanceDown, time: 25m" in out and "alertname: VllmInstanceDown, time: 5m" in out
+    assert 'instance="tiny-canary"' in out and 'instance="other-canary"' in out
+    assert "alertname: VllmFailoverActive, time: 5m" in out  # the canary's share taken for a failover

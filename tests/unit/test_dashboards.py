@@ -396,3 +396,45 @@ def test_queries_not_provable_here_are_listed_in_the_docs() -> None:
         for name in re.findall(r"vllm_fleet_gpu_[a-z_]+", expr):
             assert gpu_only and name.removeprefix("vllm_fleet_gpu").removesuffix("_total") in doc, name
     assert "vllm_fleet_instance_restarts_total" in doc
+
+
+def test_canary_and_stable_compared_per_model_and_the_canary_share(out: Path) -> None:
+    """The overview compares the canary and the stable instances of each model (TTFT and end-to-end p95 by the
+    engines' track label) and shows each gateway's canary share; the failover panel leaves the canary out."""
+    from vllm_fleet.fleet.observability.dashboards import CANARY_PANEL, CANARY_SHARE_PANEL
+
+    panels = {p["title"]: p for p in _dash(out, OVERVIEW_UID)["panels"]}
+    exprs = [t["expr"] for t in panels[CANARY_PANEL]["targets"]]
+    for metric in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert (
+            f'histogram_quantile(0.95, sum by (model, track, le) (rate({metric}_bucket{{model=~"$model"}}'
+            "[$__rate_interval])))" in exprs
+        ), metric
+    assert {t["legendFormat"] for t in panels[CANARY_PANEL]["targets"]} >= {"{{model}} {{track}} TTFT p95"}
+    share = panels[CANARY_SHARE_PANEL]
+    assert [t["expr"] for t in share["targets"]] == [
+        'max by (model, host) (vllm_fleet_gateway_canary_share{model=~"$model"})'
+    ]
+    assert share["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    failover = next(p for t, p in panels.items() if t.startswith("Failover"))
+    assert 'role!~"primary|canary"' in failover["targets"][0]["expr"]
+
+
+def test_only_the_rollout_families_may_lack_series_outside_a_rollout() -> None:
+    """The deployed-fleet check lets a family be absent only by an ABSENT_BY_DESIGN kind: "rollout" covers the
+    gateways' two canary families (ROLLOUT_METRICS) and nothing else an alert or a panel reads."""
+    from vllm_fleet.devtools.promql import absent_by_design, metric_name, selectors
+    from vllm_fleet.fleet.observability import ROLLOUT_METRICS
+    from vllm_fleet.fleet.observability.alerts import ALERTS
+
+    read = {
+        metric_name(s)
+        for expr in [e for _w, e, _g in panel_queries(parse_spec(spec_data()).alerts.model_dump())]
+        + [a.expression for a in ALERTS]
+        for s in selectors(expr)
+    }
+    assert {n for n in read if absent_by_design(n, ["rollout"])} == {"vllm_fleet_gateway_canary_share"}
+    for other in ("vllm_fleet_gateway_track_requests_total", "vllm_fleet_gateway_canary_share_x",
+                  "vllm:time_to_first_token_seconds", "vllm_fleet_gateway_drained"):  # fmt: skip
+        assert not absent_by_design(other, ["rollout"]), other
+    assert all(absent_by_design(n, ["rollout"]) for n in ROLLOUT_METRICS)

@@ -163,6 +163,109 @@ def test_spec_drift_is_shown(spec: FleetSpec) -> None:
     assert f"host h2: deployed spec 0123456789ab, this spec is {spec_hash(spec)} (drift)" in table(st)
 
 
+# ------------------------------------------------------------------------- canary rollouts (rollouts[])
+
+
+@pytest.fixture
+def canary_spec() -> FleetSpec:
+    """The test fleet with a rollout of qwen: its canary ``a-canary`` (a copy of a, role canary) on h2."""
+    doc = spec_doc()
+    doc["rollouts"] = [{"model": "qwen", "canary": {"name": "a-canary", "host": "h2", "port": 8011}}]
+    return parse_spec(doc, "test")
+
+
+def canary(state: str, engine_up: float, *gateways: tuple[str, float, float]) -> list[Sample]:
+    """The canary's series: its launcher's state ("": no state file, every state 0), its engine target (always
+    scraped: job vllm, role and track canary) and each gateway's entry (host, share, lease expiry)."""
+    exp = {"job": "vllm-fleet-exporter", "host": "h2", "instance": "a-canary", "model": "qwen"}
+    out: list[Sample] = [
+        ({"__name__": "vllm_fleet_instance_state", **exp, "state": s}, float(s == state))
+        for s in ("loading", "ready", "draining", "failed", "stopped")
+    ]
+    eng = {
+        "job": "vllm",
+        "host": "h2",
+        "instance": "a-canary",
+        "model": "qwen",
+        "role": "canary",
+        "track": "canary",
+    }
+    out.append(({"__name__": "up", **eng}, engine_up))
+    if state == "ready":
+        out += [
+            ({"__name__": "vllm_fleet_probe_success", **exp}, 1.0),
+            ({"__name__": "vllm:num_requests_running", **eng, "engine": "0"}, 2.0),
+        ]
+    for host, share, expiry in gateways:
+        gw = {"job": "vllm-fleet-exporter", "host": host, "instance": "a-canary", "model": "qwen"}
+        out += [
+            ({"__name__": "vllm_fleet_gateway_canary_share", **gw}, share),
+            ({"__name__": "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds", **gw}, expiry),
+        ]
+    return out
+
+
+def test_the_status_query_asks_for_the_gateways_canary_entries() -> None:
+    assert "vllm_fleet_gateway_canary_share" in QUERY
+    assert "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds" in QUERY
+
+
+@pytest.mark.parametrize("state", ["stopped", "", "failed"])
+def test_a_stopped_canary_is_idle_and_not_counted(canary_spec: FleetSpec, state: str) -> None:
+    """Stopped after a rollout, never started (no state file), or left failed with no gateway entry: idle, its
+    role shown, the fleet still all serving (exit 0)."""
+    st = judge(canary_spec, [*healthy(canary_spec), *canary(state, 0.0)], now=NOW)
+    row = st.rows[-1]
+    assert (row.instance, row.role, row.verdict) == ("a-canary", "canary", "idle")
+    assert row.state == (state or "unknown") and row.rotation == "out"
+    assert st.exit_code == EXIT_SERVING and st.models_down == [] and st.rollouts == []
+    text = table(st)
+    line = next(x for x in text.splitlines() if "a-canary" in x)
+    assert "a-canary [canary]" in line and " out " in line
+    assert "Rollout" not in text
+    assert text.splitlines()[-1].startswith("3/3 instances serving, 1 canary idle")
+    assert "\x1b[2m" in table(st, colour=True)  # dimmed, not red
+
+
+def test_a_running_canary_is_judged_but_never_decides_its_model(canary_spec: FleetSpec) -> None:
+    # serving its share on the gateway h1 (lease 42 s left): a serving row, in rotation as the canary
+    st = judge(canary_spec, [*healthy(canary_spec), *canary("ready", 1.0, ("h1", 0.25, NOW + 42))], now=NOW)
+    row = st.rows[-1]
+    assert (row.verdict, row.rotation, row.running) == ("serving", "canary 25%", 2)
+    assert st.exit_code == EXIT_SERVING
+    assert "Rollout qwen: canary a-canary (serving); h1: share 25%, lease 42s left" in table(st)
+    # its engine stops answering: a down row (exit 1), while qwen keeps its verdict from a and b
+    st = judge(canary_spec, [*healthy(canary_spec), *canary("ready", 0.0, ("h1", 0.25, NOW + 42))], now=NOW)
+    assert st.rows[-1].verdict == "degraded" and st.exit_code == EXIT_DEGRADED and st.models_down == []
+    st = judge(canary_spec, [*healthy(canary_spec), *canary("failed", 0.0, ("h1", 0.25, NOW + 42))], now=NOW)
+    assert st.rows[-1].verdict == "down" and st.exit_code == EXIT_DEGRADED and st.models_down == []
+    # a and b down: qwen is down although its canary serves
+    s = [*healthy(canary_spec), *canary("ready", 1.0, ("h1", 0.25, NOW + 42))]
+    for name in ("a", "b"):
+        s = set_value(s, "vllm_fleet_instance_state", 0.0, instance=name)
+        s = set_value(s, "vllm_fleet_instance_state", 1.0, instance=name, state="failed")
+    st = judge(canary_spec, s, now=NOW)
+    assert st.rows[-1].verdict == "serving" and st.models_down == ["qwen"] and st.exit_code == EXIT_DOWN
+
+
+def test_the_rollout_line_names_each_gateway_and_an_expired_lease(canary_spec: FleetSpec) -> None:
+    s = [*healthy(canary_spec), *canary("ready", 1.0, ("h1", 0.1, NOW + 30.4), ("h2", 0.1, NOW - 5))]
+    st = judge(canary_spec, s, now=NOW)
+    (r,) = st.rollouts
+    assert (r.model, r.canary, [g.host for g in r.gateways]) == ("qwen", "a-canary", ["h1", "h2"])
+    line = next(x for x in table(st).splitlines() if x.startswith("Rollout "))
+    assert line == (
+        "Rollout qwen: canary a-canary (serving); h1: share 10%, lease 30s left; "
+        "h2: lease expired: out of rotation"
+    )
+    # every lease expired (the controller died): out of rotation; stopped on its host then, idle
+    s = [*healthy(canary_spec), *canary("failed", 0.0, ("h1", 0.1, NOW - 1))]
+    st = judge(canary_spec, s, now=NOW)
+    assert (st.rows[-1].verdict, st.rows[-1].rotation) == ("idle", "out") and st.exit_code == EXIT_SERVING
+    assert "Rollout qwen: canary a-canary (idle); h1: lease expired: out of rotation" in table(st)
+    assert st.to_dict()["rollouts"][0]["gateways"][0]["lease_left"] == -1.0
+
+
 # ------------------------------------------------------------------------- gateway keys (admission service)
 
 ADM = {"job": "vllm-fleet-admission", "host": "h1", "instance": "h1"}

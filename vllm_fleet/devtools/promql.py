@@ -23,6 +23,9 @@ ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
     "multinode": re.compile(r"vllm_fleet_instance_nodes|vllm_fleet_worker_state"),
     # keepalived's VRRP state (the gateways' exporters, --vrrp-state): only fleets of two or more gateways
     "ha": re.compile(r"vllm_fleet_gateway_vrrp_"),
+    # each gateway's canary entry (vllm_fleet.fleet.observability.ROLLOUT_METRICS): only while `vllm-fleet
+    # rollout` runs (a canary is stopped otherwise); every other family must have series on a deployed fleet
+    "rollout": re.compile(r"vllm_fleet_gateway_canary_(?:share|lease_expiry_timestamp_seconds)\b"),
 }
 
 

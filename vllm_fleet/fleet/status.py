@@ -20,10 +20,15 @@ whether its Prometheus and Alertmanager are scraped and how many members its Ale
 
 Verdicts per row: ``serving`` (ready, probe passing, engine scraped, in rotation), ``degraded`` (loading,
 draining, drained, probe failing, a rank of its group not joined) or ``down`` (failed, stopped, unreachable,
-unknown); a worker row is ``serving`` (joined), ``degraded`` (waiting for rank 0) or ``down`` (rank 0 gone,
-exited, unknown, unreachable) and counts in the exit code like an instance row. Exit codes
-(``EXIT_*``): 0 every instance serving; 1 some instance is not, but every served model still has a serving
-instance; 2 a served model has none; 3 Prometheus could not be asked.
+unknown). A canary (``rollouts[].canary``, role ``canary``) runs only during ``vllm-fleet rollout``: stopped,
+never started, or left failed while no gateway holds a live lease for it, it is ``idle`` (not counted in the exit
+code); running, it is judged like any instance, but its served model's verdict never depends on it. Per served
+model whose canary a gateway has an entry for (``vllm_fleet_gateway_canary_share`` and
+``_lease_expiry_timestamp_seconds``), a "Rollout" line gives its share on each gateway and the seconds left of
+its lease (an expired lease: out of rotation). A worker row is ``serving`` (joined), ``degraded`` (waiting
+for rank 0) or ``down`` (rank 0 gone, exited, unknown, unreachable) and counts in the exit code like an
+instance row. Exit codes (``EXIT_*``): 0 every instance serving; 1 some instance is not, but every served
+model still has a serving instance; 2 a served model has none; 3 Prometheus could not be asked.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ METRICS = (
     "vllm_fleet_gateway_vrrp_state",
     "vllm_fleet_gateway_vrrp_state_since_timestamp_seconds",
     "alertmanager_cluster_members",
+    # canary rollouts (rollouts[]): each gateway's entry per canary, while `vllm-fleet rollout` holds its lease
+    "vllm_fleet_gateway_canary_share",
+    "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds",
 )
 # the gateway admission service's per-key gauges (vllm_fleet.fleet.observability.ADMISSION_METRICS)
 KEY_METRICS = (
@@ -110,7 +118,7 @@ class Row:
     model: str
     role: str
     gpus: list[int]
-    verdict: str = "down"  # serving | degraded | down
+    verdict: str = "down"  # serving | degraded | down; idle: a canary that is not running (not judged)
     state: str = (
         "unknown"  # the launcher's: loading | ready | draining | failed | stopped; unknown; unreachable
     )
@@ -142,6 +150,32 @@ class WorkerRow:
 
 
 WORKER_VERDICTS = {"joined": "serving", "waiting": "degraded"}  # any other state: down
+# the launcher states of a canary that is not running: stopped (a rollout ended), unknown (never started: no
+# state file); failed too where no gateway holds a live lease for it (a crashed canary its rollout stopped)
+CANARY_IDLE_STATES = ("stopped", "unknown")
+
+
+@dataclass
+class CanaryGateway:
+    """One gateway's entry for a canary (while ``vllm-fleet rollout`` renews its lease)."""
+
+    host: str
+    share: float | None = None  # the share of the model's requests the gateway sends the canary
+    lease_left: float | None = None  # seconds until the lease expires (<= 0: expired, out of rotation)
+
+    @property
+    def live(self) -> bool:
+        return self.lease_left is None or self.lease_left > 0
+
+
+@dataclass
+class RolloutStatus:
+    """A served model's canary as the gateways report it."""
+
+    model: str
+    canary: str
+    verdict: str  # the canary row's
+    gateways: list[CanaryGateway] = field(default_factory=list)
 
 
 @dataclass
@@ -215,13 +249,15 @@ class FleetStatus:
     # undrain that did not reach every gateway: vllm-fleet drain's exit 4)
     drained_on_some: dict[str, list[str]] = field(default_factory=dict)
     monitoring: list[MonitoringHostStatus] = field(default_factory=list)  # two or more monitoring hosts only
+    # served models whose canary some gateway has an entry for (rollouts[])
+    rollouts: list[RolloutStatus] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
         if self.models_down:
             return EXIT_DOWN
         rows: list[Row | WorkerRow] = [*self.rows, *self.workers]
-        return EXIT_SERVING if all(r.verdict == "serving" for r in rows) else EXIT_DEGRADED
+        return EXIT_SERVING if all(r.verdict in ("serving", "idle") for r in rows) else EXIT_DEGRADED
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -373,9 +409,12 @@ def judge(
         st.hosts.append(HostStatus(h.name, up == 1, deployed, bool(deployed) and deployed != want, engines))
     reachable = {h.name: h.reachable for h in st.hosts}
     gateway_seen = any(reachable.get(g, False) for g in spec.gateway_hosts) if spec.gateway.enabled else False
+    entries = {r.canary.name: _canary_gateways(idx, r.canary.name, st.at) for r in spec.rollouts}
     for m in spec.models:
         row = Row(m.host, m.name, m.served_model_name or m.name, m.role, list(m.gpus))
         _fill(row, idx, reachable.get(m.host, False), gateway_seen, spec.gateway.enabled)
+        if m.role == "canary":
+            _judge_canary(row, entries.get(m.name, []), spec.gateway.enabled)
         st.rows.append(row)
         for rank, node in enumerate(m.placement[1:] if m.multi_node else [], start=1):
             w = WorkerRow(node.host, m.name, row.model, rank, list(node.gpus))
@@ -386,8 +425,16 @@ def judge(
             # vLLM needs every rank: a group with one missing is about to fail (or already has)
             row.verdict = "degraded"
             row.phase = "rank " + ", ".join(str(r) for r in missing) + " not joined"
-    models = dict.fromkeys(r.model for r in st.rows)
-    st.models_down = [x for x in models if not any(r.model == x and r.verdict == "serving" for r in st.rows)]
+    # a model's verdict is its stable instances' (a canary's never counts, serving or not)
+    stable = [r for r in st.rows if r.role != "canary"]
+    models = dict.fromkeys(r.model for r in stable)
+    st.models_down = [x for x in models if not any(r.model == x and r.verdict == "serving" for r in stable)]
+    rows = {r.instance: r for r in st.rows}
+    st.rollouts = [
+        RolloutStatus(r.model, r.canary.name, rows[r.canary.name].verdict, entries[r.canary.name])
+        for r in spec.rollouts
+        if entries.get(r.canary.name) and r.canary.name in rows
+    ]
     if spec.gateway.admission:
         st.admission = True
         st.admission_up = idx.one("up", job=ADMISSION_JOB) == 1
@@ -400,6 +447,33 @@ def judge(
     if spec.monitoring_ha:
         st.monitoring = [_monitoring(idx, m) for m in spec.monitoring_hosts]
     return st
+
+
+def _canary_gateways(idx: _Index, canary: str, now: float) -> list[CanaryGateway]:
+    """Each gateway's entry for ``canary`` (by the gateway's host label): its share and the seconds left of its
+    lease. None where no gateway reports one (no rollout runs)."""
+    out: dict[str, CanaryGateway] = {}
+    for lv, v in idx.find("vllm_fleet_gateway_canary_share", instance=canary):
+        out.setdefault(lv.get("host", ""), CanaryGateway(lv.get("host", ""))).share = v
+    for lv, v in idx.find("vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds", instance=canary):
+        out.setdefault(lv.get("host", ""), CanaryGateway(lv.get("host", ""))).lease_left = v - now
+    return [out[h] for h in sorted(out)]
+
+
+def _judge_canary(row: Row, gateways: list[CanaryGateway], gateway: bool) -> None:
+    """A canary row: ``idle`` while it is not running (its launcher stopped, never started, or failed with no
+    live lease on any gateway: its rollout stopped it), else judged as :func:`_fill` did. In rotation only
+    through a gateway's live canary entry (its share), never the model's pool."""
+    live = [g for g in gateways if g.live]
+    if gateway and row.rotation != "drained":
+        if live:
+            row.rotation = f"canary {max(g.share or 0.0 for g in live):.0%}"
+        elif row.rotation == "in":
+            row.rotation = "out"
+    if row.state in CANARY_IDLE_STATES or (row.state == "failed" and not live):
+        row.verdict = "idle"
+        if not row.phase:
+            row.phase = "idle: runs only in vllm-fleet rollout"
 
 
 def _up(idx: _Index, job: str, host: str) -> bool | None:
@@ -542,7 +616,7 @@ def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: boo
 
 # ------------------------------------------------------------------------------------------------ showing
 
-_COLOURS = {"serving": "\x1b[32m", "degraded": "\x1b[33m", "down": "\x1b[31m"}
+_COLOURS = {"serving": "\x1b[32m", "degraded": "\x1b[33m", "down": "\x1b[31m", "idle": "\x1b[2m"}
 _COLUMNS = (
     "HOST",
     "INSTANCE",
@@ -629,11 +703,15 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
         elif not h.deployed_spec and h.engines:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
+    out += _rollout_lines(st)
     out += _ha_lines(st)
     if st.admission:
         out += _keys_table(st)
     serving = sum(r.verdict == "serving" for r in st.rows)
-    summary = f"{serving}/{len(st.rows)} instances serving"
+    idle = sum(r.verdict == "idle" for r in st.rows)
+    summary = f"{serving}/{len(st.rows) - idle} instances serving"
+    if idle:
+        summary += f", {idle} canar{'y' if idle == 1 else 'ies'} idle"
     if st.workers:
         joined = sum(w.state == "joined" for w in st.workers)
         summary += f", {joined}/{len(st.workers)} multi-node workers joined"
@@ -641,6 +719,22 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
     return "\n".join(out)
+
+
+def _rollout_lines(st: FleetStatus) -> list[str]:
+    """A "Rollout" line per served model whose canary a gateway has an entry for: its share on each gateway and
+    the seconds left of its lease there."""
+
+    def entry(g: CanaryGateway) -> str:
+        if not g.live:
+            return f"{g.host or '?'}: lease expired: out of rotation"
+        text = f"{g.host or '?'}: share " + ("?" if g.share is None else f"{g.share:.0%}")
+        return text + ("" if g.lease_left is None else f", lease {g.lease_left:.0f}s left")
+
+    return [
+        f"Rollout {r.model}: canary {r.canary} ({r.verdict}); " + "; ".join(entry(g) for g in r.gateways)
+        for r in st.rollouts
+    ]
 
 
 def _ha_lines(st: FleetStatus) -> list[str]:

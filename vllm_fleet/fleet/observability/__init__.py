@@ -46,3 +46,11 @@ VRRP_METRICS = (
     "vllm_fleet_gateway_vrrp_state_since_timestamp_seconds",
 )
 ALERTMANAGER_CLUSTER_METRICS = ("alertmanager_cluster_members",)
+
+# Canary rollouts (rollouts[], ``vllm-fleet rollout``): each gateway's entry per canary, exported by its host
+# exporter (labels host, instance = the canary, model) only while a rollout holds the canary's lease: no series
+# outside a rollout (vllm_fleet.devtools.promql.ABSENT_BY_DESIGN["rollout"])
+ROLLOUT_METRICS = (
+    "vllm_fleet_gateway_canary_share",
+    "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds",
+)

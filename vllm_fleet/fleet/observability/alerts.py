@@ -42,6 +42,11 @@ SPECIAL = frozenset({"by", "sel", "threshold", "value", "op"})
 OVERVIEW_UID = "vllm-fleet-overview"  # the dashboards' uids (the alerts link to them; dashboards.py)
 INSTANCE_UID = "vllm-fleet-instance"
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+# A canary (``rollouts[].canary``: role canary) is deployed but stopped except during ``vllm-fleet rollout``:
+# its engine target (job vllm, always in prometheus.yml) is down then, normally. Its ``up`` series says which
+# instance is a canary (the host exporter's series have no role label); its launcher's state whether it runs.
+CANARY_UP = 'up{job="vllm", role="canary"}'
+CANARY_RUNNING = "ready|draining"  # launcher states of a canary that should answer (loading: not yet)
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,14 @@ ALERTS: tuple[Alert, ...] = (
         summary="vLLM instance unreachable",
         description="Prometheus cannot scrape {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) "
                     "and its launcher does not report it loading.",
-        value='up{job="vllm"}', op="==", threshold=0, for_="instance_down_for",
+        # a canary (rollouts[].canary, role canary) is stopped outside `vllm-fleet rollout`: down only while its
+        # launcher reports it running (ready, draining), not when it is stopped, never started, or left failed
+        value='up{job="vllm", role!="canary"}', op="==", threshold=0, for_="instance_down_for",
         expr='${value} ${op} ${threshold}\n'
-             'unless on (instance) (vllm_fleet_instance_state{state="loading"} == 1)',
+             'unless on (instance) (vllm_fleet_instance_state{state="loading"} == 1)\n'
+             'or\n'
+             + CANARY_UP + ' == 0\n'
+             'and on (instance) (vllm_fleet_instance_state{state=~"' + CANARY_RUNNING + '"} == 1)',
     ),
     Alert(
         "VllmUnitRestartLoop", "critical",
@@ -224,9 +234,10 @@ ALERTS: tuple[Alert, ...] = (
         summary="Backup/fallback instances are serving",
         description="Backup or fallback instances of model {{ $labels.model }} are serving traffic: every "
                     "primary is down, drained or failing.",
+        # a canary (role canary) serves its share during `vllm-fleet rollout` while every primary serves too
         value="(\n"
-              '  sum by (model) (rate(vllm:request_success_total{role!="primary"}[${rate_window}]))\n'
-              '  + sum by (model) (vllm:num_requests_running{role!="primary"})\n'
+              '  sum by (model) (rate(vllm:request_success_total{role!~"primary|canary"}[${rate_window}]))\n'
+              '  + sum by (model) (vllm:num_requests_running{role!~"primary|canary"})\n'
               ")",
         op=">", threshold=0,
     ),
@@ -473,7 +484,7 @@ def rules_yaml(ctx: dict[str, Any]) -> str:
         "# prometheus.yml): host, instance (= the fleet instance name), model (= served model name), role, pool.",
         "groups:",
     ]
-    all_rules = rules(vf)
+    all_rules = rules(vf, ALERTS)
     for group in dict.fromkeys(a.group for a in ALERTS):
         out += [f"  - name: {group}", "    rules:"]
         seen: set[str] = set()

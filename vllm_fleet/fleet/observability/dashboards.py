@@ -20,6 +20,9 @@ RI = "$__rate_interval"
 M = 'model=~"$model"'
 I = 'instance="$instance"'  # noqa: E741 - PromQL selector fragment
 H = 'host=~"$host"'
+# the overview's canary rollout panels (rollouts[]): the engines' track label (canary / stable, prometheus.yml)
+CANARY_PANEL = "Canary vs stable: TTFT / end-to-end p95 by track"
+CANARY_SHARE_PANEL = "Canary share of requests (gateway)"
 
 
 @dataclass
@@ -135,7 +138,8 @@ def overview_panels(a: dict[str, Any]) -> list[PanelDef]:
             "Failover: backup/fallback traffic, gateway retries",
             [
                 (
-                    f'sum by (model) (rate(vllm:request_success_total{{role!="primary", {M}}}[{RI}]))',
+                    # a canary (role canary) serves its share during a rollout: not a failover
+                    f'sum by (model) (rate(vllm:request_success_total{{role!~"primary|canary", {M}}}[{RI}]))',
                     "{{model}} served by backup/fallback",
                 ),
                 (
@@ -148,6 +152,29 @@ def overview_panels(a: dict[str, Any]) -> list[PanelDef]:
                 ),
             ],
             "reqps",
+        ),
+        PanelDef(
+            CANARY_PANEL,
+            [
+                (
+                    _p(0.95, "vllm:time_to_first_token_seconds", M, "model, track"),
+                    "{{model}} {{track}} TTFT p95",
+                ),
+                (
+                    _p(0.95, "vllm:e2e_request_latency_seconds", M, "model, track"),
+                    "{{model}} {{track}} e2e p95",
+                ),
+            ],
+            "s",
+            description="p95 per model and track (canary: the rollout's canary, stable: every other instance); "
+            "the rollout gate compares the same p95s (rollouts[].margin)",
+        ),
+        PanelDef(
+            CANARY_SHARE_PANEL,
+            [(f"max by (model, host) (vllm_fleet_gateway_canary_share{{{M}}})", "{{model}} on {{host}}")],
+            "percentunit",
+            description="share of the model's requests each gateway sends its canary while `vllm-fleet rollout` "
+            "holds the canary's lease; no series outside a rollout",
         ),
         PanelDef(
             "Instances ready (launcher state)",
