@@ -315,6 +315,12 @@ def _timed_out(exc: BaseException) -> bool:
     )
 
 
+def basic_auth_header(auth: tuple[str, str]) -> str:
+    """The ``Authorization`` header's value for basic auth (``monitoring.web_auth``: Prometheus and
+    Alertmanager take the same user and password)."""
+    return "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+
+
 def query(
     url: str,
     expr: str,
@@ -326,8 +332,7 @@ def query(
     answered within ``timeout`` (:func:`unanswered_hint`)."""
     req = urllib.request.Request(f"{url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
     if auth is not None:
-        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        req.add_header("Authorization", f"Basic {token}")
+        req.add_header("Authorization", basic_auth_header(auth))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             doc = json.loads(r.read())
@@ -355,14 +360,15 @@ def query(
 
 
 def ask(
-    spec: FleetSpec, urls: list[str], auth: tuple[str, str] | None = None
+    spec: FleetSpec, urls: list[str], auth: tuple[str, str] | None = None, expr: str = QUERY
 ) -> tuple[str, list[Sample], list[str]]:
-    """``QUERY`` to each Prometheus of ``urls`` in turn: (the first that answered, its samples, why each one
-    before it did not). None answering: ``StatusError`` with every reason."""
+    """``expr`` (``QUERY``: the status table's) to each Prometheus of ``urls`` in turn: (the first that
+    answered, its samples, why each one before it did not). None answering: ``StatusError`` with every
+    reason."""
     errors: list[str] = []
     for url in urls:
         try:
-            return url, query(url, QUERY, auth, timeout_hint=unanswered_hint(spec, url)), errors
+            return url, query(url, expr, auth, timeout_hint=unanswered_hint(spec, url)), errors
         except StatusError as exc:
             errors.append(str(exc))
     raise StatusError("\n".join(errors))
