@@ -280,6 +280,14 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.host_commands:add_manifest_args",
         "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)",
     ),
+    "rollout": Plugin(
+        "vllm_fleet.fleet.rollout:add_args",
+        "roll a served model's new version out through a canary judged on its SLOs (docs/rollouts.md)",
+    ),
+    "canary-guard": Plugin(
+        "vllm_fleet.host.canary_guard:add_args",
+        "on a canary's host: stop the canary when the rollout's lease runs out (started by vllm-fleet rollout)",
+    ),
     "sandbox": Plugin(
         "vllm_fleet.devtools.sandbox:add_args",
         "real systemd hosts as systemd-nspawn containers (tests, CI, demo)",

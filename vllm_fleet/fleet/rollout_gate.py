@@ -300,6 +300,18 @@ def judge(rollout: Rollout, canary: Figures, stable: Figures, elapsed: float) ->
 # --------------------------------------------------------------------------------------------- the report
 
 
+def progress_line(canary: Figures, stable: Figures) -> str:
+    """One line per judgement: each side's requests, error ratio and p95s."""
+
+    def side(f: Figures) -> str:
+        return (
+            f"{f.track} {f.requests:.0f} req, err {_val(f.error_ratio, 'ratio')}, "
+            f"TTFT p95 {_val(f.ttft_p95, 's')}, e2e p95 {_val(f.e2e_p95, 's')}"
+        )
+
+    return f"{side(canary)} | {side(stable)}"
+
+
 def report(verdict: Verdict, canary: Figures, stable: Figures) -> str:
     """A few lines for a terminal and Slack: the verdict, the figures side by side, every rule judged."""
 
@@ -333,10 +345,11 @@ def report(verdict: Verdict, canary: Figures, stable: Figures) -> str:
 
 ALERTNAME = "VllmFleetRollout"
 Step = Literal[
-    "started", "in_rotation", "verdict", "promoted", "rolled_back", "failed_to_start", "reverted_by_lease"
-]
+    "started", "in_rotation", "verdict", "promoting", "promoted", "promotion_failed", "rolled_back",
+    "failed_to_start", "reverted_by_lease", "stopped",
+]  # fmt: skip
 WARNING_STEPS = frozenset(
-    {"rolled_back", "failed_to_start", "reverted_by_lease"}
+    {"rolled_back", "failed_to_start", "reverted_by_lease", "promotion_failed", "stopped"}
 )  # the rest is progress: info
 # an event is an alert that ends by itself this long after it was posted (Alertmanager sends no "resolved" for
 # it: the rollouts' Slack receiver has send_resolved off)
