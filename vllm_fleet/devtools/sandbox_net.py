@@ -284,9 +284,9 @@ def retarget_spec(
     spec: dict[str, Any], names: dict[str, str], addresses: dict[str, str], purpose: str = "test"
 ) -> dict[str, Any]:
     """An example spec (its data) moved onto sandbox hosts: each host name ``names[old]``, its address
-    ``addresses[old]``, the models' and the gateway's and monitoring's hosts renamed (``host`` and ``hosts``
-    entries, names or ``{name: ...}``), and a ``gateway.virtual_address`` replaced by the bridge's address for
-    ``purpose`` (``virtual_address``)."""
+    ``addresses[old]``, the models' (and their ranks'), the rollouts' canaries', the gateway's and monitoring's
+    hosts renamed (``host`` and ``hosts`` entries, names or ``{name: ...}``), and a ``gateway.virtual_address``
+    replaced by the bridge's address for ``purpose`` (``virtual_address``)."""
     spec = json.loads(json.dumps(spec))
     for h in spec["hosts"]:
         h["address"] = addresses[h["name"]]
@@ -294,6 +294,10 @@ def retarget_spec(
     for m in spec["models"]:
         if m.get("host"):
             m["host"] = names[m["host"]]
+        for n in m.get("placement") or []:
+            n["host"] = names[n["host"]]
+    for r in spec.get("rollouts") or []:
+        r["canary"]["host"] = names[r["canary"]["host"]]
     for key in ("gateway", "monitoring"):
         part = spec.get(key) or {}
         if part.get("host"):
