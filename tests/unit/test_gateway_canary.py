@@ -24,7 +24,7 @@ from vllm_fleet.host.gateway_state import (
     GatewayState,
     StateFileError,
     read_state,
-    updating,
+    update_state,
     write_state,
 )
 
@@ -196,10 +196,33 @@ def test_an_update_that_raises_writes_nothing(tmp_path: Path) -> None:
     path = tmp_path / "drained.json"
     write_state(path, GatewayState(drained=["a"]), now=1.0)
     before = path.read_text()
-    with pytest.raises(RuntimeError), updating(path) as st:
+
+    def change(st: GatewayState) -> None:
         st.drained = []
         raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        update_state(path, change)
     assert path.read_text() == before
+
+
+def test_an_update_reads_again_when_the_file_was_replaced_meanwhile(tmp_path: Path) -> None:
+    """nginx's peer handler writes without the lock: an update that finds the file replaced since it read it
+    starts over from the new file, so the peer's drain is not undone."""
+    path = tmp_path / "drained.json"
+    write_state(path, GatewayState(drained=["a"]), now=1.0)
+    seen: list[list[str]] = []
+
+    def change(st: GatewayState) -> None:
+        seen.append(list(st.drained))
+        if len(seen) == 1:  # the peer handler's write, between this read and this write
+            path.write_text(json.dumps({"drained": ["a", "b"], "updated": 2.0}))
+        st.canary["can"] = CanaryLease("m", 0.2, 10.0)
+
+    update_state(path, change)
+    assert seen == [["a"], ["a", "b"]]
+    st = read_state(path)
+    assert st.drained == ["a", "b"] and set(st.canary) == {"can"}
 
 
 # ----------------------------------------------------------------------------- vllm-fleet canary

@@ -31,9 +31,10 @@ from vllm_fleet.host.drain import ROUTES_FILE, STATE_FILE, DrainError, load_rout
 from vllm_fleet.host.gateway_state import (
     MAX_CANARY_SHARE,
     CanaryLease,
+    GatewayState,
     StateFileError,
     read_state,
-    updating,
+    update_state,
 )
 
 EXIT_REFUSED = 2
@@ -80,11 +81,14 @@ def set_lease(
             EXIT_REFUSED,
         )
     now = time.time() if now is None else now
-    with updating(state) as st:
+
+    def change(st: GatewayState) -> CanaryLease:
         old = st.canary.get(name)
         since = old.since if old is not None and old.live(now) and old.since else now
-        entry = CanaryLease(known[name], float(share), now + lease, phase, since)
-        st.canary[name] = entry
+        st.canary[name] = CanaryLease(known[name], float(share), now + lease, phase, since)
+        return st.canary[name]
+
+    entry = update_state(state, change)
     return entry
 
 
@@ -92,9 +96,7 @@ def clear_lease(name: str, state: Path = Path(STATE_FILE)) -> bool:
     """Remove canary ``name``'s lease; False when there was none (nothing is written then)."""
     if name not in read_state(state).canary:
         return False
-    with updating(state) as st:
-        found = st.canary.pop(name, None) is not None
-    return found
+    return update_state(state, lambda st: st.canary.pop(name, None) is not None)
 
 
 def show(state: Path = Path(STATE_FILE), now: float | None = None) -> dict[str, Any]:

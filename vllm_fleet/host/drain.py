@@ -43,7 +43,7 @@ from pathlib import Path
 
 from vllm_fleet.contracts import GATEWAY_PEERS_FILE, ContractError, GatewayPeer, GatewayPeers
 from vllm_fleet.host import gateway_state
-from vllm_fleet.host.gateway_state import StateFileError, updating
+from vllm_fleet.host.gateway_state import StateFileError, update_state
 
 ROUTES_FILE = "/etc/nginx/vllm-fleet/routes.json"
 STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"
@@ -130,18 +130,22 @@ def set_drained(
         raise DrainError(
             f"unknown instance {name!r} in {routes_file} (instances: {', '.join(sorted(known))})"
         )
+
+    def change(st: gateway_state.GatewayState) -> set[str]:
+        drained = set(st.drained) & set(known)  # names of instances no longer in the fleet are dropped
+        drained = drained | {name} if drain else drained - {name}
+        stranded = stranded_models(routes, drained)
+        if stranded and drain and not force:
+            raise DrainError(
+                f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
+                "(--force to do it anyway)",
+                code=3,
+            )
+        st.drained = sorted(drained)  # the file's other keys (canary leases) stay as they are
+        return drained
+
     try:
-        with updating(state) as st:  # the file's other keys (canary leases) stay as they are
-            drained = set(st.drained) & set(known)  # names of instances no longer in the fleet are dropped
-            drained = drained | {name} if drain else drained - {name}
-            stranded = stranded_models(routes, drained)
-            if stranded and drain and not force:
-                raise DrainError(
-                    f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
-                    "(--force to do it anyway)",
-                    code=3,
-                )
-            st.drained = sorted(drained)
+        drained = update_state(state, change)
     except StateFileError as exc:
         raise DrainError(str(exc)) from None
     return drained

@@ -15,7 +15,9 @@ it too; it keeps the keys it does not own, as ``write_state`` does.
 
 Any other key is kept as it was. The file is replaced atomically (a temp file in the same folder, then a
 rename): the router never reads it half-written. The Python writers change it under a ``flock`` of its folder
-(``updating``; no lock file), so a drain and the rollout controller's lease renewal never undo each other.
+(``update_state``; no lock file), so a drain and the rollout controller's lease renewal never undo each other,
+and write only while the file is still the one they read (else they read it again): nginx's peer handler
+cannot take the lock.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # the largest share of a model's requests a canary may get (the router refuses more too)
 MAX_CANARY_SHARE = 0.5
@@ -140,8 +143,18 @@ def read_state(path: Path) -> GatewayState:
         raise StateFileError(f"{path}: {exc}") from None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text``: a temp file in the same folder, fsynced, then a rename (mode kept)."""
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def write_atomic(path: Path, text: str, unchanged: tuple[int, int, int] | bool | None = False) -> bool:
+    """Replace ``path`` by ``text``: a temp file in the same folder, fsynced, then a rename (mode kept).
+    ``unchanged``: the file's stamp when it was read (None: there was none); the rename happens only while the
+    file still has it (else False, nothing written): nginx's peer handler writes the file without the lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -151,10 +164,14 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
+        if unchanged is not False and _stamp(path) != unchanged:
+            Path(tmp).unlink()
+            return False
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return True
 
 
 def write_state(path: Path, state: GatewayState, now: float | None = None) -> None:
@@ -163,17 +180,26 @@ def write_state(path: Path, state: GatewayState, now: float | None = None) -> No
     write_atomic(path, json.dumps(state.to_json(), indent=2) + "\n")
 
 
-@contextmanager
-def updating(path: Path) -> Iterator[GatewayState]:
-    """Read, change (the ``with`` block), write: the state file at ``path``, under an exclusive ``flock`` of its
-    folder (the file itself is replaced by each write, so it cannot hold the lock). Nothing is written when the
-    block raises."""
+# how often an update reads the file again when nginx's peer handler replaced it meanwhile
+UPDATE_TRIES = 20
+
+
+def update_state(path: Path, change: Callable[[GatewayState], T]) -> T:
+    """Read the state file at ``path``, ``change`` it, write it: under an exclusive ``flock`` of its folder (the
+    Python writers: drain, canary; the file itself is replaced by each write, so it cannot hold the lock), and
+    again from the read when the file was replaced meanwhile (nginx's peer handler, which cannot take the
+    lock). ``change``'s result is returned; nothing is written when it raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        state = read_state(path)
-        yield state
-        write_state(path, state)
+        for _ in range(UPDATE_TRIES):
+            before = _stamp(path)
+            state = read_state(path)
+            result = change(state)
+            state.updated = time.time()
+            if write_atomic(path, json.dumps(state.to_json(), indent=2) + "\n", before):
+                return result
+        raise StateFileError(f"{path}: replaced by another writer {UPDATE_TRIES} times while it was updated")
     finally:
         os.close(fd)  # releases the lock
