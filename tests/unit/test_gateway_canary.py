@@ -19,6 +19,8 @@ from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
 from vllm_fleet.fleet.spec import Routing
 from vllm_fleet.host.canary import CanaryError, canaries, clear_lease, set_lease, show
 from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
+from vllm_fleet.host.exporter.access_log import AccessLogTail, track_outcome
+from vllm_fleet.host.exporter.states import Deployment, canary_metrics
 from vllm_fleet.host.gateway_state import (
     CanaryLease,
     GatewayState,
@@ -277,3 +279,76 @@ def test_the_command(rendered: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["canary", "clear", "can", *where]) == 0
     assert main(["canary", "clear", "can", *where]) == 0
     assert read_state(state).canary == {}
+
+
+# ----------------------------------------------------------------------------- the exporter
+
+
+@pytest.mark.parametrize(
+    ("track", "status", "statuses", "outcome"),
+    [
+        ("canary", 200, "200", "ok"),
+        ("canary", 400, "400", "ok"),
+        ("canary", 200, "502 : 200", "error"),  # the canary refused the connection: stable served it
+        ("canary", 200, "504 : 200", "error"),
+        ("canary", 200, "503 : 200", "shed"),  # the canary was full
+        ("canary", 200, "502, 200", "ok"),  # a failed keep-alive connection, retried on the canary itself
+        ("canary", 500, "500", "error"),
+        ("stable", 200, "200", "ok"),
+        ("stable", 502, "502", "error"),
+        ("stable", 503, "503, 503", "shed"),
+        ("stable", 200, "503 : 200", "ok"),  # a spill-over
+    ],
+)
+def test_track_outcome(track: str, status: int, statuses: str, outcome: str) -> None:
+    assert track_outcome(track, status, statuses) == outcome
+
+
+def _line(**kw: object) -> str:
+    rec = {"status": 200, "model": "m", "upstream_addr": "127.0.0.1:1", "upstream_status": "200"}
+    return json.dumps({**rec, **kw}) + "\n"
+
+
+def test_the_track_counter_counts_lines_with_a_track_only(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    log.write_text(
+        _line()  # an older line: no track
+        + _line(track="stable")
+        + _line(track="canary", upstream_status="502 : 200", upstream_addr="127.0.0.1:2 : 127.0.0.1:1")
+        + _line(track="canary")
+        + _line(track="canary", upstream_status="503 : 200")
+        + _line(track="")  # not routed to a model's upstream
+    )
+    tail = AccessLogTail(log, from_start=True)
+    got = {
+        tuple(s.labels[k] for k in ("model", "track", "outcome")): s.value
+        for fam in tail.metrics()
+        if fam.name == "vllm_fleet_gateway_track_requests"
+        for s in fam.samples
+    }
+    assert got[("m", "canary", "error")] == 1
+    assert got[("m", "canary", "ok")] == 1
+    assert got[("m", "canary", "shed")] == 1
+    assert got[("m", "stable", "ok")] == 1
+    assert sum(got.values()) == 4 and len(got) == 6  # every track and outcome exported
+
+
+def test_canary_gauges_from_the_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "drained.json"
+    doc = {
+        "drained": ["c2"],
+        "canary": {
+            "c1": {"model": "m", "share": 0.25, "until": 200.0, "phase": "observing", "since": 1.0},
+            "c2": {"model": "n", "share": 0.1, "until": 200.0, "phase": "observing", "since": 1.0},
+            "c3": {"model": "o", "share": 0.3, "until": 50.0, "phase": "observing", "since": 1.0},
+        },
+    }
+    got = {(f.name, s.labels["instance"]): s.value for f in canary_metrics(doc, now=100.0) for s in f.samples}
+    assert got[("vllm_fleet_gateway_canary_share", "c1")] == 0.25
+    assert got[("vllm_fleet_gateway_canary_share", "c2")] == 0.0  # drained
+    assert got[("vllm_fleet_gateway_canary_share", "c3")] == 0.0  # the lease ran out
+    assert got[("vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds", "c3")] == 50.0
+    assert list(canary_metrics({"drained": []})) == []
+    state.write_text(json.dumps(doc))
+    names = {f.name for f in Deployment(drain_state=state).collect()}
+    assert {"vllm_fleet_gateway_canary_share", "vllm_fleet_gateway_drained"} <= names
