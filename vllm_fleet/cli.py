@@ -246,6 +246,10 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.bench.cli:add_args",
         "load-test an OpenAI/Anthropic-compatible endpoint (profiles, compare, scenarios)",
     ),
+    "canary": Plugin(
+        "vllm_fleet.host.canary:add_args",
+        "a canary's lease in this gateway's state file: set (share, lease), clear, show (rollouts; per gateway)",
+    ),
     "doctor": Plugin(
         "vllm_fleet.host_commands:add_doctor_args",
         "check the engine stack layer by layer (driver, CUDA, torch, vLLM, tiny load)",

@@ -356,9 +356,9 @@ def test_templates_do_not_depend_on_lstrip_blocks(tmp_path: Path) -> None:
 
 def test_the_router_finds_a_missing_state_file_without_a_throw() -> None:
     """njs 0.7.9 walks every global (the preloaded routing table too) to name a thrown error's backtrace:
-    the per-request drain-state read lists the folder first instead of catching readFileSync's ENOENT."""
+    the per-request state-file read (gatewayState) lists the folder first instead of catching readFileSync's ENOENT."""
     js = _render(REPO / "examples" / "tiny-cpu.yml", "h1")["/etc/nginx/vllm-fleet/router.js"]
-    body = js.split("function drainedList() {", 1)[1].split("\n}\n", 1)[0]
+    body = js.split("function gatewayState() {", 1)[1].split("\n}\n", 1)[0]
     assert body.index("fs.readdirSync(STATE_DIR)") < body.index("fs.readFileSync(STATE_FILE")
 
 

@@ -27,11 +27,13 @@ def gateway_spec(
     servers: list[dict[str, Any]],
     workdir: Path,
     model_dir: str = "/var/lib/vllm-fleet/models/tiny",
+    rollouts: list[dict[str, Any]] | None = None,
     **gateway: Any,
 ) -> FleetSpec:
     """A one-host cpu spec whose instances are ``servers`` (dicts with name, port and optional
     served_model_name, role, pool); the gateway listens on a free loopback port, logs in ``workdir``; without
-    ``api_keys_file`` it is an open gateway (``auth: none``)."""
+    ``api_keys_file`` it is an open gateway (``auth: none``). ``rollouts``: the spec's (each canary on host h1
+    unless it names one)."""
     gw: dict[str, Any] = {
         "host": "h1",
         "listen_address": "127.0.0.1",
@@ -68,6 +70,8 @@ def gateway_spec(
         "gateway": gw,
         "monitoring": {"host": "h1", "enabled": False},
     }
+    if rollouts:
+        data["rollouts"] = [{**r, "canary": {"host": "h1", **r["canary"]}} for r in rollouts]
     return parse_spec(data, "gateway-test")
 
 

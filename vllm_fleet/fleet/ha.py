@@ -205,7 +205,10 @@ def gateway_ha_vars(spec: FleetSpec, upstreams: list[dict[str, Any]]) -> dict[st
     answers its /health."""
     if not spec.gateway_ha:
         return None
-    engines = list(dict.fromkeys(str(s["address"]) for u in upstreams for s in u["servers"]))
+    # a canary (rollouts) is no answer for the gateway: it serves only a leased share of one model's requests
+    engines = list(
+        dict.fromkeys(str(s["address"]) for u in upstreams for s in u["servers"] if s["role"] != "canary")
+    )
     return {
         "health_path": GATEWAY_HEALTH_PATH,
         "upstreams_path": GATEWAY_UPSTREAMS_PATH,

@@ -719,12 +719,13 @@ NGINX_SPARE_CONNECTIONS = 1024
 def serving_capacity(spec: FleetSpec, instances: Iterable[Any]) -> dict[str, int]:
     """Served model → requests in flight its serving instances hold (the sum of their queue bounds; planned
     instances: ``InstancePlan``); a model with an instance whose queue is unbounded is left out (unlimited).
-    Backups (they serve only when every primary is down) and instances the spec keeps drained do not count;
-    fallbacks do (the spill-over reaches them)."""
+    Backups (they serve only when every primary is down), canaries (rollouts: a leased share of the requests,
+    taken from the stable instances', nothing without a live lease) and instances the spec keeps drained do
+    not count; fallbacks do (the spill-over reaches them)."""
     bounds: dict[str, list[int | None]] = {}
     seen: set[str] = set()
     for ip in instances:
-        if ip.name in seen or ip.name in spec.gateway.drained or ip.role == "backup":
+        if ip.name in seen or ip.name in spec.gateway.drained or ip.role in ("backup", "canary"):
             continue
         seen.add(ip.name)
         bounds.setdefault(ip.served_model_name, []).append(ip.queue_bound)

@@ -18,12 +18,18 @@ configuration load (``js_preload_object``). Per served model:
   one on an error before the first byte or a full engine's 503), so a drain needs neither a config change
   nor a reload, and the config stays linear in the number of instances (docs/gateway.md).
 
+- ``canary``: ``{instance, upstream}`` of the model's canary (an instance with ``role: canary``, derived from
+  ``rollouts``), else null. A canary is a server of no upstream (main, pools, cache-aware twins, fallback):
+  only its one-server upstream in ``solo``. The router sends it a share of the model's requests while the
+  state file holds a live lease for it (``vllm-fleet canary set``, docs/gateway.md "Canary split"); without
+  one it gets nothing, and nothing that counts the model's servers (``vllm-fleet drain``) counts it.
+
 - ``policy`` (``routing.policy`` of the served model), ``prefix_chars`` and ``ca``: upstream → its
   cache-aware twin (``ca_upstreams``: the upstream's primaries, ``hash $vf_pkey consistent`` with
   ``max_conns``), where the router sends a request that has a prefix key (docs/gateway.md, "Routing policy").
 
 ``route_index`` is what a request needs before it knows whether anything is drained: per served model, its
-position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``). routes.json
+position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``, ``canary``). routes.json
 carries both, so the router finds a request's model by name and reads the model's server lists only while
 some of them are drained: the work per request does not grow with the fleet.
 """
@@ -63,7 +69,10 @@ def gateway_routes(
     used: set[str] = set()
     routes: list[dict[str, Any]] = []
     for up in upstreams:
-        servers = up["servers"]
+        every = up["servers"]
+        # a canary serves only through its one-server upstream, while its lease is live (the router decides)
+        canaries = [s for s in every if s["role"] == "canary"]
+        servers = [s for s in every if s["role"] != "canary"] or every
         gpu = [s for s in servers if s["role"] != "fallback"]
         fallbacks = [s for s in servers if s["role"] == "fallback"]
         if not gpu:  # only fallback instances: they are the model's main servers
@@ -107,8 +116,13 @@ def gateway_routes(
                 ca_ups.append({"name": cname, "of": u["name"], "servers": firsts})
         solo = {
             s["instance"]: {"upstream": _name(f"vf_i_{s['instance']}", used), "address": s["address"]}
-            for s in servers
+            for s in every
         }
+        canary = (
+            {"instance": canaries[0]["instance"], "upstream": solo[canaries[0]["instance"]]["upstream"]}
+            if canaries and servers is not every
+            else None
+        )
         routes.append(
             {
                 "model": up["model"],
@@ -123,12 +137,23 @@ def gateway_routes(
                 "ca_upstreams": ca_ups,
                 "solo": solo,
                 "max_model_len": max_model_len.get(up["model"]),
+                "canary": canary,
             }
         )
     return routes
 
 
-SUMMARY_KEYS = ("model", "default", "pools", "fallback", "max_model_len", "policy", "prefix_chars", "ca")
+SUMMARY_KEYS = (
+    "model",
+    "default",
+    "pools",
+    "fallback",
+    "max_model_len",
+    "policy",
+    "prefix_chars",
+    "ca",
+    "canary",
+)
 
 
 def route_index(routes: list[dict[str, Any]]) -> dict[str, Any]:

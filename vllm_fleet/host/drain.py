@@ -2,7 +2,8 @@
 
 Runs on the gateway host, by instance name. The drained set lives in a small runtime state file,
 ``/etc/vllm-fleet/gateway/drained.json`` (``{"drained": [...], "updated": T}``, gateway.state_file of the
-spec), replaced atomically (temp file + rename). Nothing else changes: the rendered gateway files —
+spec; its format: vllm_fleet.host.gateway_state, which keeps the other keys, e.g. ``vllm-fleet canary``'s
+leases), replaced atomically (temp file + rename). Nothing else changes: the rendered gateway files —
 ``/etc/nginx/vllm-fleet/routes.json`` (the routing table as data), upstreams.conf, router.js — stay exactly
 what ``vllm-fleet render`` wrote, and nginx is not reloaded. The njs router reads the state file on every
 request and overlays it on routes.json: while instances of an upstream are drained it sends the request to
@@ -33,9 +34,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -43,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_fleet.contracts import GATEWAY_PEERS_FILE, ContractError, GatewayPeer, GatewayPeers
+from vllm_fleet.host import gateway_state
+from vllm_fleet.host.gateway_state import StateFileError, update_state
 
 ROUTES_FILE = "/etc/nginx/vllm-fleet/routes.json"
 STATE_FILE = "/etc/vllm-fleet/gateway/drained.json"
@@ -79,8 +80,14 @@ def _servers(rt: dict[str, object]) -> list[dict[str, object]]:
 
 
 def instances(routes: list[dict[str, object]]) -> dict[str, str]:
-    """instance name → address."""
-    return {str(s["instance"]): str(s["address"]) for rt in routes for s in _servers(rt)}
+    """instance name → address: every instance with a one-server upstream (a canary too, which serves no
+    upstream of its model)."""
+    out = {str(s["instance"]): str(s["address"]) for rt in routes for s in _servers(rt)}
+    for rt in routes:
+        solo = rt.get("solo")
+        for name, one in solo.items() if isinstance(solo, dict) else ():
+            out.setdefault(str(name), str(one["address"]))
+    return out
 
 
 def spec_drained(routes: list[dict[str, object]]) -> set[str]:
@@ -91,7 +98,8 @@ def spec_drained(routes: list[dict[str, object]]) -> set[str]:
 def stranded_models(
     routes: list[dict[str, object]], drained: set[str] | frozenset[str] = frozenset()
 ) -> list[str]:
-    """Served models with no server left that is neither drained by the spec nor in ``drained``."""
+    """Served models with no server left that is neither drained by the spec nor in ``drained`` (a canary is
+    no server: it is in no upstream of the routing table)."""
     return sorted(
         str(rt["model"])
         for rt in routes
@@ -100,29 +108,11 @@ def stranded_models(
 
 
 def read_state(path: Path) -> set[str]:
+    """The drained set of the state file (empty without one)."""
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return set()
-    except ValueError as exc:
-        raise DrainError(f"{path}: not valid JSON ({exc})") from None
-    return set(data.get("drained", [])) if isinstance(data, dict) else set()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return set(gateway_state.read_state(path).drained)
+    except StateFileError as exc:
+        raise DrainError(str(exc)) from None
 
 
 def set_drained(
@@ -140,17 +130,24 @@ def set_drained(
         raise DrainError(
             f"unknown instance {name!r} in {routes_file} (instances: {', '.join(sorted(known))})"
         )
-    drained = read_state(state) & set(known)  # names of instances no longer in the fleet are dropped
-    drained = drained | {name} if drain else drained - {name}
-    stranded = stranded_models(routes, drained)
-    if stranded and drain and not force:
-        raise DrainError(
-            f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
-            "(--force to do it anyway)",
-            code=3,
-        )
-    doc = {"drained": sorted(drained), "updated": time.time()}
-    _write_atomic(state, json.dumps(doc, indent=2) + "\n")
+
+    def change(st: gateway_state.GatewayState) -> set[str]:
+        drained = set(st.drained) & set(known)  # names of instances no longer in the fleet are dropped
+        drained = drained | {name} if drain else drained - {name}
+        stranded = stranded_models(routes, drained)
+        if stranded and drain and not force:
+            raise DrainError(
+                f"refused: draining {name} leaves model(s) {', '.join(stranded)} with no server in rotation "
+                "(--force to do it anyway)",
+                code=3,
+            )
+        st.drained = sorted(drained)  # the file's other keys (canary leases) stay as they are
+        return drained
+
+    try:
+        drained = update_state(state, change)
+    except StateFileError as exc:
+        raise DrainError(str(exc)) from None
     return drained
 
 

@@ -1,6 +1,7 @@
-"""The gateway's requests by model and HTTP status, upstream retries, failed upstream tries, request time and the
-requests admitted without the admission service (fail open), from its JSON access log (the nginx exporter has no
-status codes): tailed incrementally at each scrape, counters kept for the exporter's lifetime."""
+"""The gateway's requests by model and HTTP status, upstream retries, failed upstream tries, request time, the
+requests admitted without the admission service (fail open) and each model's requests by track (canary or
+stable, rollouts), from its JSON access log (the nginx exporter has no status codes): tailed incrementally at
+each scrape, counters kept for the exporter's lifetime."""
 
 from __future__ import annotations
 
@@ -48,6 +49,30 @@ def failed_tries(addrs: str, statuses: str) -> list[tuple[str, bool]]:
     return out
 
 
+# gateway_track_requests_total's tracks and outcomes, each exported from the start for a model seen with a track
+TRACKS = ("canary", "stable")
+OUTCOMES = ("ok", "error", "shed")
+
+
+def track_outcome(track: str, status: int, statuses: str) -> str:
+    """The outcome of a request on its track (``$vf_track``): "shed" when it was turned away full (a canary
+    request: the canary's try answered 503, whatever the model's normal path then answered; a stable one: the
+    gateway's 503), "error" for a 5xx (a canary request: also when the canary's try failed before the first
+    byte — 502/504 — and the normal path then served it: the canary failed it), else "ok": the engine answered
+    (2xx, and 4xx: the request's own fault, the same on either track; 499: the client gave up). The canary's
+    try is the first upstream of ``$upstream_status`` (before the first " : "), its answer the last status
+    there (a reused keep-alive connection that failed is retried on the same server first)."""
+    if track == "canary" and statuses:
+        first = statuses.split(" : ", 1)[0].split(", ")[-1].strip()
+        if first == "503":
+            return "shed"
+        if first.startswith("5"):
+            return "error"
+    if status == 503 and track == "stable":
+        return "shed"
+    return "error" if status >= 500 else "ok"
+
+
 @dataclass
 class _ModelStats:
     codes: dict[str, int] = field(default_factory=dict)
@@ -57,6 +82,8 @@ class _ModelStats:
     buckets: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
     count: int = 0
     total_seconds: float = 0.0
+    # (track, outcome) → requests (track_outcome); only lines with a track (older lines have none)
+    tracks: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class AccessLogTail(Collector):
@@ -114,6 +141,10 @@ class AccessLogTail(Collector):
             s.retried += 1
         for key in failed_tries(str(rec.get("upstream_addr") or ""), str(rec.get("upstream_status") or "")):
             s.failed[key] = s.failed.get(key, 0) + 1
+        track = rec.get("track")
+        if track in TRACKS:
+            tk = (str(track), track_outcome(str(track), int(code), str(rec.get("upstream_status") or "")))
+            s.tracks[tk] = s.tracks.get(tk, 0) + 1
         try:
             seconds = float(rec.get("request_time", 0.0))
         except (TypeError, ValueError):
@@ -145,6 +176,13 @@ class AccessLogTail(Collector):
             " request was sent again (retried true) or the client got the gateway's 502/504 (false)",
             labels=["model", "kind", "retried"],
         )
+        tracks = CounterMetricFamily(
+            PREFIX + "gateway_track_requests",
+            "Gateway requests of a model by track (canary: sent to the model's canary first, rollouts; stable)"
+            " and outcome (ok; error: 5xx, or the canary's try failed before the first byte; shed: turned away"
+            " full, the canary's try answered 503)",
+            labels=["model", "track", "outcome"],
+        )
         dur = HistogramMetricFamily(
             PREFIX + "gateway_request_duration_seconds", "Gateway request time (access log)", labels=["model"]
         )
@@ -153,6 +191,10 @@ class AccessLogTail(Collector):
                 for code, n in sorted(s.codes.items()):
                     req.add_metric([model, code], n)
                 retried.add_metric([model], s.retried)
+                if s.tracks:  # every track and outcome at 0 too, for a model logged with tracks
+                    for track in TRACKS:
+                        for outcome in OUTCOMES:
+                            tracks.add_metric([model, track, outcome], s.tracks.get((track, outcome), 0))
                 # every kind at 0 too: the failover panel has series on a fleet that never failed a try
                 for kind, again in FAILED_TRY_KEYS:
                     failed.add_metric(
@@ -166,6 +208,7 @@ class AccessLogTail(Collector):
         yield req
         yield retried
         yield failed
+        yield tracks
         yield dur
         yield CounterMetricFamily(
             PREFIX + "gateway_log_bad_lines", "Access log lines that were not JSON", value=bad

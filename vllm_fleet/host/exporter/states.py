@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from vllm_fleet.contracts import (
 )
 from vllm_fleet.files import read_json_object
 from vllm_fleet.host.exporter.common import PREFIX, log, pid_alive
+from vllm_fleet.host.gateway_state import GatewayState, StateFileError
 
 STATES = ("loading", "ready", "draining", "failed", "stopped")
 
@@ -343,3 +345,34 @@ class Deployment(Collector):
             for name in drained if isinstance(drained, list) else []:
                 fam.add_metric([str(name)], 1)
             yield fam
+            yield from canary_metrics(doc)
+
+
+def canary_metrics(doc: dict[str, Any] | None, now: float | None = None) -> Iterator[Metric]:
+    """The canary leases of the gateway's state file (``vllm-fleet canary``): the share each canary gets while
+    its lease is live (0 once it ran out, or while the canary is drained) and when the lease runs out. Nothing
+    while the file holds no lease."""
+    try:
+        st = GatewayState.from_json(doc)
+    except StateFileError:
+        return
+    if not st.canary:
+        return
+    now = time.time() if now is None else now
+    share = GaugeMetricFamily(
+        PREFIX + "gateway_canary_share",
+        "The share of its model's requests the gateway sends the canary (vllm-fleet canary set): 0 once the lease"
+        " ran out or while the canary is drained",
+        labels=["instance", "model"],
+    )
+    expiry = GaugeMetricFamily(
+        PREFIX + "gateway_canary_lease_expiry_timestamp_seconds",
+        "When the canary's lease runs out (epoch seconds): no canary traffic from then on unless renewed",
+        labels=["instance", "model"],
+    )
+    for name, lease in sorted(st.canary.items()):
+        live = lease.live(now) and name not in st.drained
+        share.add_metric([name, lease.model], lease.share if live else 0.0)
+        expiry.add_metric([name, lease.model], lease.until)
+    yield share
+    yield expiry
