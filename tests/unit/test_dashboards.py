@@ -438,3 +438,17 @@ def test_only_the_rollout_families_may_lack_series_outside_a_rollout() -> None:
                   "vllm:time_to_first_token_seconds", "vllm_fleet_gateway_drained"):  # fmt: skip
         assert not absent_by_design(other, ["rollout"]), other
     assert all(absent_by_design(n, ["rollout"]) for n in ROLLOUT_METRICS)
+
+
+def test_the_overview_marks_canary_rollouts(out: Path) -> None:
+    """A region on every overview panel while a gateway sends a canary its share; its query is checked with the
+    panels' (panel_queries)."""
+    from vllm_fleet.fleet.observability.dashboards import CANARY_ANNOTATION_EXPR
+
+    [path] = out.glob("var/lib/grafana/dashboards/*/vllm-fleet-overview.json")
+    ann = json.loads(path.read_text())["annotations"]["list"]
+    [canary] = [a for a in ann if a.get("name") == "Canary rollouts"]
+    assert canary["expr"] == CANARY_ANNOTATION_EXPR and "vllm_fleet_gateway_canary_share" in canary["expr"]
+    assert canary["datasource"]["type"] == "prometheus" and canary["enable"] is True
+    exprs = [e for _, e, _ in panel_queries(parse_spec(spec_data()).alerts.model_dump())]
+    assert CANARY_ANNOTATION_EXPR in exprs

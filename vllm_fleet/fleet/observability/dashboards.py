@@ -380,6 +380,27 @@ def _ds(vf: dict[str, Any]) -> dict[str, str]:
     return {"type": "prometheus", "uid": vf["monitoring"]["grafana"]["datasource_uid"]}
 
 
+# The overview's annotation of canary rollouts (docs/rollouts.md): a region on every panel while a gateway sends
+# a canary its share (the gateways' canary lease, exported per gateway: live only during `vllm-fleet rollout`)
+CANARY_ANNOTATION_EXPR = 'max by (model, instance) (vllm_fleet_gateway_canary_share{model=~"$model"}) > 0'
+
+
+def canary_annotation(ds: dict[str, str]) -> dict[str, Any]:
+    """A Prometheus-query annotation (Grafana draws a region per series while it has values)."""
+    return {
+        "name": "Canary rollouts",
+        "datasource": ds,
+        "enable": True,
+        "iconColor": "orange",
+        "expr": CANARY_ANNOTATION_EXPR,
+        "step": "30s",
+        "titleFormat": "canary {{instance}}",
+        "textFormat": "{{model}}: canary {{instance}} in rotation",
+        "tagKeys": "model,instance",
+        "useValueForTime": False,
+    }
+
+
 def _dashboard(
     vf: dict[str, Any],
     title: str,
@@ -387,6 +408,7 @@ def _dashboard(
     panels: list[PanelDef],
     templates: list[G.Template],
     rows: list[tuple[str, list[PanelDef]]] = [],  # noqa: B006 - read only
+    annotations: list[dict[str, Any]] = [],  # noqa: B006 - read only
 ) -> str:
     """The panels two a line, then each row (a row header, its panels two a line)."""
     ds = _ds(vf)
@@ -405,6 +427,7 @@ def _dashboard(
         schemaVersion=39,
         panels=out,
         templating=G.Templating(list=templates),
+        annotations=G.Annotations(list=annotations),
         time=G.Time("now-3h", "now"),
     ).auto_panel_ids()
     return json.dumps(d.to_json_data(), cls=DashboardEncoder, indent=2, sort_keys=True) + "\n"
@@ -436,6 +459,7 @@ def overview_json(ctx: dict[str, Any]) -> str:
         overview_panels(vf["alerts"]),
         templates,
         rows,
+        [canary_annotation(ds)],
     )
 
 
@@ -459,4 +483,5 @@ def panel_queries(alerts: dict[str, Any], admission: bool = True) -> list[tuple[
     for uid, panels in ((OVERVIEW_UID, overview), (INSTANCE_UID, instance_panels(alerts))):
         for p in panels:
             out += [(f"{uid} / {p.title}", e, p.gpu_only) for e, _ in p.exprs]
+    out.append((f"{OVERVIEW_UID} / annotation Canary rollouts", CANARY_ANNOTATION_EXPR, False))
     return out
