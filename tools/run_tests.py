@@ -30,7 +30,7 @@ INTEGRATION = "tests/integration"
 
 # phase 1, beside the local stream: the e2e fleet (its hosts have their own network namespaces), then the
 # playbook-render parity checks (ansible-playbook on the controller)
-FLEET = ["test_ansible.py", "test_ansible_render.py", "test_ha_fleet.py"]
+FLEET = ["test_ansible.py", "test_ansible_render.py", "test_ha_fleet.py", "test_rollout_fleet.py"]
 # phase 2, with the machine to themselves
 ALONE = [
     "test_launcher.py",  # signals while an engine loads: SIGTERM escalating to SIGKILL after a set time

@@ -50,6 +50,7 @@ PLAYBOOK = """
         "tiny-cpu-2hosts.yml",
         pytest.param("seed-004-4xa100.yml", marks=pytest.mark.extended),
         pytest.param("tiny-cpu-multinode.yml", marks=pytest.mark.extended),
+        pytest.param("tiny-cpu-canary.yml", marks=pytest.mark.extended),
         "seed-001-cpu-fallback.yml",
     ],
 )
