@@ -40,7 +40,7 @@ def test_inventory_connections_as_ansible_lists_them() -> None:
     assert hosts["h2"].address == "h2" and hosts["h2"].port == 2222
     argv = Remote(hosts, control_dir="/c").argv("h1", "systemctl start 'vllm@x.service'")
     assert argv[-3:] == ["10.0.0.1", "--", "systemctl start 'vllm@x.service'"]
-    assert "ControlPath=/c/%C" in argv and ["-i", "/k/id"] == argv[argv.index("-i") : argv.index("-i") + 2]
+    assert "ControlPath=/c/%C" in argv and argv[argv.index("-i") : argv.index("-i") + 2] == ["-i", "/k/id"]
     assert argv.index("-F") < argv.index("10.0.0.1")
 
 
