@@ -31,6 +31,8 @@ pytestmark = pytest.mark.skipif(
     shutil.which("prometheus-alertmanager") is None, reason="Debian prometheus-alertmanager missing"
 )
 
+INFO = "tiny-canary in rotation: 10% of tiny-qwen3"
+
 
 def _get_ok(url: str) -> bool:
     req = urllib.request.Request(url, headers={"Authorization": basic_auth_header(AUTH)})
@@ -134,12 +136,12 @@ def test_rollback_event_reaches_slack_with_the_numbers(
     # every monitoring host is tried: one down, the other takes it
     reached, errors = rg.post_event([dead, url], AUTH, event)
     assert reached == [url] and len(errors) == 1 and dead in errors[0]
-    info = rg.rollout_event(spec, r, started, "in_rotation", "tiny-canary in rotation: 10% of tiny-qwen3")
+    info = rg.rollout_event(spec, r, started, "in_rotation", INFO)
     assert rg.post_event([url], AUTH, info)[0] == [url]
 
     def arrived() -> bool:
         texts = [a.get("text", "") for _, p in list(slack.posts) for a in p.get("attachments", [])]
-        return any("ROLLBACK" in t for t in texts) and any("in rotation" in t for t in texts)
+        return any("ROLLBACK" in t for t in texts) and any(INFO in t for t in texts)
 
     assert _wait(arrived, 30), slack.posts
     posts = [(p, a) for _, p in list(slack.posts) for a in p.get("attachments", [])]
@@ -156,7 +158,8 @@ def test_rollback_event_reaches_slack_with_the_numbers(
     for needle in ("150", "1412", "(1.33%)", "(0.21%)", "812 ms", "400 ms", "2130 ms", rg.STABLE_TTFT, "```"):
         assert needle in text, needle
     assert att["title_link"].endswith("/VllmFleetRollout.md")
-    info_att = next(a for _, a in posts if "in rotation" in a.get("text", ""))
+    # (the rollback's report says "in rotation" too: its time in rotation)
+    info_att = next(a for _, a in posts if INFO in a.get("text", ""))
     assert info_att["text"].startswith("*INFO* tiny-canary in rotation") and info_att["color"] == "good"
     # the instance-down alert went its own way (the team channel, its own group)
     assert any("VllmInstanceDown" in a["title"] for _, a in posts)
