@@ -89,3 +89,13 @@ def test_missing_path_and_copy_from(tmp_path: Path) -> None:
         fetch_all(_models(spec))
     res = fetch_all(_models(spec), copy_from=tmp_path / "src")
     assert res[0].changed and (tmp_path / "dest" / "tiny" / "sub" / "weights.safetensors").is_file()
+
+
+def test_a_skipped_instance_keeps_its_folder_as_it_is(tmp_path: Path) -> None:
+    """--skip NAME (a running instance whose change is held for `vllm-fleet rollout`): nothing of its folder
+    is read or written; the others are fetched as usual."""
+    sums = _model(tmp_path / "tiny")
+    models = _models(_spec(tmp_path / "tiny", sums), "h1")
+    got = fetch_all(models, skip=["m"])
+    assert [r.instance for r in got] == ["m2"]
+    assert fetch_all(models, skip=["m", "m2"]) == []

@@ -246,14 +246,17 @@ def fetch_all(
     dest_dir: Path | None = None,
     copy_from: Path | None = None,
     verify_all: bool = False,
+    skip: Iterable[str] = (),
 ) -> list[FetchResult]:
     """Fetch each distinct model folder of ``models`` once (instances sharing a path share the download): a
     host's contract's ``models`` (those of its instances and of the multi-node ranks it runs: each loads its
-    share), or on the controller the spec's."""
+    share), or on the controller the spec's. ``skip``: instances whose folder is left as it is (a running
+    instance whose change is held for `vllm-fleet rollout`: its new revision goes to the canary's folder only)."""
     done: dict[str, FetchResult] = {}
     out: list[FetchResult] = []
+    skipped = set(skip)
     for m in models:
-        if instance and m.name != instance:
+        if (instance and m.name != instance) or m.name in skipped:
             continue
         dest = dest_dir / m.name if dest_dir else Path(m.model_path)
         key = str(dest)
@@ -297,6 +300,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--from", dest="copy_from", help="copy from FOLDER/INSTANCE (or FOLDER/<folder name>)")
     p.add_argument("--verify", action="store_true", help="re-hash every file even if unchanged")
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="INSTANCE",
+        help="leave this instance's model folder as it is (a change held for vllm-fleet rollout); repeatable",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object: {changed, models: [...]}")
     p.set_defaults(handler=_run)
 
@@ -326,7 +336,7 @@ def run(a: argparse.Namespace, models: list[HostModel]) -> int:
     try:
         results = fetch_all(
             models, a.instance, Path(a.dest) if a.dest else None,
-            Path(a.copy_from) if a.copy_from else None, a.verify,
+            Path(a.copy_from) if a.copy_from else None, a.verify, getattr(a, "skip", []),
         )  # fmt: skip
     except FetchError as exc:
         print(f"fetch: {exc}", file=sys.stderr)
