@@ -201,16 +201,27 @@ def test_deploy_leaves_the_canary_deployed_stopped_and_out_of_rotation(fleet: Fl
     assert not gateway_state(fleet).get("canary")
 
 
+def venv(cfg: dict[str, Any]) -> str:
+    return str(Path(cfg["command"][0]).parent.parent)
+
+
 def test_a_change_is_held_for_the_rollout(fleet: Fleet) -> None:
-    """A new version in the spec: site.yml deploys it to the canary's files only; tiny-a and tiny-b keep their
-    config and their process."""
+    """A new version — a new engine stack (its own lock: a venv of its own) and a new flag: site.yml installs the
+    stack and deploys both to the canary's files only; tiny-a and tiny-b keep their config, their venv and their
+    process."""
     before = pids(fleet)
+    old = {n: venv(config(fleet, n)) for n in STABLE}
+    _, fleet.stack = stack_with(fleet, fleet.work, "vf-stack-sim2", SIM_STACK)  # type: ignore[attr-defined]
+    fleet.stack += ["-e", "vllm_fleet_doctor_load=false"]
     spec = write_spec(fleet, {"shutdown_timeout": 12}, "good")
     rc, out, _ = fleet.playbook(spec=spec)
     assert rc == 0, out[-6000:]
-    assert arg(config(fleet, CANARY), "--shutdown-timeout") == "12"
+    canary = config(fleet, CANARY)
+    assert arg(canary, "--shutdown-timeout") == "12"
+    assert venv(canary) not in old.values(), (venv(canary), old)
     for n in STABLE:
         assert arg(config(fleet, n), "--shutdown-timeout") == "10", n
+        assert venv(config(fleet, n)) == old[n], n
     assert pids(fleet) == before
     assert canary_active(fleet) == "inactive"
 
@@ -230,8 +241,10 @@ def test_a_good_canary_is_promoted_without_a_failed_request(fleet: Fleet) -> Non
     tracks = access_tracks(fleet, seen)
     assert tracks.count("canary") >= 20, (tracks.count("canary"), len(tracks))
     assert failed(load) == [], failed(load)[:5]
-    for n in STABLE:  # promoted: the stable instances run the new version
+    canary_venv = venv(config(fleet, CANARY))
+    for n in STABLE:  # promoted: the stable instances run the new version (its stack and its flag)
         assert arg(config(fleet, n), "--shutdown-timeout") == "12", n
+        assert venv(config(fleet, n)) == canary_venv, n
     assert canary_active(fleet) == "inactive"
     assert not gateway_state(fleet).get("canary")
     print(

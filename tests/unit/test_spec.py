@@ -230,6 +230,10 @@ def test_a_rollout_derives_its_canary_from_the_first_primary_as_the_spec_writes_
         "tiny-qwen3",
     )
     assert c.max_num_seqs == 1 and c.source == spec.models[0].source
+    assert c.env == {}  # tiny-a has none, nor has this canary
+    d["models"][0]["env"] = {"A": "1", "B": "2"}  # type: ignore[index]
+    d["rollouts"][0]["canary"]["env"] = {"B": "3"}  # type: ignore[index]
+    assert parse_spec(d).canary_of("tiny-qwen3").env == {"A": "1", "B": "3"}  # type: ignore[union-attr]
     assert spec.rollout_of("tiny-qwen3").share == 0.2  # type: ignore[union-attr]
     # a parsed spec dumped and parsed again derives the same canary once
     again = parse_spec(spec.model_dump(mode="json"))

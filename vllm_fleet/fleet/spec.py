@@ -1160,7 +1160,8 @@ def _rollout_checks(spec: FleetSpec) -> list[tuple[str, str]]:
 
 def _derive_canaries(spec: FleetSpec) -> None:
     """Append each rollout's canary to ``models``: the served model's first primary instance as the spec writes
-    it (the new version) on the canary's name, host, port and GPUs, ``role: canary``."""
+    it (the new version) on the canary's name, host, port and GPUs, its ``env`` over the instance's, ``role:
+    canary``."""
     for r in spec.rollouts:
         first = next(m for m in spec.models if m.served_model_name == r.model and m.role == "primary")
         c = r.canary
@@ -1171,6 +1172,7 @@ def _derive_canaries(spec: FleetSpec) -> None:
                     "host": c.host,
                     "port": c.port,
                     "gpus": list(c.gpus),
+                    "env": {**first.env, **c.env},
                     "role": "canary",
                 },
                 deep=True,
