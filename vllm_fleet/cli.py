@@ -40,6 +40,17 @@ def _spec(path: str) -> FleetSpec:
     return load_spec(path)
 
 
+def _running(a: argparse.Namespace) -> FleetSpec:
+    """The spec, its held instances as they run (``--deployed``: what the play read on the hosts; docs/rollouts.md)."""
+    from vllm_fleet.fleet.spec import running_version
+
+    spec = _spec(a.spec)
+    if getattr(a, "deployed", ""):
+        text = sys.stdin.read() if a.deployed == "-" else Path(a.deployed).read_text()
+        running_version(spec, json.loads(text) if text.strip() else {}, str(a.promote or "").split(","))
+    return spec
+
+
 def _make_plan(a: argparse.Namespace, spec: FleetSpec) -> Plan:
     from vllm_fleet.fleet.plan import make_plan
 
@@ -61,7 +72,7 @@ def _make_plan(a: argparse.Namespace, spec: FleetSpec) -> Plan:
 def _cmd_plan(a: argparse.Namespace) -> int:
     from vllm_fleet.fleet.plan import format_plan
 
-    spec = _spec(a.spec)
+    spec = _running(a)
     plan = _make_plan(a, spec)
     if a.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -74,7 +85,7 @@ def _cmd_render(a: argparse.Namespace) -> int:
     from vllm_fleet.fleet.plan import format_plan
     from vllm_fleet.fleet.render import render_fleet
 
-    spec = _spec(a.spec)
+    spec = _running(a)
     plan = _make_plan(a, spec)
     if not plan.ok and not a.force:
         print(format_plan(plan), file=sys.stderr)
@@ -89,7 +100,7 @@ def _cmd_render(a: argparse.Namespace) -> int:
 def _cmd_context(a: argparse.Namespace) -> int:
     from vllm_fleet.fleet.render import Renderer
 
-    spec = _spec(a.spec)
+    spec = _running(a)
     plan = _make_plan(a, spec)
     if not plan.ok:
         for p in plan.problems:
@@ -167,6 +178,20 @@ def build_parser(
             action="store_true",
             help="plan extra_args even when no argument list of the pinned vLLM release is captured "
             "(managed flags are still refused)",
+        )
+        sp.add_argument(
+            "--deployed",
+            default="",
+            metavar="FILE",
+            help="JSON ('-': stdin) of the instance configs on the hosts ({INSTANCE: config}): the running "
+            "instances of a served model with a rollout are planned as deployed, not as the spec's held change "
+            "(docs/rollouts.md)",
+        )
+        sp.add_argument(
+            "--promote",
+            default="",
+            metavar="MODELS",
+            help="served models (comma-separated) whose held change this run applies (with --deployed)",
         )
         sp.add_argument(
             "--lock-dir",

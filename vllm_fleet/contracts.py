@@ -248,8 +248,10 @@ class InstanceConfig:
         return cls.from_dict(*_contract_json(path))
 
 
-# the keys the template writes besides the ones above ("_managed": the ansible_managed marker)
-INSTANCE_CONFIG_EXTRA_KEYS = frozenset({"_managed"})
+# the keys the template writes besides the ones above ("_managed": the ansible_managed marker; "spec": the
+# instance's `models` entry as deployed, which the controller reads back while a rollout holds a change:
+# vllm_fleet.fleet.spec.running_version — the launcher does not read it)
+INSTANCE_CONFIG_EXTRA_KEYS = frozenset({"_managed", "spec"})
 
 
 class StateFile(TypedDict, total=False):

@@ -257,8 +257,14 @@ def test_a_bad_canary_is_rolled_back_before_its_window_ends(fleet: Fleet) -> Non
     """max_num_seqs 1 (and so a queue bound of 2) on the canary while 6 lanes send it a quarter of the
     traffic: it queues and turns requests away; the gateways fail those over to the stable instances."""
     spec = write_spec(fleet, {"shutdown_timeout": 12, "max_num_seqs": 1}, "bad")
+    gateway_files = "/etc/nginx/vllm-fleet/routes.json /etc/vllm-fleet/gateway/admission.json"
+    h1 = host(fleet, "h1")
+    gw_before = h1.run(f"cat {gateway_files}").stdout
     rc, out, _ = fleet.playbook(spec=spec)
     assert rc == 0, out[-6000:]
+    # the held instances are planned as they run: the gateway's cache-aware bounds and admission capacity
+    # still follow max_num_seqs 16 (before, they took the spec's 1 at once: 4 requests of the model admitted)
+    assert h1.run(f"cat {gateway_files}").stdout == gw_before
     before = pids(fleet)
     window = fleet.spec["rollouts"][0]["window_seconds"]
     with traffic(fleet) as load:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_fleet.fleet.spec import SpecError, load_spec, parse_spec, spec_hash
+from vllm_fleet.fleet.spec import SpecError, load_spec, parse_spec, running_version, spec_hash
 
 REPO = Path(__file__).resolve().parents[2]
 SEED4 = yaml.safe_load((REPO / "examples/seed-004-4xa100.yml").read_text())
@@ -293,3 +293,34 @@ def test_the_plan_names_a_canary_problem_by_its_rollouts_entry() -> None:
         "rollouts[0].canary.port (the canary of 'tiny-qwen3'): port 8101 on h2 is already used by models[2] "
         "(tiny-backup)"
     ]
+
+
+def test_held_instances_are_planned_as_they_run() -> None:
+    """The spec writes the new version (max_num_seqs 1); tiny-a and tiny-b run the old one (their deployed
+    configs' `spec`): running_version puts the old entries back for everything but the canary, so the gateway's
+    bounds and capacity follow what runs; a promoted model, a config without its entry, or another instance of
+    the same name keep the spec as written."""
+    from vllm_fleet.fleet.context import build_context
+
+    old = parse_spec(_rollout_spec())
+    deployed = {
+        n: {"name": n, "spec": build_context(old, old.model(n).host)["vf"]["instances"][i]["spec_entry"]}
+        for i, n in enumerate(("tiny-a", "tiny-b"))
+    }
+    d = _rollout_spec()
+    for m in d["models"]:  # type: ignore[attr-defined]
+        m["max_num_seqs"] = 1
+    new = parse_spec(d)
+    assert running_version(new, deployed) == ["tiny-a", "tiny-b"]
+    assert [m.max_num_seqs for m in new.models] == [
+        16,
+        16,
+        1,
+        1,
+    ]  # tiny-backup: no config read; the canary: new
+    assert new.models_on("h1")[0].max_num_seqs == 16  # the host index follows
+    again = parse_spec(d)
+    assert running_version(again, deployed, ["tiny-qwen3"]) == []  # promoted: the new version everywhere
+    assert running_version(again, {"tiny-a": {"name": "tiny-a"}}) == []  # an older config: as written
+    moved = {"tiny-a": {"spec": {**deployed["tiny-a"]["spec"], "host": "h2"}}}
+    assert running_version(again, moved) == []

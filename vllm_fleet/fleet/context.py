@@ -91,6 +91,9 @@ def instance_ctx(
         unit=f"vllm@{m.name}.service",
         # the label that sets a rollout's canary apart from the stable instances in Prometheus (docs/rollouts.md)
         track="canary" if m.role == "canary" else "stable",
+        # its `models` entry as deployed (instance.json "spec"): while a rollout holds a change, the next play
+        # reads it back and plans the instance as it runs (spec.running_version)
+        spec_entry=m.model_dump(mode="json"),
         model_path=model_path(spec, m),
         listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,
@@ -210,6 +213,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_hosts"] = spec.gateway_hosts
     vf["gateway_ha"] = gateway_ha_vars(spec, vf["upstreams"])
     vf["gateway_state_file"] = drained_set_file(spec)
+    # a served model has a `rollouts` entry: the preflight reads its running instances' configs and plans them
+    # as they run (docs/rollouts.md)
+    vf["rollouts_hold"] = bool(spec.rollouts)
     # gateway.limits: the admission service's file (fleet/admission_config.py), where nginx reaches it
     vf["gateway_admission"] = admission_config(spec, plan) if spec.gateway.admission else None
     vf["gateway_admission_on"] = spec.gateway.admission

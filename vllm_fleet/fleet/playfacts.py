@@ -138,7 +138,15 @@ def unit_actions(
     }
 
 
-def held(held_models: Mapping[str, str], configs: Iterable[str], promote: str | Iterable[str] = "") -> list[str]:
+def by_name(config: Mapping[str, Any]) -> dict[str, Any]:
+    """An instance config read on a host as ``{its name: it}`` (the preflight merges them into the ``--deployed``
+    map of `vllm-fleet plan` / `context`)."""
+    return {str(config["name"]): dict(config)}
+
+
+def held(
+    held_models: Mapping[str, str], configs: Iterable[str], promote: str | Iterable[str] = ""
+) -> list[str]:
     """The instances whose change the play holds for `vllm-fleet rollout` (docs/rollouts.md): those of a served
     model with a ``rollouts`` entry (``held_models``: instance -> served model, ``vf.held``) that already have a
     config on the host (``configs``: its instance config files; a first deploy just writes it), unless the run

@@ -12,6 +12,7 @@ import hashlib
 import ipaddress
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1178,6 +1179,36 @@ def _derive_canaries(spec: FleetSpec) -> None:
                 deep=True,
             )
         )
+
+
+def running_version(spec: FleetSpec, deployed: dict[str, Any], promote: Iterable[str] = ()) -> list[str]:
+    """Held instances as they run (docs/rollouts.md). ``deployed``: instance → its instance config on its host
+    (what the play read; ``spec`` is the instance's ``models`` entry as deployed). Each running instance of a
+    served model with a rollout that this run does not promote is replaced in ``spec.models`` by its deployed
+    entry: the gateway (routes, cache-aware bounds, admission capacity), the firewall, Prometheus' targets and the
+    plan then see what runs, not the held change, which only the canary (derived from the spec as written) runs.
+    Returns the names replaced. A config without its entry (deployed by an older vllm-fleet) is left as written."""
+    promoted = {p.strip() for p in promote if p.strip()}
+    out: list[str] = []
+    for i, m in enumerate(spec.models):
+        cfg = deployed.get(m.name)
+        if (
+            m.role == "canary"
+            or m.served_model_name in promoted
+            or spec.rollout_of(m.served_model_name) is None
+        ):
+            continue
+        entry = cfg.get("spec") if isinstance(cfg, dict) else None
+        if not isinstance(entry, dict):
+            continue
+        ran = ModelInstance.model_validate(entry)
+        if (ran.name, ran.host, ran.served_model_name) != (m.name, m.host, m.served_model_name):
+            continue  # another instance of that name (moved, renamed): the spec as written
+        spec.models[i] = ran
+        out.append(m.name)
+    if out:
+        spec._index = None  # the host index holds the replaced entries
+    return out
 
 
 def _strip_derived(data: dict[str, Any]) -> list[tuple[str, str]]:

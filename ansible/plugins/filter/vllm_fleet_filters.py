@@ -37,6 +37,7 @@ class FilterModule:
         "restarts",
         "rolling_restarts",
         "held",
+        "by_name",
         "artifact_items",
         "host_files",
         "artifacts_outcome",
