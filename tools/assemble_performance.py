@@ -19,6 +19,7 @@ ORDER = [
     "gateway-limits",
     "gateway-scale",
     "ha",
+    "rollouts",
     "routing",
     "engine-service",
     "ansible",
