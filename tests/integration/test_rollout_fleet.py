@@ -30,6 +30,7 @@ from ansible_fleet import (
     ANSIBLE_BIN,
     BIN,
     REPO,
+    SIM_HOOK,
     SIM_STACK,
     WHEELHOUSE_MOUNT,
     Fleet,
@@ -211,7 +212,10 @@ def test_a_change_is_held_for_the_rollout(fleet: Fleet) -> None:
     process."""
     before = pids(fleet)
     old = {n: venv(config(fleet, n)) for n in STABLE}
-    _, fleet.stack = stack_with(fleet, fleet.work, "vf-stack-sim2", SIM_STACK)  # type: ignore[attr-defined]
+    # the sim hook under file names of its own: the new venv starts as a copy of the old one, and pip's removal of
+    # vf-stack-sim (not in the new lock) would take files of the same names with it (a real engine would start)
+    sim2 = {"vf_stack_sim2.py": SIM_HOOK, "vf_stack_sim2.pth": "import vf_stack_sim2\n"}
+    _, fleet.stack = stack_with(fleet, fleet.work, "vf-stack-sim2", sim2)  # type: ignore[attr-defined]
     fleet.stack += ["-e", "vllm_fleet_doctor_load=false"]
     spec = write_spec(fleet, {"shutdown_timeout": 12}, "good")
     rc, out, _ = fleet.playbook(spec=spec)
