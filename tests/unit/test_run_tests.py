@@ -37,3 +37,13 @@ def test_test_paths_run_one_plain_pytest(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(run_tests, "run_phases", lambda args: pytest.fail("streams for a path"))
     assert run_tests.main(["-q", "tests/unit/test_spec.py"]) == 0
     assert calls and calls[0][-2:] == ["-q", "tests/unit/test_spec.py"]
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules by basename (the test folders are not packages): two of one name in one run
+    stop the collection (a unit and an integration module once did: the CI's local stream collected nothing)."""
+    from collections import Counter
+
+    root = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in root.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
