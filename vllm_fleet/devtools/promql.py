@@ -28,6 +28,10 @@ ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
     "rollout": re.compile(r"vllm_fleet_gateway_canary_(?:share|lease_expiry_timestamp_seconds)\b"),
 }
 
+# a selector of a rollout's canary (its role / track label, monitoring/prometheus.yml.j2): series only in a fleet
+# with a `rollouts` entry (a stopped canary is still a scrape target there); VllmInstanceDown reads one
+CANARY_SELECTOR = re.compile(r'\b(?:role|track)="canary"')
+
 
 def selectors(expr: str) -> list[str]:
     """Every vector selector (metric name + its label matchers) in a PromQL expression; `le` matchers
