@@ -129,6 +129,33 @@ def test_drained_is_degraded_and_a_model_without_a_serving_instance_is_down(spec
     assert st.models_down == ["other"] and st.exit_code == EXIT_DOWN
 
 
+def test_loaded_adapters_are_listed_and_a_carried_one_not_loaded_degrades_its_instance(
+    spec: FleetSpec,
+) -> None:
+    """adapters[]: the exporter's vllm_fleet_instance_adapter_loaded per carried adapter (1 loaded, 0 not)."""
+    assert "vllm_fleet_instance_adapter_loaded" in QUERY
+
+    def loaded(instance: str, adapter: str, v: float) -> Sample:
+        return (
+            {"__name__": "vllm_fleet_instance_adapter_loaded", "job": "vllm-fleet-exporter", "instance": instance,
+             "model": "qwen", "adapter": adapter},
+            v,
+        )  # fmt: skip
+
+    samples = [*healthy(spec), loaded("a", "sql", 1), loaded("a", "chat", 1), loaded("b", "sql", 1)]
+    st = judge(spec, samples, now=NOW)
+    assert [r.verdict for r in st.rows] == ["serving"] * 3
+    assert (st.rows[0].adapters, st.rows[1].adapters, st.rows[2].adapters) == (["chat", "sql"], ["sql"], [])
+    text = table(st)
+    assert "Adapters a: chat, sql loaded" in text and "Adapters b: sql loaded" in text
+    assert "Adapters c" not in text
+    st = judge(spec, [*samples[:-1], loaded("b", "sql", 0)], now=NOW)
+    b = st.rows[1]
+    assert (b.verdict, b.phase, b.adapters_missing) == ("degraded", "adapter sql not loaded", ["sql"])
+    assert st.exit_code == EXIT_DEGRADED and st.models_down == []
+    assert "Adapters b: none loaded; NOT LOADED: sql" in table(st)
+
+
 def test_a_failing_probe_and_loading_are_degraded(spec: FleetSpec) -> None:
     s = set_value(healthy(spec), "vllm_fleet_probe_success", 0.0, instance="a")
     s = set_value(s, "vllm_fleet_instance_state", 0.0, instance="b")

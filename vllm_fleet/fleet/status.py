@@ -25,10 +25,13 @@ never started, or left failed while no gateway holds a live lease for it, it is 
 code); running, it is judged like any instance, but its served model's verdict never depends on it. Per served
 model whose canary a gateway has an entry for (``vllm_fleet_gateway_canary_share`` and
 ``_lease_expiry_timestamp_seconds``), a "Rollout" line gives its share on each gateway and the seconds left of
-its lease (an expired lease: out of rotation). A worker row is ``serving`` (joined), ``degraded`` (waiting
-for rank 0) or ``down`` (rank 0 gone, exited, unknown, unreachable) and counts in the exit code like an
-instance row. Exit codes (``EXIT_*``): 0 every instance serving; 1 some instance is not, but every served
-model still has a serving instance; 2 a served model has none; 3 Prometheus could not be asked.
+its lease (an expired lease: out of rotation). Per instance that carries LoRA adapters (``adapters[]``), an
+"Adapters" line names those its engine has loaded and those it carries but has not
+(``vllm_fleet_instance_adapter_loaded``): a ready instance missing one is ``degraded``. A worker row is
+``serving`` (joined), ``degraded`` (waiting for rank 0) or ``down`` (rank 0 gone, exited, unknown, unreachable)
+and counts in the exit code like an instance row. Exit codes (``EXIT_*``): 0 every instance serving; 1 some
+instance is not, but every served model still has a serving instance; 2 a served model has none; 3 Prometheus
+could not be asked.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ METRICS = (
     # canary rollouts (rollouts[]): each gateway's entry per canary, while `vllm-fleet rollout` holds its lease
     "vllm_fleet_gateway_canary_share",
     "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds",
+    # LoRA adapters (adapters[]): per instance, each adapter it carries: 1 loaded in its engine, 0 not
+    "vllm_fleet_instance_adapter_loaded",
 )
 # the gateway admission service's per-key gauges (vllm_fleet.fleet.observability.ADMISSION_METRICS)
 KEY_METRICS = (
@@ -132,6 +137,8 @@ class Row:
     kv_cache: float | None = None
     rotation: str = "?"  # in | drained | ? (the gateway's exporter is not scraped)
     stack: str = ""  # the engine stack the running engine was started from (its venv's name)
+    adapters: list[str] = field(default_factory=list)  # the adapters it carries that its engine has loaded
+    adapters_missing: list[str] = field(default_factory=list)  # those it carries that are not loaded
 
 
 @dataclass
@@ -606,7 +613,15 @@ def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: boo
     row.waiting = int(waiting) if waiting is not None else None
     kv = [v for _, v in idx.find("vllm:kv_cache_usage_perc", job=ENGINE_JOB, instance=i)]
     row.kv_cache = max(kv) if kv else None
-    if row.state == "ready" and engine_up and row.probe_ok is not False and row.rotation != "drained":
+    for lv, v in sorted(
+        idx.find("vllm_fleet_instance_adapter_loaded", instance=i), key=lambda s: s[0]["adapter"]
+    ):
+        (row.adapters if v == 1 else row.adapters_missing).append(lv["adapter"])
+    if row.state == "ready" and row.adapters_missing and row.probe_ok is not False:
+        # it serves its base model, but requests for an adapter it carries go elsewhere (or fail)
+        row.verdict = "degraded"
+        row.phase = "adapter " + ", ".join(row.adapters_missing) + " not loaded"
+    elif row.state == "ready" and engine_up and row.probe_ok is not False and row.rotation != "drained":
         row.verdict = "serving"
     elif row.state in ("loading", "draining") or (row.state == "ready" and (engine_up or row.probe_ok)):
         row.verdict = "degraded"
@@ -709,6 +724,7 @@ def table(st: FleetStatus, colour: bool = False) -> str:
             out.append(f"host {h.name}: deployed spec {h.deployed_spec}, this spec is {st.spec_hash} (drift)")
         elif not h.deployed_spec and h.engines:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
+    out += _adapter_lines(st)
     out += _rollout_lines(st)
     out += _ha_lines(st)
     if st.admission:
@@ -725,6 +741,19 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
     return "\n".join(out)
+
+
+def _adapter_lines(st: FleetStatus) -> list[str]:
+    """An "Adapters" line per instance that carries LoRA adapters: those its engine has loaded, and those it
+    should carry but has not (``vllm_fleet_instance_adapter_loaded``)."""
+    out = []
+    for r in st.rows:
+        if r.adapters or r.adapters_missing:
+            line = f"Adapters {r.instance}: " + (", ".join(r.adapters) or "none") + " loaded"
+            if r.adapters_missing:
+                line += "; NOT LOADED: " + ", ".join(r.adapters_missing)
+            out.append(line)
+    return out
 
 
 def _rollout_lines(st: FleetStatus) -> list[str]:
