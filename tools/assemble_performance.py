@@ -20,6 +20,7 @@ ORDER = [
     "gateway-scale",
     "ha",
     "rollouts",
+    "lora",
     "routing",
     "engine-service",
     "ansible",
