@@ -564,3 +564,22 @@ def test_the_tiny_adapter(tmp_path: Path) -> None:
 
 def test_facts_of_a_shape_only_model_have_no_projection_widths() -> None:
     assert ModelFacts(params=1, num_layers=2, num_kv_heads=2, head_dim=32).hidden_size is None
+
+
+def test_the_doctor_does_not_take_an_adapters_file_for_an_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_fleet.host import doctor
+
+    (tmp_path / "a.json").write_text(json.dumps({"gpus": [0]}))
+    (tmp_path / "a.adapters.json").write_text(json.dumps({"schema": 1, "instance": "a", "adapters": []}))
+    asked: list[str] = []
+
+    def run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
+        units = [c for c in cmd if c.startswith("vllm@")]
+        asked.extend(units)
+        return 0, "active\n" * len(units), ""
+
+    monkeypatch.setattr(doctor, "run", run)
+    assert doctor.running_instance_gpus(str(tmp_path)) == {0: "a"}
+    assert asked == ["vllm@a.service"]
