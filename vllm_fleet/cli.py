@@ -324,6 +324,10 @@ PLUGINS: dict[str, Plugin] = {
     "tiny-model": Plugin(
         "vllm_fleet.devtools.tinymodel:add_args", "build the tiny random Qwen3 model + tokenizer offline"
     ),
+    "tiny-adapter": Plugin(
+        "vllm_fleet.devtools.tinymodel:add_adapter_args",
+        "build a tiny random LoRA adapter (PEFT) of the tiny model offline",
+    ),
     "tls": Plugin(
         "vllm_fleet.fleet.tls:add_args",
         "make the gateway's self-signed certificate (gateway.tls.self_signed; used by the gateway role)",

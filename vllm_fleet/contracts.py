@@ -20,6 +20,10 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
   by ``vllm_fleet.host.admission_service``.
 - ``VrrpStateFile``: ``VRRP_STATE_FILE`` on a gateway host of two or more, written by keepalived's notify
   (``vllm_fleet.host.vrrp_notify``), read by the host exporter (``vllm_fleet.host.exporter.vrrp``).
+- ``AdaptersFile``: ``{config_dir}/instances/NAME.adapters.json``, an instance's LoRA adapters (every adapter of
+  its served model, with where its files are and whether the instance carries it), rendered on the controller
+  (``vllm_fleet.fleet.context.adapters_json``), read on the host by the launcher, ``vllm-fleet adapters sync`` and
+  the LoRA resolver; a change of it never restarts the instance (docs/lora.md).
 - ``GatewayPeers``: ``GATEWAY_PEERS_FILE`` on a gateway host of two or more, rendered on the controller
   (``vllm_fleet.fleet.ha.gateway_peer_plan``), read by ``vllm-fleet drain`` (``vllm_fleet.host.drain``): the other
   gateways, told every drain and undrain.
@@ -355,6 +359,84 @@ def read_state(path: str | Path) -> StateFile:
     return parse_state(data, str(p))
 
 
+# ------------------------------------------------------------------------- an instance's LoRA adapters
+
+ADAPTERS_FILE_SCHEMA = 1
+# {config_dir}/instances/NAME.adapters.json, beside the instance's config NAME.json: a reader of the instance
+# configs (``*.json`` there) must skip this suffix
+ADAPTERS_FILE_SUFFIX = ".adapters.json"
+# the engine's environment names the file (the LoRA resolver reads it); runtime loading is on with it
+ADAPTERS_FILE_ENV = "VLLM_FLEET_ADAPTERS_FILE"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def adapters_file_path(config_dir: str, instance: str) -> str:
+    """An instance's adapters file (``AdaptersFile``)."""
+    return f"{config_dir}/instances/{instance}{ADAPTERS_FILE_SUFFIX}"
+
+
+def is_adapters_file(path: str | Path) -> bool:
+    """Whether ``path`` names an adapters file (not an instance config)."""
+    return str(path).endswith(ADAPTERS_FILE_SUFFIX)
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """One adapter of an ``AdaptersFile``: ``name`` (what requests send as ``model``), ``path`` (its folder on
+    the host), ``rank`` and ``carry`` (the instance loads it at start; every other one it may load on demand)."""
+
+    name: str
+    path: str
+    rank: int
+    carry: bool
+
+
+@dataclass(frozen=True)
+class AdaptersFile:
+    """``{config_dir}/instances/NAME.adapters.json``: every adapter of the instance's served model (``model``)."""
+
+    schema: int
+    instance: str
+    model: str
+    adapters: list[AdapterEntry]
+
+    @property
+    def carried(self) -> list[AdapterEntry]:
+        return [a for a in self.adapters if a.carry]
+
+    def adapter(self, name: str) -> AdapterEntry:
+        for a in self.adapters:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def dumps(self) -> str:
+        """The file's text (what the render writes, byte for byte)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> AdaptersFile:
+        """Check every field (``ContractError`` names the file and the field: ``adapters[0].rank``)."""
+        d = _schema_checked(data, source, ADAPTERS_FILE_SCHEMA, "an adapters file")
+        f: AdaptersFile = _dataclass_from(cls, d, source, "")
+        seen: set[str] = set()
+        for i, a in enumerate(f.adapters):
+            if a.name in seen:
+                raise ContractError(f"{_where(source, f'adapters[{i}].name')}: {a.name!r} is listed twice")
+            seen.add(a.name)
+            if not a.path.startswith("/"):
+                raise ContractError(f"{_where(source, f'adapters[{i}].path')}: expected an absolute path")
+        return f
+
+    @classmethod
+    def load(cls, path: str | Path) -> AdaptersFile:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        return cls.from_dict(*_contract_json(path))
+
+
 # ------------------------------------------------------------------------- a multi-node instance's workers
 
 WORKER_STATE_SUBDIR = "workers"  # {state_dir}/workers/NAME.json: not matched by the instances' *.json
@@ -573,6 +655,25 @@ class HostModel:
     model_path: str
     source: HostModelSource
 
+    @property
+    def spec_field(self) -> str:
+        """Its entry in the spec, as errors name it."""
+        return f"models[{self.name}]"
+
+
+@dataclass(frozen=True)
+class HostAdapter(HostModel):
+    """A LoRA adapter folder the host needs (every adapter of the served model of each LoRA instance it runs or
+    has a rank of): fetched and verified like a model; ``name`` is the adapter's, ``model_path`` its folder,
+    ``base`` its served model, ``rank`` its LoRA rank (the fetch checks adapter_config.json's ``r``)."""
+
+    base: str
+    rank: int
+
+    @property
+    def spec_field(self) -> str:
+        return f"adapters[{self.name}]"
+
 
 @dataclass(frozen=True)
 class HostInstance:
@@ -632,7 +733,9 @@ class HostContract:
     """``{config_dir}/host.json``: what the commands run on one host need of the fleet spec, computed on the
     controller. ``spec_hash`` is the spec's (the manifest records it; the exporter and ``status`` compare it);
     ``stacks`` in the spec's order (the first is the one the play runs vllm-fleet from); ``models`` the folders
-    to fetch (instances' and headless ranks'), ``instances`` the API servers that run here."""
+    to fetch (instances' and headless ranks'), ``instances`` the API servers that run here, ``adapters`` the LoRA
+    adapter folders to fetch (absent from the file when there are none: a contract without adapters reads as
+    it did before them)."""
 
     schema: int
     fleet: str
@@ -643,9 +746,13 @@ class HostContract:
     stacks: list[HostStack]
     models: list[HostModel]
     instances: list[HostInstance]
+    adapters: list[HostAdapter] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["adapters"]:
+            del d["adapters"]
+        return d
 
     def dumps(self) -> str:
         """The file's text (what ``vllm-fleet render`` and the roles write, byte for byte)."""
@@ -680,6 +787,11 @@ class HostContract:
                 raise ContractError(
                     f"{_where(source, f'instances[{i}].stack')}: {inst.stack!r} is not one of stacks"
                 )
+        names: set[str] = set()
+        for i, a in enumerate(contract.adapters):
+            if a.name in names:
+                raise ContractError(f"{_where(source, f'adapters[{i}].name')}: {a.name!r} is listed twice")
+            names.add(a.name)
         return contract
 
     @classmethod
@@ -824,7 +936,11 @@ def _dataclass_from(cls: type[_T], data: Any, source: str, key: str) -> _T:
     hints = _hints(cls)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     names = [f.name for f in fields]
-    optional = {f.name for f in fields if f.default is not dataclasses.MISSING}
+    optional = {
+        f.name
+        for f in fields
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
     values: dict[str, Any] = {}
     for name in names:
         sub = f"{key}.{name}" if key else name

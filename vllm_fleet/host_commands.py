@@ -63,7 +63,9 @@ def _fail(text: str) -> int:
 
 def add_fetch_args(p: argparse.ArgumentParser) -> None:
     fetch.add_args(p)
-    _add_spec(p, "its models (of --host, else every model)", "only the models of this host")
+    _add_spec(
+        p, "its models and adapters (of --host, else every one)", "only the models and adapters of this host"
+    )
     p.set_defaults(handler=_fetch)
 
 
@@ -73,12 +75,13 @@ def _fetch(a: argparse.Namespace) -> int:
     if not a.spec:
         return fetch._run(a)
     if not a.host:
-        from vllm_fleet.fleet.host_contract import fleet_models
+        from vllm_fleet.fleet.host_contract import fleet_adapters, fleet_models
         from vllm_fleet.fleet.spec import load_spec
 
-        return fetch.run(a, fleet_models(load_spec(a.spec)))
+        spec = load_spec(a.spec)
+        return fetch.run(a, fleet_models(spec), fleet_adapters(spec))
     contract = _contract_of(a.spec, a.host, "fetch")
-    return 2 if contract is None else fetch.run(a, contract.models)
+    return 2 if contract is None else fetch.run(a, contract.models, contract.adapters)
 
 
 # --------------------------------------------------------------------------------------------- manifest

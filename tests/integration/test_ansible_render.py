@@ -51,6 +51,8 @@ PLAYBOOK = """
         pytest.param("seed-004-4xa100.yml", marks=pytest.mark.extended),
         pytest.param("tiny-cpu-multinode.yml", marks=pytest.mark.extended),
         pytest.param("tiny-cpu-canary.yml", marks=pytest.mark.extended),
+        # LoRA: the per-instance adapters files (a generator with `when`), the flags in the configs
+        pytest.param("tiny-cpu-lora.yml", marks=pytest.mark.extended),
         "seed-001-cpu-fallback.yml",
     ],
 )

@@ -288,7 +288,7 @@ sys.exit(c.main(["--help"]))
 
 
 def test_cli_without_the_harness_offers_the_other_commands() -> None:
-    """An installation without vllm_fleet/devtools: its commands (sandbox, tiny-model) are left out quietly,
+    """An installation without vllm_fleet/devtools: its commands (sandbox, tiny-model, tiny-adapter) are left out quietly,
     every other command is listed and none is marked unavailable."""
     from vllm_fleet import cli
 
@@ -296,7 +296,7 @@ def test_cli_without_the_harness_offers_the_other_commands() -> None:
     r = subprocess.run([sys.executable, "-c", BLOCK_DEVTOOLS], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     harness = {name for name, p in cli.PLUGINS.items() if p.module.startswith("vllm_fleet.devtools.")}
-    assert harness == {"sandbox", "tiny-model"}
+    assert harness == {"sandbox", "tiny-model", "tiny-adapter"}
     listed = {m.group(1) for m in re.finditer(r"^    (\S+)", r.stdout, re.M)}
     assert listed == (set(cli.BUILTINS) | set(cli.PLUGINS)) - harness
     assert "UNAVAILABLE" not in r.stdout

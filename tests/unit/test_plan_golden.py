@@ -39,6 +39,7 @@ CASES: dict[str, list[str]] = {
         "--models-dir",
         str(FIX / "models"),
     ],
+    "lora-gpu-models-dir": [str(FIX / "lora-gpu.yml"), *LOCKS, "--models-dir", str(FIX / "models")],
     "detect-nvidia-smi-fetched": [
         str(FIX / "detect-h200.yml"),
         "--detected",
@@ -92,6 +93,10 @@ def test_the_snapshots_cover_refusals_notes_and_warnings() -> None:
         assert any(x == f or x.startswith(f + "[") for x in fields), (f, sorted(fields))
     assert any(p.startswith("hosts[0].gpus:") for p in problems)
     assert any(p.startswith("stacks.old.vllm_version:") for p in problems)
+    # LoRA (docs/lora.md): a rank vLLM does not accept, an adapter above its instances' slots, slots estimated
+    assert any(p.startswith("models[0].lora.max_lora_rank:") for p in problems)
+    assert any(p.startswith("adapters[0].rank:") for p in problems)
+    assert any(ip.get("lora_bytes") for g in plans.values() for ip in g["plan"]["instances"])
     notes = [n for g in plans.values() for ip in g["plan"]["instances"] for n in ip["notes"]]
     assert any("far above the suggested" in n for n in notes) and any("not estimated" in n for n in notes)
     assert any(g["plan"]["ok"] for g in plans.values()) and not all(g["plan"]["ok"] for g in plans.values())

@@ -18,7 +18,7 @@ FILTERS = (
     "layer_verdict", "packages_for", "missing_packages", "foreign_listeners", "unit_actions", "restarts",
     "rolling_restarts", "artifact_items", "host_files", "artifacts_outcome", "fetched", "host_detected",
     "model_tree", "model_pushes", "found_in_stack", "running_services", "lock_checks", "wheel_sources", "pip_source_args",
-    "vrrp_interface", "tools_wheels", "held", "by_name",
+    "vrrp_interface", "tools_wheels", "held", "by_name", "adapter_syncs",
 )  # fmt: skip
 INSTANCES = [
     {"name": "a", "unit": "vllm@a.service", "model_path": "/m/a"},
@@ -204,7 +204,12 @@ def test_what_the_models_step_changed_and_what_a_host_tells_the_second_plan() ->
         {"changed": True, "item": {"model_path": "/m/c"}},
         {"changed": False, "item": {"model_path": "/m/d"}},
     ]
-    assert pf.fetched({"skipped": True}, pushed) == {"changed": ["/m/c"], "models": {}}
+    assert pf.fetched({"skipped": True}, pushed) == {
+        "changed": ["/m/c"],
+        "models": {},
+        "adapters_changed": [],
+        "adapters": {},
+    }
     assert pf.host_detected(got, "2048", "0, H200, 143771", gpu_host=False) == {
         "memory_mib": 2048,
         "nvidia_smi": "",

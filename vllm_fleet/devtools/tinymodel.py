@@ -1,8 +1,10 @@
-"""Build a tiny random Qwen3 model and a byte-level BPE tokenizer, offline.
+"""Build a tiny random Qwen3 model and a byte-level BPE tokenizer, offline; and tiny LoRA adapters of it.
 
 Used by tests and the demo: nothing can be downloaded here, and a real engine needs a real model folder.
 ≈ 230 k parameters (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32 — vLLM's CPU attention needs a head
 size of at least 32), ChatML chat template, safetensors weights. Deterministic for a given seed.
+An adapter (``build_tiny_adapter``, ``vllm-fleet tiny-adapter``) is a PEFT LoRA folder of rank r over the
+model's q, k, v, o, gate, up and down projections, random and small (it changes the output, not much else).
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MARKER = "vllm-fleet-tiny.json"
+ADAPTER_MARKER = "vllm-fleet-tiny-adapter.json"
+# the projections a tiny adapter adapts (every one vLLM gives a LoRA slot in a Qwen3 layer)
+ADAPTER_MODULES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 QWEN3_8B_CONFIG_FILE = Path(__file__).parent.parent / "data" / "qwen3-8b-config.json"
 
 
@@ -118,6 +131,79 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     marker.write_text(json.dumps(want))
     return out
+
+
+def _adapter_widths(cfg: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each of ``ADAPTER_MODULES`` for a model of config ``cfg``."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    widths = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    return dict(zip(ADAPTER_MODULES, widths, strict=True))
+
+
+def build_tiny_adapter(
+    base_dir: Path, out: Path, rank: int = 8, seed: int = 1, base_name: str = "tiny-qwen3"
+) -> Path:
+    """Write a PEFT LoRA adapter of rank ``rank`` for the model in ``base_dir`` to ``out`` (skipped when an
+    identical build is already there): adapter_config.json and adapter_model.safetensors (bf16), readable by
+    the engine's service user. ``base_name``: its base_model_name_or_path."""
+    base_dir, out = Path(base_dir), Path(out)
+    cfg = json.loads((base_dir / "config.json").read_text())
+    marker = out / ADAPTER_MARKER
+    want = {"rank": rank, "seed": seed, "base": base_name, "widths": sorted(_adapter_widths(cfg).items())}
+    want = json.loads(json.dumps(want))  # tuples as the marker's JSON holds them
+    if (
+        marker.exists()
+        and json.loads(marker.read_text()) == want
+        and (out / "adapter_model.safetensors").exists()
+    ):
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for mod, (n_in, n_out) in _adapter_widths(cfg).items():
+            key = f"base_model.model.model.layers.{layer}.{mod}"
+            a = torch.randn(rank, n_in, generator=gen) * 0.02
+            b = torch.randn(n_out, rank, generator=gen) * 0.02
+            tensors[key + ".lora_A.weight"] = a.to(torch.bfloat16).contiguous()
+            tensors[key + ".lora_B.weight"] = b.to(torch.bfloat16).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": sorted({m.split(".")[1] for m in ADAPTER_MODULES}),
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    marker.write_text(json.dumps(want))
+    for f in out.iterdir():  # readable by the engine's service user
+        f.chmod(0o644)
+    return out
+
+
+def add_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", required=True, help="the tiny model's folder (vllm-fleet tiny-model --out)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--base-name", default="tiny-qwen3", help="its base_model_name_or_path")
+    p.set_defaults(handler=_run_adapter)
+
+
+def _run_adapter(a: argparse.Namespace) -> int:
+    print(build_tiny_adapter(Path(a.base), Path(a.out), rank=a.rank, seed=a.seed, base_name=a.base_name))
+    return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ from vllm_fleet.fleet.engine import (
     rank_address,
 )
 from vllm_fleet.fleet.ha import drained_set_file, gateway_ha_vars, keepalived_plan, monitoring_server
-from vllm_fleet.fleet.host_contract import HostContracts
+from vllm_fleet.fleet.host_contract import HostContracts, adapter_entries
 from vllm_fleet.fleet.hostplan import host_deploy_plan
 from vllm_fleet.fleet.network import (
     exporter_address,
@@ -87,13 +87,21 @@ def instance_ctx(
     ip = ip or plan.instance(m.name)
     host = host or spec.host(m.host)
     command = engine_command(spec, m)
+    entry = m.model_dump(mode="json")
+    if entry["lora"] is None:  # an instance without `lora` keeps the config it had before the field
+        del entry["lora"]
     d.update(
         unit=f"vllm@{m.name}.service",
         # the label that sets a rollout's canary apart from the stable instances in Prometheus (docs/rollouts.md)
         track="canary" if m.role == "canary" else "stable",
         # its `models` entry as deployed (instance.json "spec"): while a rollout holds a change, the next play
         # reads it back and plans the instance as it runs (spec.running_version)
-        spec_entry=m.model_dump(mode="json"),
+        spec_entry=entry,
+        # LoRA (docs/lora.md): on or off, its adapters file (rendered only when on; a change of it is synced on
+        # the running engine, never a restart) and every adapter of its served model, carried or not
+        lora_on=spec.lora_on(m),
+        adapters_file=spec.adapters_file(m),
+        adapters=[dataclasses.asdict(a) for a in adapter_entries(spec, m)],
         model_path=model_path(spec, m),
         listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,
@@ -197,6 +205,12 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     all_instances = [instance_ctx(spec, plan, m, plans[m.name], hosts[m.host]) for m in spec.models]
     vf["all_instances"] = all_instances
     vf["upstreams"] = upstreams(spec, all_instances)
+    # the gateway's view of the adapters (it replaces the spec's `adapters`: the hosts get theirs from their
+    # contracts): each routes to its base's instances, its carriers first (docs/lora.md)
+    vf["adapters"] = [
+        {"name": a.name, "base": a.base, "carriers": spec.adapter_carriers(a), "rank": a.rank}
+        for a in spec.adapters
+    ]
     # where the rolling restart asks an instance for a completion: from the gateway host at its upstream
     # address, else on its own host
     reach = upstream_addresses(vf["upstreams"])

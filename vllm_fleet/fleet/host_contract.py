@@ -4,7 +4,8 @@ host reads its own file and never the whole spec.
 
 ``HostContracts`` builds one per host (the context puts it in ``vf.host_contract``; the engine artifact
 ``host.json`` is ``host_json`` of it, the same text for ``vllm-fleet render`` and the roles); ``fleet_models``
-lists every model of the spec, for a fetch run on the controller without ``--host``.
+and ``fleet_adapters`` list every model and adapter of the spec, for a fetch run on the controller without
+``--host``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_fleet.contracts import (
+    ADAPTERS_FILE_SCHEMA,
     HOST_CONTRACT_SCHEMA,
+    AdapterEntry,
+    AdaptersFile,
+    HostAdapter,
     HostContract,
     HostGpus,
     HostInstance,
@@ -23,18 +28,35 @@ from vllm_fleet.contracts import (
     dumps_host_contract,
 )
 from vllm_fleet.fleet.engine import engine_args, model_path
-from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, ModelInstance, spec_hash
+from vllm_fleet.fleet.spec import (
+    DEFAULT_STACK,
+    Adapter,
+    FleetSpec,
+    ModelInstance,
+    ModelSource,
+    spec_hash,
+)
+
+
+def _source(src: ModelSource) -> HostModelSource:
+    return HostModelSource(kind=src.kind, repo=src.repo, revision=src.revision, checksums=dict(src.checksums))
 
 
 def host_model(spec: FleetSpec, m: ModelInstance) -> HostModel:
-    src = m.source
-    return HostModel(
-        name=m.name,
-        model_path=model_path(spec, m),
-        source=HostModelSource(
-            kind=src.kind, repo=src.repo, revision=src.revision, checksums=dict(src.checksums)
-        ),
+    return HostModel(name=m.name, model_path=model_path(spec, m), source=_source(m.source))
+
+
+def host_adapter(spec: FleetSpec, a: Adapter) -> HostAdapter:
+    return HostAdapter(
+        name=a.name, model_path=spec.adapter_path(a), source=_source(a.source), base=a.base, rank=a.rank
     )
+
+
+def host_adapters(spec: FleetSpec, instances: list[ModelInstance]) -> list[HostAdapter]:
+    """Every adapter of the served model of each LoRA instance of ``instances`` (each may load any of them), in
+    the spec's order."""
+    bases = {m.served_model_name for m in instances if spec.lora_on(m)}
+    return [host_adapter(spec, a) for a in spec.adapters if a.base in bases]
 
 
 def host_instance(spec: FleetSpec, m: ModelInstance) -> HostInstance:
@@ -59,6 +81,11 @@ def host_instance(spec: FleetSpec, m: ModelInstance) -> HostInstance:
 def fleet_models(spec: FleetSpec) -> list[HostModel]:
     """Every model of the spec, in its order (a fetch on the controller for every host)."""
     return [host_model(spec, m) for m in spec.models]
+
+
+def fleet_adapters(spec: FleetSpec) -> list[HostAdapter]:
+    """Every adapter of the spec, in its order (a fetch on the controller for every host)."""
+    return [host_adapter(spec, a) for a in spec.adapters]
 
 
 class HostContracts:
@@ -111,6 +138,8 @@ class HostContracts:
             ],
             models=[host_model(spec, m) for m in models],
             instances=[host_instance(spec, m) for m in spec.models_on(host)],
+            # its instances' and its ranks' adapters: a headless rank loads an adapter's weights from its own copy
+            adapters=host_adapters(spec, models),
         )
 
 
@@ -123,3 +152,23 @@ def host_json(ctx: dict[str, Any]) -> str:
     """The artifact generator of ``{config_dir}/host.json`` (units/artifacts.yml): the host's contract of the
     template variables (``vf.host_contract``) as the file's text."""
     return dumps_host_contract(ctx["vf"]["host_contract"])
+
+
+def adapter_entries(spec: FleetSpec, m: ModelInstance) -> list[AdapterEntry]:
+    """Every adapter of ``m``'s served model with its folder and whether ``m`` carries it ([] with LoRA off)."""
+    return [
+        AdapterEntry(name=a.name, path=spec.adapter_path(a), rank=a.rank, carry=carry)
+        for a, carry in spec.instance_adapters(m)
+    ]
+
+
+def adapters_json(ctx: dict[str, Any]) -> str:
+    """The artifact generator of an instance's adapters file (units/artifacts.yml,
+    ``{config_dir}/instances/NAME.adapters.json``): from the instance's variables (``instance.adapters``)."""
+    inst = ctx["instance"]
+    return AdaptersFile(
+        schema=ADAPTERS_FILE_SCHEMA,
+        instance=inst["name"],
+        model=inst["served_model_name"],
+        adapters=[AdapterEntry(**a) for a in inst["adapters"]],
+    ).dumps()

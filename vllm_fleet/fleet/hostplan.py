@@ -113,6 +113,9 @@ class HostDeployPlan(BaseModel):
     held: dict[str, str]
     # every model folder this host needs (its instances' and its ranks': a rank loads from its own copy)
     model_paths: list[str]
+    # every LoRA adapter folder it needs (its contract's adapters): pushed like a model folder from
+    # vllm_fleet_models_src/BASENAME for a path source; a change is synced, never a restart (docs/lora.md)
+    adapter_paths: list[str]
     # the weights its instances load (the preflight's free-space check adds vllm_fleet_min_free_gib)
     weight_bytes: int
     # the ports the plan gives this host -> the spec field that sets each (the preflight's listener check)
@@ -215,10 +218,16 @@ def host_deploy_plan(
             if i.get("role") != "canary" and spec.rollout_of(i["served_model_name"]) is not None
         },
         model_paths=list(dict.fromkeys(i["model_path"] for i in instances + workers)),
+        adapter_paths=list(dict.fromkeys(a.model_path for a in host_contract.adapters)),
         weight_bytes=weight_bytes,
         ports=ports,
         modelscope_sources=[
             f"models[{i['name']}].source.modelscope" for i in instances if i["source_kind"] == "modelscope"
+        ]
+        + [
+            f"adapters[{a.name}].source.modelscope"
+            for a in host_contract.adapters
+            if a.source.kind == "modelscope"
         ],
         is_engine_host=bool(instances or workers),
         is_gateway=gateway,

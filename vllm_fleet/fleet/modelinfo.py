@@ -48,6 +48,10 @@ class ModelFacts:
     torch_dtype: str | None = None
     quant_method: str | None = None  # config.json quantization_config.quant_method (fp8, awq, gptq, ...)
     source: str = "spec"  # where the facts came from
+    # the projections' widths, for the LoRA slots' size (config.json only; ``shape`` has none of them)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
 
     def missing(self) -> list[str]:
         need = {
@@ -111,6 +115,9 @@ def facts_from_config(cfg: dict, weight_bytes_on_disk: int | None, source: str) 
         torch_dtype=text_cfg.get("torch_dtype") or text_cfg.get("dtype") or cfg.get("torch_dtype"),
         quant_method=_quant_method(cfg),
         source=source,
+        hidden_size=text_cfg.get("hidden_size"),
+        intermediate_size=text_cfg.get("intermediate_size"),
+        num_attention_heads=n_heads,
     )
 
 
@@ -196,3 +203,38 @@ def kv_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
     """K and V for every layer: 2 × layers × KV heads × head_dim × bytes."""
     return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+
+
+# the modules a LoRA adapter of a decoder layer adapts, each (input width, output width) by the model's shape:
+# what vLLM allocates a slot for in every layer (q, k, v, o of the attention; gate, up, down of the MLP)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_widths(facts: ModelFacts) -> list[tuple[int, int]] | None:
+    """(in, out) of each of ``LORA_MODULES`` in one layer; None when the shape is not known (no config.json)."""
+    h, inter, heads = facts.hidden_size, facts.intermediate_size, facts.num_attention_heads
+    if not (h and inter and heads and facts.num_kv_heads and facts.head_dim):
+        return None
+    q, kv = heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+
+
+def lora_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
+    """The width of a LoRA slot's numbers: the model's dtype (vLLM's --lora-dtype auto), 16 bits for a
+    quantised checkpoint (its activations' dtype)."""
+    dtype: str = model.dtype
+    if dtype == "auto":
+        dtype = facts.torch_dtype or "bfloat16"
+    b = DTYPE_BYTES.get(dtype, 2.0)
+    return 2.0 if b < 2 else b
+
+
+def lora_bytes(model: ModelInstance, facts: ModelFacts, max_loras: int, max_lora_rank: int) -> int | None:
+    """The memory vLLM allocates for LoRA: ``max_loras`` slots of ``max_lora_rank`` in every layer, A (rank ×
+    in) and B (out × rank) of each adapted module, in the LoRA dtype; None when the shape is not known. Dense
+    projections only (a mixture-of-experts model's experts are not counted)."""
+    widths = lora_widths(facts)
+    if widths is None or not facts.num_layers:
+        return None
+    per_layer = sum(max_lora_rank * (i + o) for i, o in widths)
+    return int(max_loras * facts.num_layers * per_layer * lora_dtype_bytes(model, facts))

@@ -31,6 +31,7 @@ from vllm_fleet.fleet.plan_checks import (
     check_extra_args,
     check_gateway_auth,
     check_gateway_ha,
+    check_lora,
     check_primaries,
     check_request_classes,
     check_revision,
@@ -138,6 +139,10 @@ class InstancePlan:
     start_after: list[str] = field(default_factory=list)
     facts_source: str = "spec"
     notes: list[str] = field(default_factory=list)
+    # LoRA on (docs/lora.md): {max_loras, max_lora_rank, max_cpu_loras} and the slots' bytes (None: not
+    # estimated); both left out of the plan's JSON when LoRA is off
+    lora: dict[str, int | None] | None = None
+    lora_bytes: int | None = None
 
 
 @dataclass
@@ -175,6 +180,9 @@ class Plan:
         d = asdict(self)
         d["ok"] = self.ok
         d["problems"] = [str(p) for p in self.problems]
+        for ip in d["instances"]:
+            if ip["lora"] is None:  # a plan without LoRA reads as it did before it
+                del ip["lora"], ip["lora_bytes"]
         return d
 
 
@@ -232,6 +240,7 @@ def _instance_plan(
     after: list[str],
 ) -> InstancePlan:
     size, budget, cap = mem.size, mem.budget, mem.capacity
+    lora = spec.lora_settings(m)
     return InstancePlan(
         name=m.name,
         host=m.host,
@@ -256,6 +265,8 @@ def _instance_plan(
         start_after=after,
         facts_source=mem.facts_source,
         notes=notes,
+        lora=None if lora is None else lora.model_dump(),
+        lora_bytes=mem.lora_bytes,
     )
 
 
@@ -267,6 +278,7 @@ def _plan_instance(
     spec, seen, host = x.spec, x.detected.get(m.host, {}), x.host_of[m.host]
     facts = facts_for(m, x.search_dirs, _fetched_facts(seen, m))
     found = check_revision(i, m) + check_engine_keepalive(i, m) + check_request_classes(spec, i, m)
+    found += check_lora(spec, i, m)
     if spec.stack_of(m).profile == "gpu":  # the gpu profile's rules for gpu-profile instances only
         found += check_dtypes(host, i, m, facts, bool(seen.get("gpus")))
     on_host = x.by_host[m.host]
@@ -288,7 +300,7 @@ def _plan_instances(x: _Inputs) -> tuple[list[InstancePlan], list[Finding]]:
         instances.append(ip)
         found += got
         if ip.profile == "cpu" and ip.weight_bytes is not None and m.kv_cache_memory_bytes:
-            cpu_weights[m.name] = ip.weight_bytes
+            cpu_weights[m.name] = ip.weight_bytes + (ip.lora_bytes or 0)  # resident: weights and LoRA slots
     return instances, found
 
 
@@ -348,6 +360,17 @@ def _gib(b: int | None) -> str:
     return "-" if b is None else f"{b / GIB:.2f}"
 
 
+def _lora_line(ip: InstancePlan) -> str:
+    """An instance's LoRA line: its slots and what they take (from the KV cache on the gpu profile)."""
+    assert ip.lora is not None
+    cpu = f", max_cpu_loras {ip.lora['max_cpu_loras']}" if ip.lora.get("max_cpu_loras") else ""
+    head = f"lora: max_loras {ip.lora['max_loras']} × max_lora_rank {ip.lora['max_lora_rank']}{cpu}"
+    if ip.lora_bytes is None:
+        return f"{head}, lora_bytes not estimated"
+    where = "taken from the KV cache" if ip.profile == "gpu" else "in host memory"
+    return f"{head}: lora_bytes {ip.lora_bytes} ({_gib(ip.lora_bytes)} GiB, {where})"
+
+
 def format_plan(plan: Plan) -> str:
     out: list[str] = [f"fleet {plan.fleet}: profile {plan.profile}, vLLM {plan.vllm_version}"]
     if set(plan.stacks) - {DEFAULT_STACK}:
@@ -383,6 +406,8 @@ def format_plan(plan: Plan) -> str:
             f"{'-' if ip.max_concurrent_at_max_len is None else ip.max_concurrent_at_max_len:>8} "
             f"{ip.suggested_max_num_seqs or '-':>7} {ip.configured_max_num_seqs or '-':>5} {ip.queue_bound or '-':>5}"
         )
+        if ip.lora is not None:
+            out.append(f"    {_lora_line(ip)}")
         for n in ip.notes:
             out.append(f"    note: {n}")
         if ip.start_after:

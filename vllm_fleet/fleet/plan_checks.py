@@ -12,8 +12,14 @@ from typing import Any, Literal, NamedTuple
 
 from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS, GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
 from vllm_fleet.fleet import engine_flags
-from vllm_fleet.fleet.modelinfo import ModelFacts, kv_bytes_per_token, kv_dtype_bytes, weight_bytes
-from vllm_fleet.fleet.spec import COMMIT_RE, DEFAULT_STACK, FleetSpec, Host, ModelInstance
+from vllm_fleet.fleet.modelinfo import (
+    ModelFacts,
+    kv_bytes_per_token,
+    kv_dtype_bytes,
+    lora_bytes,
+    weight_bytes,
+)
+from vllm_fleet.fleet.spec import COMMIT_RE, DEFAULT_STACK, LORA_RANKS, FleetSpec, Host, ModelInstance
 
 GIB = 1024**3
 # Memory vLLM needs besides weights and KV cache on each GPU: CUDA context, activations during the
@@ -349,6 +355,48 @@ def check_class_pools(spec: FleetSpec) -> list[Finding]:
     ]
 
 
+def check_lora(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
+    """An instance with LoRA on (docs/lora.md): its release has the LoRA flags, its max_lora_rank is one vLLM
+    accepts, and every adapter of its served model fits a slot (each LoRA instance of the model may load any of
+    them: the spill path)."""
+    s = spec.lora_settings(m)
+    if s is None:
+        return []
+    assert s.max_lora_rank is not None
+    stack = spec.stack_of(m)
+    flags = [*engine_flags.LORA_FLAGS, *([engine_flags.LORA_CPU_FLAG] if s.max_cpu_loras is not None else [])]
+    missing = [f for f in flags if not engine_flags.release_has(f, stack.profile, stack.vllm_version)]
+    found: list[Finding] = []
+    if missing:
+        version = f"{stack_path(spec.stack_name(m))}.vllm_version"
+        found.append(
+            _problem(
+                f"models[{i}].lora",
+                f"LoRA ({m.served_model_name!r} has adapters, or models[{i}].lora is set) needs "
+                f"{' / '.join(missing)}, which {stack.profile} vLLM {stack.vllm_version} ({version}) does not "
+                "have: pin a release that has them",
+            )
+        )
+    if s.max_lora_rank not in LORA_RANKS:
+        found.append(
+            _problem(
+                f"models[{i}].lora.max_lora_rank",
+                f"{s.max_lora_rank} is not a rank vLLM accepts ({', '.join(map(str, LORA_RANKS))})",
+            )
+        )
+    for k, a in enumerate(spec.adapters):
+        if a.base == m.served_model_name and a.rank > s.max_lora_rank:
+            found.append(
+                _problem(
+                    f"adapters[{k}].rank",
+                    f"rank {a.rank} of {a.name!r} is above max_lora_rank {s.max_lora_rank} of instance "
+                    f"{m.name!r} (models[{i}].lora.max_lora_rank), which may load it: raise that, or use an "
+                    "adapter of a lower rank",
+                )
+            )
+    return found
+
+
 class QueuePlan(NamedTuple):
     bound: int | None  # requests in flight before the engine answers 503 (--max-num-queued-reqs)
     findings: list[Finding]
@@ -408,6 +456,9 @@ class MemoryPlan:
     budget: KvBudget | None = None
     capacity: KvCapacity | None = None
     findings: list[Finding] = field(default_factory=list)
+    # the LoRA slots' bytes (taken from the KV cache on the gpu profile, added to host memory on the cpu one);
+    # None: LoRA off, or its size not known
+    lora_bytes: int | None = None
 
 
 def suggest_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:
@@ -485,12 +536,13 @@ def check_gpu_memory_known(
     ]
 
 
-def gpu_kv_budget(m: ModelInstance, host: Host, weights: int) -> KvBudget:
-    """GPUs × memory × utilisation; the KV cache is what weights and overhead leave (or the spec's size)."""
+def gpu_kv_budget(m: ModelInstance, host: Host, weights: int, lora: int = 0) -> KvBudget:
+    """GPUs × memory × utilisation; the KV cache is what weights, overhead and the LoRA slots (``lora`` bytes)
+    leave (or the spec's size)."""
     n_gpu = max(1, sum(len(n.gpus) for n in m.nodes))  # weights ÷ TP·PP over every host
     budget = int(n_gpu * host.gpus.memory_gib * GIB * m.gpu_memory_utilization)
     overhead = n_gpu * (OVERHEAD_EAGER_PER_GPU_BYTES if m.enforce_eager else OVERHEAD_PER_GPU_BYTES)
-    return KvBudget(budget, m.kv_cache_memory_bytes or budget - weights - overhead)
+    return KvBudget(budget, m.kv_cache_memory_bytes or budget - weights - overhead - lora)
 
 
 def check_cpu_kv_explicit(i: int, m: ModelInstance) -> list[Finding]:
@@ -504,17 +556,17 @@ def check_cpu_kv_explicit(i: int, m: ModelInstance) -> list[Finding]:
     ]
 
 
-def cpu_kv_budget(m: ModelInstance, weights: int) -> KvBudget:
-    """The cpu profile: weights + the spec's KV cache + the process overhead, in host RAM."""
+def cpu_kv_budget(m: ModelInstance, weights: int, lora: int = 0) -> KvBudget:
+    """The cpu profile: weights + the spec's KV cache + the process overhead + the LoRA slots, in host RAM."""
     kv = m.kv_cache_memory_bytes or 0
-    return KvBudget(weights + kv + CPU_OVERHEAD_BYTES, kv)
+    return KvBudget(weights + kv + CPU_OVERHEAD_BYTES + lora, kv)
 
 
 def check_host_memory(
     spec: FleetSpec, host: Host, i: int, m: ModelInstance, on_host: Placed, weights: Mapping[str, int]
 ) -> list[Finding]:
-    """The host's cpu-profile instances up to ``models[i]`` (weights where known: ``weights``, KV cache and
-    overhead) fit its RAM; refused at the instance that tips it over (an instance on a gpu stack beside
+    """The host's cpu-profile instances up to ``models[i]`` (weights and LoRA slots where known: ``weights``, KV
+    cache and overhead) fit its RAM; refused at the instance that tips it over (an instance on a gpu stack beside
     them holds its weights and KV cache on its GPUs)."""
 
     def need(x: ModelInstance) -> int:
@@ -532,17 +584,38 @@ def check_host_memory(
     ]
 
 
+def plan_lora_bytes(
+    spec: FleetSpec, i: int, m: ModelInstance, facts: ModelFacts
+) -> tuple[int | None, list[Finding]]:
+    """The bytes of ``models[i]``'s LoRA slots (None: LoRA off, or a note that they are not estimated)."""
+    s = spec.lora_settings(m)
+    if s is None:
+        return None, []
+    assert s.max_lora_rank is not None
+    got = lora_bytes(m, facts, s.max_loras, s.max_lora_rank)
+    if got is not None:
+        return got, []
+    return None, [
+        _note(
+            f"models[{i}].lora",
+            f"models[{i}].lora: the LoRA slots' memory is not estimated (hidden_size, intermediate_size and "
+            "num_attention_heads come from the model's config.json: plan with --models-dir DIR)",
+        )
+    ]
+
+
 def check_fit(
-    spec: FleetSpec, i: int, m: ModelInstance, host: Host, weights: int, kv: KvBudget
+    spec: FleetSpec, i: int, m: ModelInstance, host: Host, weights: int, kv: KvBudget, lora: int = 0
 ) -> list[Finding]:
-    """The verdict: weights and overhead must leave room for a KV cache."""
+    """The verdict: weights, overhead and LoRA slots must leave room for a KV cache."""
     if kv.kv_cache_bytes > 0:
         return []
     where = "gpus" if spec.stack_of(m).profile == "gpu" else "kv_cache_memory_bytes"
+    slots = f" + LoRA slots ≈{lora / GIB:.1f} GiB" if lora else ""
     return [
         _problem(
             f"models[{i}].{where}",
-            f"model does not fit: weights ≈{weights / GIB:.1f} GiB + overhead exceed the "
+            f"model does not fit: weights ≈{weights / GIB:.1f} GiB{slots} + overhead exceed the "
             f"{kv.budget_bytes / GIB:.1f} GiB budget ({len(m.gpus)} GPU(s) × {host.gpus.memory_gib} GiB × "
             f"gpu_memory_utilization {m.gpu_memory_utilization})",
         )
@@ -593,23 +666,31 @@ def plan_memory(
         return MemoryPlan(facts.source, findings=found)
     size = model_size(m, facts)
     found = check_max_model_len(i, m, facts)
+    lora, lora_found = plan_lora_bytes(spec, i, m, facts)
+    found += lora_found
     if spec.stack_of(m).profile == "gpu":
         stop = check_gpu_memory_known(spec, i, m, host, fit_after_fetch)
         if stop:
-            return MemoryPlan(facts.source, size, findings=found + stop)
-        budget = gpu_kv_budget(m, host, size.weight_bytes)
+            return MemoryPlan(facts.source, size, findings=found + stop, lora_bytes=lora)
+        budget = gpu_kv_budget(m, host, size.weight_bytes, lora or 0)
     else:
         stop = check_cpu_kv_explicit(i, m)
         if stop:
-            return MemoryPlan(facts.source, size, findings=found + stop)
-        budget = cpu_kv_budget(m, size.weight_bytes)
-        found += check_host_memory(spec, host, i, m, on_host, {**cpu_weights, m.name: size.weight_bytes})
-    stop = check_fit(spec, i, m, host, size.weight_bytes, budget)
+            return MemoryPlan(facts.source, size, findings=found + stop, lora_bytes=lora)
+        budget = cpu_kv_budget(m, size.weight_bytes, lora or 0)
+        resident = {**cpu_weights, m.name: size.weight_bytes + (lora or 0)}
+        found += check_host_memory(spec, host, i, m, on_host, resident)
+    stop = check_fit(spec, i, m, host, size.weight_bytes, budget, lora or 0)
     if stop:
-        return MemoryPlan(facts.source, size, budget, findings=found + stop)
+        return MemoryPlan(facts.source, size, budget, findings=found + stop, lora_bytes=lora)
     cap = kv_capacity(budget.kv_cache_bytes, size.kv_bytes_per_token, size.max_model_len)
     return MemoryPlan(
-        facts.source, size, budget, cap, found + check_kv_capacity(i, m, size.max_model_len, cap)
+        facts.source,
+        size,
+        budget,
+        cap,
+        found + check_kv_capacity(i, m, size.max_model_len, cap),
+        lora_bytes=lora,
     )
 
 

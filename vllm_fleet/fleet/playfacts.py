@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.contracts import is_adapters_file
+
 # what the doctor's verdict of a layer is when the doctor gave none (it crashed, or printed no JSON)
 _NO_ANSWER_FIX = "run vllm-fleet doctor on the host by hand to see why (docs/ansible.md)"
 # units a listener on a planned port may belong to: vllm-fleet's own (a redeploy finds its services running)
@@ -151,7 +153,7 @@ def held(
     model with a ``rollouts`` entry (``held_models``: instance -> served model, ``vf.held``) that already have a
     config on the host (``configs``: its instance config files; a first deploy just writes it), unless the run
     promotes their model (``promote``: ``-e vllm_fleet_rollout_promote=MODEL[,MODEL]``)."""
-    names = {str(c).rsplit("/", 1)[-1].removesuffix(".json") for c in configs}
+    names = {str(c).rsplit("/", 1)[-1].removesuffix(".json") for c in configs if not is_adapters_file(c)}
     if isinstance(promote, str):
         promote = [p for p in promote.split(",") if p.strip()]
     promoted = {str(p).strip() for p in promote}
@@ -167,9 +169,10 @@ def restarts(
 ) -> list[str]:
     """The instances of a host to restart, by name: every one when the launcher (vllm-fleet in the fleet's own
     venv) or the shared unit ``vllm@.service`` changed; else those whose own artifacts changed (``changed``:
-    the artifacts role's written items, ``instance_name`` set for per-instance files) or whose model folder
-    changed; plus the restarts an earlier, failed run left ``pending``. Never a canary: `vllm-fleet rollout`
-    starts and stops it (a running one keeps running what it started with)."""
+    the artifacts role's written items, ``instance_name`` set for per-instance files; not a file whose
+    ``on_change`` is ``adapters_sync``, the adapters file: ``adapter_syncs``) or whose model folder changed;
+    plus the restarts an earlier, failed run left ``pending``. Never a canary: `vllm-fleet rollout` starts and
+    stops it (a running one keeps running what it started with)."""
     canaries = {str(i["name"]) for i in instances if i.get("role") == "canary"}
     names = [str(i["name"]) for i in instances if str(i["name"]) not in canaries]
     shared_unit = any(
@@ -179,10 +182,43 @@ def restarts(
         out = names
     else:
         models = set(model_changed)
-        out = [str(a["instance_name"]) for a in changed if a.get("instance_name")]
+        out = [str(a["instance_name"]) for a in changed if a.get("instance_name") and _restarts_it(a)]
         out += [str(i["name"]) for i in instances if i.get("model_path") in models]
     out = [n for n in out if n not in canaries]
     return list(dict.fromkeys([*out, *(str(p).rsplit("/", 1)[-1] for p in pending)]))
+
+
+def _restarts_it(artifact: Mapping[str, Any]) -> bool:
+    """Whether a changed per-instance artifact restarts its instance (``on_change``, default ``restart``)."""
+    return str(artifact.get("on_change") or "restart") == "restart"
+
+
+def adapter_syncs(
+    instances: list[Mapping[str, Any]],
+    changed: list[Mapping[str, Any]],
+    adapters_changed: Iterable[str],
+    running: Iterable[str],
+    restart: Iterable[str] = (),
+) -> list[dict[str, Any]]:
+    """The running LoRA instances of a host whose adapters this run changed, each with what
+    ``vllm-fleet adapters sync INSTANCE [--reload ADAPTER ...]`` is to do (docs/lora.md): ``instance``, and
+    ``reload`` the adapters of its served model whose files changed (``adapters_changed``: ``fetched``'s). An
+    instance is synced when its adapters file changed (``changed``: the artifacts role's written items, its
+    ``on_change: adapters_sync`` file) or an adapter of its file did; only when its unit was running before this
+    run (``running``: ``unit_actions``' running units) and it does not restart now (``restart``: it loads its
+    adapters when it starts)."""
+    up, restarting = set(running), set(restart)
+    files = {str(a["instance_name"]) for a in changed if a.get("instance_name") and not _restarts_it(a)}
+    new_files = set(adapters_changed)
+    out: list[dict[str, Any]] = []
+    for i in instances:
+        name = str(i["name"])
+        if not i.get("lora_on") or i.get("unit") not in up or name in restarting:
+            continue
+        reload = [str(a["name"]) for a in i.get("adapters") or [] if a["name"] in new_files]
+        if name in files or reload:
+            out.append({"instance": name, "reload": reload})
+    return out
 
 
 def rolling_restarts(
@@ -199,12 +235,14 @@ def artifact_items(
 ) -> list[dict[str, Any]]:
     """The artifacts of ``component`` (``vf.artifacts``) the artifacts role renders: ``instance`` the
     per-instance files, ``shared`` the others, ``all`` both; never the files of the instances in ``hold``
-    (``held``)."""
+    (``held``) that would restart them."""
     held = set(hold)
+    # a held instance keeps its files, but its adapters file (a change of it restarts nothing)
     mine = [
         dict(a)
         for a in artifacts
-        if a.get("component") == component and not (a.get("instance_name") and a["instance_name"] in held)
+        if a.get("component") == component
+        and not (a.get("instance_name") and a["instance_name"] in held and _restarts_it(a))
     ]
     if which == "instance":
         return [a for a in mine if a.get("instance_name")]
@@ -243,18 +281,33 @@ def artifacts_outcome(
     }
 
 
-def fetched(fetch: Mapping[str, Any], pushed: list[Mapping[str, Any]]) -> dict[str, Any]:
+def fetched(
+    fetch: Mapping[str, Any], pushed: list[Mapping[str, Any]], adapter_paths: Iterable[str] = ()
+) -> dict[str, Any]:
     """What the models step changed, from ``vllm-fleet fetch --json`` (``fetch``, skipped when the models
     were pushed from the controller) and the push's copy results (``pushed``): ``changed`` the model folders
     whose files changed (their instances restart), ``models`` each fetched instance's report (its config.json
-    and weight bytes: the plan after the fetch reads them)."""
+    and weight bytes: the plan after the fetch reads them), ``adapters_changed`` the LoRA adapters whose files
+    changed (fetched, or pushed into one of ``adapter_paths``, ``vf.adapter_paths``: ``adapter_syncs`` reloads
+    them; never a restart) and ``adapters`` each fetched adapter's report."""
     report: dict[str, Any] = {}
     if not fetch.get("skipped") and str(fetch.get("stdout") or "").strip():
         report = json.loads(fetch["stdout"])
     models = list(report.get("models") or [])
+    adapters = list(report.get("adapters") or [])
+    folders = set(adapter_paths) | {str(a["path"]) for a in adapters}
     changed = [str(m["path"]) for m in models if m.get("changed")]
     changed += [str(r["item"]["model_path"]) for r in pushed if r.get("changed")]
-    return {"changed": list(dict.fromkeys(changed)), "models": {m["instance"]: m for m in models}}
+    pushed_adapters = {p for p in changed if p in folders}
+    adapters_changed = [
+        str(a["adapter"]) for a in adapters if a.get("changed") or str(a["path"]) in pushed_adapters
+    ]
+    return {
+        "changed": list(dict.fromkeys(p for p in changed if p not in folders)),
+        "models": {m["instance"]: m for m in models},
+        "adapters_changed": list(dict.fromkeys(adapters_changed)),
+        "adapters": {a["adapter"]: a for a in adapters},
+    }
 
 
 def host_detected(

@@ -9,6 +9,8 @@ artifacts::
       component: engine                  # engine | gateway | monitoring (Ansible handlers key on it)
       mode: "0644"
       when: vf.slack.enabled             # optional Jinja expression
+      on_change: adapters_sync           # optional: what a change of it does to its instance (scope instance):
+                                         # restart (the default) or adapters_sync (`vllm-fleet adapters sync`)
 
 The Ansible role gets the same list (``vllm-fleet context --all-hosts``, or ``--host H``) and renders the same templates with
 the same variables through ``ansible.builtin.template``.
@@ -31,6 +33,8 @@ from vllm_fleet.fleet.plan import Plan, make_plan
 from vllm_fleet.fleet.spec import FleetSpec
 
 SCOPES = {"host", "engine_host", "instance", "worker", "gateway", "monitoring"}
+# what a changed per-instance artifact does to its running instance (vllm_fleet/fleet/playfacts.py)
+ON_CHANGE = {"restart", "adapters_sync"}
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ArtifactDef:
     component: str
     mode: str
     when: str | None
+    on_change: str = "restart"
 
     @property
     def src(self) -> str:
@@ -71,6 +76,8 @@ def load_artifact_defs(root: Path | None = None) -> list[ArtifactDef]:
                 raise ValueError(f"{where}: give exactly one of template, generator")
             if e.get("scope") not in SCOPES:
                 raise ValueError(f"{where}: scope must be one of {sorted(SCOPES)}")
+            if e.get("on_change", "restart") not in ON_CHANGE:
+                raise ValueError(f"{where}: on_change must be one of {sorted(ON_CHANGE)}")
             defs.append(
                 ArtifactDef(
                     folder=manifest.parent.name,
@@ -81,6 +88,7 @@ def load_artifact_defs(root: Path | None = None) -> list[ArtifactDef]:
                     component=e.get("component", "engine"),
                     mode=str(e.get("mode", "0644")),
                     when=e.get("when"),
+                    on_change=e.get("on_change", "restart"),
                 )
             )
     return defs
@@ -226,6 +234,8 @@ class Renderer:
                 "instance": inst,
                 "instance_name": inst["name"] if inst and d.scope == "instance" else "",
             }
+            if d.on_change != "restart":  # the roles' playfacts.restarts / adapter_syncs read it
+                item["on_change"] = d.on_change
             if d.template:
                 item["src"] = str(self.root / d.folder / d.template)
             else:

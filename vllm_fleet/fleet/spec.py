@@ -29,9 +29,13 @@ from pydantic import (
 
 from vllm_fleet.contracts import COMMIT_RE as COMMIT_RE  # re-exported: plan.py and others import it from here
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
-from vllm_fleet.contracts import probe_timing_problems
+from vllm_fleet.contracts import adapters_file_path, probe_timing_problems
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+# vLLM's accepted --max-lora-rank values (vllm/config/lora.py MaxLoRARanks, the same in 0.32 and 0.33) and its
+# default: a served model's adapters need a max_lora_rank of this list at or above their ranks (docs/lora.md)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_MAX_LORA_RANK = 16
 Port = Annotated[int, Field(ge=1, le=65535)]  # a TCP port
 
 
@@ -243,6 +247,30 @@ class Distributed(_Model):
     fabric: Literal["tcp", "infiniband"] = "tcp"
 
 
+class LoraSettings(_Model):
+    """How an instance serves LoRA adapters (``models[].lora``; docs/lora.md). LoRA is on for every instance
+    whose served model has ``adapters`` and for every one that sets ``lora`` (then adding a first adapter changes
+    no flag, so it restarts nothing)."""
+
+    # adapters in one batch at once (vLLM's GPU slots, --max-loras)
+    max_loras: int = Field(4, ge=1)
+    # the largest rank a slot holds (--max-lora-rank); None: the smallest of vLLM's ranks (LORA_RANKS) at or above
+    # the largest rank of the model's adapters (DEFAULT_MAX_LORA_RANK without adapters). A new adapter of a larger
+    # rank then changes the flag (a restart): set it to leave room
+    max_lora_rank: int | None = Field(None, ge=1)
+    # adapters kept in host memory besides the slots (--max-cpu-loras, at least max_loras); None: vLLM's default
+    max_cpu_loras: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _cpu_covers_slots(self) -> LoraSettings:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras {self.max_cpu_loras} is below max_loras {self.max_loras}: vLLM keeps every "
+                "adapter of a batch in its CPU cache too"
+            )
+        return self
+
+
 class ModelInstance(_Model):
     """One engine instance: ``vllm@NAME.service`` on ``host``; with ``placement`` over several hosts, ``host``
     is rank 0 and every other rank runs ``vllm-worker@NAME.service`` (docs/multi-node.md)."""
@@ -288,6 +316,8 @@ class ModelInstance(_Model):
     pool: str = "default"
     # per served model: every instance of it that sets routing must set the same
     routing: Routing | None = None
+    # LoRA settings; None: vLLM's defaults when its served model has adapters, else LoRA off
+    lora: LoraSettings | None = None
     shape: ModelShape = ModelShape()
     alerts: ModelAlerts = ModelAlerts()
     service: ServiceSettings = ServiceSettings()
@@ -330,6 +360,27 @@ class ModelInstance(_Model):
             if "\n" in a:
                 raise ValueError(f"argument contains a newline: {a!r}")
         return v
+
+
+# --------------------------------------------------------------------------- adapters
+
+# an adapter's name: what requests send as "model", and its folder's name on the hosts
+ADAPTER_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class Adapter(_Model):
+    """A LoRA adapter of a served model (``adapters``; docs/lora.md): requests name it as their ``model``; every
+    LoRA instance of ``base`` has its files and can load it, the instances of ``instances`` (``any``: all of
+    them) carry it: they load it at start and get its requests first."""
+
+    name: Annotated[str, Field(pattern=ADAPTER_NAME_RE)]
+    # a served model (models[].served_model_name)
+    base: str
+    # fetched like a model's (hub or path, checksums); on the hosts at {paths.models_dir}/adapters/NAME unless a path
+    source: ModelSource
+    # its LoRA rank (adapter_config.json "r"; the fetch checks it)
+    rank: int = Field(ge=1, le=max(LORA_RANKS))
+    instances: Literal["any"] | list[str] = "any"
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -840,6 +891,8 @@ class FleetSpec(_Model):
     firewall: Firewall = Firewall()
     # canary rollouts per served model (docs/rollouts.md); each derives one more instance into ``models``
     rollouts: list[Rollout] = []
+    # LoRA adapters of served models (docs/lora.md)
+    adapters: list[Adapter] = []
     _index: _HostIndex | None = PrivateAttr(default=None)
 
     @field_validator("slack", mode="before")
@@ -940,6 +993,73 @@ class FleetSpec(_Model):
             if k is None
             else f"rollouts[{k}].canary{m.group(2)} (the canary of {inst.served_model_name!r})"
         )
+
+    # ------------------------------------------------------------------ adapters (docs/lora.md)
+    def adapters_of(self, served_model: str) -> list[Adapter]:
+        """The adapters of a served model, in spec order."""
+        return [a for a in self.adapters if a.base == served_model]
+
+    def lora_on(self, m: ModelInstance) -> bool:
+        """Whether ``m`` runs with LoRA: its served model has adapters, or it sets ``lora``."""
+        return m.lora is not None or any(a.base == m.served_model_name for a in self.adapters)
+
+    def max_lora_rank(self, m: ModelInstance) -> int:
+        """``m``'s --max-lora-rank: ``lora.max_lora_rank``, else the smallest of vLLM's ranks at or above the
+        largest rank of its served model's adapters (vLLM's default without adapters; the largest rank when an
+        adapter is above them all, which the plan refuses)."""
+        if m.lora is not None and m.lora.max_lora_rank is not None:
+            return m.lora.max_lora_rank
+        need = max((a.rank for a in self.adapters_of(m.served_model_name)), default=0)
+        if not need:
+            return DEFAULT_MAX_LORA_RANK
+        return next((r for r in LORA_RANKS if r >= need), LORA_RANKS[-1])
+
+    def lora_settings(self, m: ModelInstance) -> LoraSettings | None:
+        """``m``'s LoRA settings (its ``lora``, else the defaults) with the effective max_lora_rank; None when
+        LoRA is off."""
+        if not self.lora_on(m):
+            return None
+        return (m.lora or LoraSettings()).model_copy(update={"max_lora_rank": self.max_lora_rank(m)})
+
+    def carrier_name(self, m: ModelInstance) -> str:
+        """The instance name ``adapters[].instances`` is matched against for ``m``: a derived canary carries what
+        the instance it copies carries (the served model's first primary)."""
+        if m.role == "canary":
+            src = next(
+                (
+                    x
+                    for x in self.models
+                    if x.served_model_name == m.served_model_name and x.role == "primary"
+                ),
+                None,
+            )
+            if src is not None:
+                return src.name
+        return m.name
+
+    def carries(self, m: ModelInstance, a: Adapter) -> bool:
+        """Whether LoRA instance ``m`` carries adapter ``a`` (loads it at start, gets its requests first)."""
+        if a.base != m.served_model_name or not self.lora_on(m):
+            return False
+        return a.instances == "any" or self.carrier_name(m) in a.instances
+
+    def instance_adapters(self, m: ModelInstance) -> list[tuple[Adapter, bool]]:
+        """Every adapter of ``m``'s served model with whether ``m`` carries it; [] when LoRA is off."""
+        if not self.lora_on(m):
+            return []
+        return [(a, self.carries(m, a)) for a in self.adapters_of(m.served_model_name)]
+
+    def adapter_carriers(self, a: Adapter) -> list[str]:
+        """The instances (names, spec order, canaries included) that carry ``a``."""
+        return [m.name for m in self.models if self.carries(m, a)]
+
+    def adapter_path(self, a: Adapter) -> str:
+        """Where ``a``'s files are on a host: ``source.path``, else ``{paths.models_dir}/adapters/NAME``."""
+        return a.source.path or f"{self.paths.models_dir}/adapters/{a.name}"
+
+    def adapters_file(self, m: ModelInstance) -> str:
+        """``m``'s adapters file on its host (vllm_fleet.contracts.AdaptersFile)."""
+        return adapters_file_path(self.paths.config_dir, m.name)
 
     def model(self, name: str) -> ModelInstance:
         for m in self.models:
@@ -1107,10 +1227,16 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
                     f"{m.served_model_name!r} share one routing policy",
                 )
             )
+    adapter_names = {a.name for a in spec.adapters}
     for client, c in spec.gateway.clients.items():
         for j, model in enumerate(c.models):
-            if model not in served:
-                problems.append((f"gateway.clients.{client}.models[{j}]", f"unknown served model {model!r}"))
+            if model not in served and model not in adapter_names:
+                problems.append(
+                    (
+                        f"gateway.clients.{client}.models[{j}]",
+                        f"unknown served model or adapter {model!r}",
+                    )
+                )
     for i, name in enumerate(spec.gateway.drained):
         if name not in seen_models:
             problems.append((f"gateway.drained[{i}]", f"unknown instance {name!r}"))
@@ -1156,6 +1282,44 @@ def _rollout_checks(spec: FleetSpec) -> list[tuple[str, str]]:
             )
         if first is not None and spec.stack_of(first).profile == "gpu" and not c.gpus:
             problems.append((f"{path}.canary.gpus", "the gpu profile needs at least one GPU index"))
+    return problems
+
+
+def _adapter_checks(spec: FleetSpec) -> list[tuple[str, str]]:
+    """Each adapter names a served model as its base, a name of its own (no other adapter's, no served
+    model's) and, as its carriers, instances of that base, each once."""
+    problems: list[tuple[str, str]] = []
+    served = {m.served_model_name for m in spec.models}
+    seen: dict[str, int] = {}
+    for k, a in enumerate(spec.adapters):
+        path = f"adapters[{k}]"
+        if a.name in seen:
+            problems.append((f"{path}.name", f"adapter name {a.name!r} is already adapters[{seen[a.name]}]"))
+        seen.setdefault(a.name, k)
+        if a.name in served:
+            problems.append(
+                (f"{path}.name", f"{a.name!r} is a served model's name: requests could not tell them apart")
+            )
+        if a.base not in served:
+            problems.append(
+                (f"{path}.base", f"unknown served model {a.base!r} (served: {', '.join(sorted(served))})")
+            )
+            continue
+        if a.instances == "any":
+            continue
+        of_base = [m.name for m in spec.models if m.served_model_name == a.base]
+        listed: dict[str, int] = {}
+        for j, name in enumerate(a.instances):
+            if name in listed:
+                problems.append((f"{path}.instances[{j}]", f"{name!r} is already instances[{listed[name]}]"))
+            elif name not in of_base:
+                problems.append(
+                    (
+                        f"{path}.instances[{j}]",
+                        f"{name!r} is not an instance of {a.base!r} (its instances: {', '.join(of_base)})",
+                    )
+                )
+            listed.setdefault(name, j)
     return problems
 
 
@@ -1259,6 +1423,7 @@ def parse_spec(data: Any, source: str = "") -> FleetSpec:
         raise SpecError(problems, source) from None
     problems = _cross_checks(spec)
     problems += _rollout_checks(spec) if spec.rollouts else []
+    problems += _adapter_checks(spec)
     if problems:
         raise SpecError(problems, source)
     _derive_canaries(spec)
@@ -1299,9 +1464,13 @@ def spec_hash(spec: FleetSpec) -> str:
         del d["stacks"]
     if not d["rollouts"]:  # nor one without rollouts (issue 29)
         del d["rollouts"]
+    if not d["adapters"]:  # nor one without adapters (issue 32)
+        del d["adapters"]
     for m in d["models"]:
         if m["stack"] is None:
             del m["stack"]
+        if m["lora"] is None:
+            del m["lora"]
     # nor one that names no second gateway or monitoring host (their fields, and their alerts' durations, at
     # their defaults)
     for section, model in (("gateway", Gateway), ("monitoring", Monitoring), ("alerts", AlertThresholds)):

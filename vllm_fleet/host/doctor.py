@@ -31,7 +31,14 @@ from typing import Any
 
 # relative imports: the same files also run as ``ansible.module_utils.vllm_fleet...`` inside the bundle's
 # vllm_fleet_doctor module on a host that has no vllm-fleet yet (ansible/plugins/module_utils)
-from ..contracts import NVSMI_FIELDS, ContractError, HostContract, nvidia_smi_text, parse_nvidia_smi
+from ..contracts import (
+    NVSMI_FIELDS,
+    ContractError,
+    HostContract,
+    is_adapters_file,
+    nvidia_smi_text,
+    parse_nvidia_smi,
+)
 from . import cpu_features
 from .engine_death import cause_in
 
@@ -341,7 +348,7 @@ def running_instance_gpus(instances_dir: str) -> dict[int, str]:
     except OSError:
         return {}
     for fn in names:
-        if fn.endswith(".json"):
+        if fn.endswith(".json") and not is_adapters_file(fn):  # an instance's adapters file is not its config
             try:
                 with open(os.path.join(instances_dir, fn)) as f:
                     cfgs[fn[:-5]] = [int(g) for g in json.load(f).get("gpus") or []]

@@ -2,6 +2,10 @@
 its contract, ``vllm_fleet.contracts.HostContract``); on the controller ``vllm-fleet fetch SPEC [--host H]``
 builds them from the spec (``vllm_fleet.host_commands``) and runs the same code.
 
+LoRA adapters (``adapters[].source``, a host contract's ``adapters``) are fetched and verified the same way
+into their own folders, their ``adapter_config.json`` rank checked against the spec's, and reported apart
+(``--json``: ``adapters``): a changed adapter is synced on its instances, never a restart.
+
 Sources (``models[].source``): Hugging Face (``huggingface_hub.snapshot_download`` into the model folder at the
 commit the pinned revision resolves to, recorded in the manifest; progress bars; a broken transfer resumes, a
 rerun after a killed fetch keeps the finished files), ModelScope (its ``snapshot_download`` when the ``modelscope``
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.contracts import COMMIT_RE, ContractError, HostContract, HostModel
+from vllm_fleet.contracts import COMMIT_RE, ContractError, HostAdapter, HostContract, HostModel
 from vllm_fleet.file_lock import file_lock
 from vllm_fleet.files import read_json_object, safetensors_bytes, sha256_file
 
@@ -110,7 +114,7 @@ def _download_hf(m: HostModel, dest: Path) -> str:
 
     src = m.source
     assert src.kind == "hf"
-    field_ = f"models[{m.name}].source.hf"
+    field_ = f"{m.spec_field}.source.hf"
     try:
         commit = src.revision
         if not COMMIT_RE.fullmatch(commit):
@@ -158,7 +162,7 @@ def _download_modelscope(m: HostModel, dest: Path) -> None:
         from modelscope import snapshot_download
     except ImportError:
         raise FetchError(
-            "source.modelscope needs the `modelscope` package on this host (pip install modelscope)"
+            f"{m.spec_field}.source.modelscope needs the `modelscope` package on this host (pip install modelscope)"
         ) from None
     assert m.source.kind == "modelscope"
     snapshot_download(m.source.repo, revision=m.source.revision, local_dir=str(dest))
@@ -208,15 +212,17 @@ def fetch_instance(
                 _download_modelscope(m, root)
         elif not root.is_dir():
             raise FetchError(
-                f"source.path {root} does not exist on this host (copy it there, or use --from DIR)"
+                f"{m.spec_field}.source.path {root} does not exist on this host (copy it there, or use --from DIR)"
             )
         previous = None if verify_all else previous
     files = hash_tree(root, previous if up_to_date else None)
     problems = verify(files, m.source.checksums)
     if problems:
-        raise FetchError(f"models[{m.name}] at {root}: checksum mismatch:\n  " + "\n  ".join(problems))
+        raise FetchError(f"{m.spec_field} at {root}: checksum mismatch:\n  " + "\n  ".join(problems))
     if not any(files):
-        raise FetchError(f"models[{m.name}] at {root}: no files")
+        raise FetchError(f"{m.spec_field} at {root}: no files")
+    if isinstance(m, HostAdapter):
+        check_adapter(m, root)
     new: dict[str, Any] = {"source": ident, "files": files}
     if commit:
         new["commit"] = commit
@@ -238,6 +244,28 @@ def fetch_instance(
         {k: v["sha256"] for k, v in files.items()},
         commit,
     )
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_adapter(a: HostAdapter, root: Path) -> None:
+    """A fetched adapter folder is a PEFT LoRA adapter of the rank the spec gives: vLLM reads its
+    adapter_config.json, and an adapter of a larger rank than the spec says would not fit the slots the engine
+    was started with (--max-lora-rank is planned from the spec's ranks)."""
+    try:
+        cfg = json.loads((root / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise FetchError(
+            f"{a.spec_field} at {root}: no {ADAPTER_CONFIG} (not a PEFT LoRA adapter folder)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise FetchError(f"{a.spec_field} at {root}: {ADAPTER_CONFIG} cannot be read: {exc}") from None
+    r = cfg.get("r") if isinstance(cfg, dict) else None
+    if r != a.rank:
+        raise FetchError(
+            f"{a.spec_field}.rank {a.rank}: {root / ADAPTER_CONFIG} says r = {r!r}: give the adapter's real rank"
+        )
 
 
 def fetch_all(
@@ -270,6 +298,29 @@ def fetch_all(
         r = fetch_instance(m, dest, src, verify_all)
         done[key] = r
         out.append(r)
+    return out
+
+
+def fetch_adapters(
+    adapters: Iterable[HostAdapter],
+    names: Iterable[str] = (),
+    dest_dir: Path | None = None,
+    copy_from: Path | None = None,
+    verify_all: bool = False,
+) -> list[FetchResult]:
+    """Fetch and verify each adapter folder of ``adapters`` (``names``: only these) like a model's: into its
+    folder on the host, or DEST/adapters/NAME; with ``copy_from``, copied from FROM/NAME (or FROM/<folder
+    name>), the way the play pushes a path source from the controller's models folder."""
+    wanted = set(names)
+    out: list[FetchResult] = []
+    for a in adapters:
+        if wanted and a.name not in wanted:
+            continue
+        dest = dest_dir / "adapters" / a.name if dest_dir else Path(a.model_path)
+        src = None
+        if copy_from is not None:
+            src = copy_from / a.name if (copy_from / a.name).is_dir() else copy_from / dest.name
+        out.append(fetch_instance(a, dest, src, verify_all))
     return out
 
 
@@ -307,7 +358,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="INSTANCE",
         help="leave this instance's model folder as it is (a change held for vllm-fleet rollout); repeatable",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object: {changed, models: [...]}")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this LoRA adapter (with --instance: and that instance's model); repeatable",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object: {changed, models: [...], adapters: [...]}"
+    )
     p.set_defaults(handler=_run)
 
 
@@ -328,26 +388,51 @@ def _run(a: argparse.Namespace) -> int:
         print("fetch: give this host's contract: --contract CONFIG_DIR/host.json", file=sys.stderr)
         return 2
     contract = read_contract(a.contract, "fetch")
-    return 2 if contract is None else run(a, contract.models)
+    return 2 if contract is None else run(a, contract.models, contract.adapters)
 
 
-def run(a: argparse.Namespace, models: list[HostModel]) -> int:
-    """Fetch ``models`` as the arguments say and print the results (one JSON object with ``--json``)."""
+def _line(r: FetchResult, what: str = "") -> str:
+    state = "fetched/verified" if r.changed else "unchanged"
+    at = f"{r.revision} = {r.commit[:12]}" if r.commit and r.commit != r.revision else r.revision
+    return f"{what}{r.instance}: {r.path} ({r.source} @ {at}, {len(r.files)} files) {state}"
+
+
+def run(a: argparse.Namespace, models: list[HostModel], adapters: Iterable[HostAdapter] = ()) -> int:
+    """Fetch ``models`` and ``adapters`` as the arguments say and print the results (one JSON object with
+    ``--json``). ``--instance`` alone: its model only; ``--adapter`` alone: those adapters only."""
+    names = list(getattr(a, "adapter", None) or [])
+    dest = Path(a.dest) if a.dest else None
+    copy_from = Path(a.copy_from) if a.copy_from else None
+    by_base = {x.name: x.base for x in adapters}
     try:
-        results = fetch_all(
-            models, a.instance, Path(a.dest) if a.dest else None,
-            Path(a.copy_from) if a.copy_from else None, a.verify, getattr(a, "skip", []),
-        )  # fmt: skip
+        results = (
+            fetch_all(models, a.instance, dest, copy_from, a.verify, getattr(a, "skip", []))
+            if a.instance or not names
+            else []
+        )
+        fetched_adapters = (
+            fetch_adapters(adapters, names, dest, copy_from, a.verify) if names or not a.instance else []
+        )
     except FetchError as exc:
         print(f"fetch: {exc}", file=sys.stderr)
         return 1
+    changed = any(r.changed for r in [*results, *fetched_adapters])
     if a.json:
         # each model's config.json and weight bytes: the play plans again with them before any unit starts
         models_out = [{**r.__dict__, **model_size(Path(r.path))} for r in results]
-        print(json.dumps({"changed": any(r.changed for r in results), "models": models_out}))
+        # an adapter whose files changed is synced on its running instances, never restarted (docs/lora.md)
+        adapters_out = [
+            {
+                "adapter": r.instance,
+                "base": by_base[r.instance],
+                **{k: v for k, v in r.__dict__.items() if k != "instance"},
+            }
+            for r in fetched_adapters
+        ]
+        print(json.dumps({"changed": changed, "models": models_out, "adapters": adapters_out}))
     else:
         for r in results:
-            state = "fetched/verified" if r.changed else "unchanged"
-            at = f"{r.revision} = {r.commit[:12]}" if r.commit and r.commit != r.revision else r.revision
-            print(f"{r.instance}: {r.path} ({r.source} @ {at}, {len(r.files)} files) {state}")
+            print(_line(r))
+        for r in fetched_adapters:
+            print(_line(r, "adapter "))
     return 0

@@ -35,6 +35,7 @@ class FilterModule:
         "foreign_listeners",
         "unit_actions",
         "restarts",
+        "adapter_syncs",
         "rolling_restarts",
         "held",
         "by_name",
