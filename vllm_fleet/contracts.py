@@ -565,6 +565,25 @@ GATEWAY_PEERS_FILE = "/etc/nginx/vllm-fleet/peers.json"
 GATEWAY_PEER_PATH = "/vf/drained"
 GATEWAY_PEERS_SCHEMA = 1  # raised when a field changes meaning
 
+# The engines' administration paths: what changes an engine's state for every client (LoRA adapters loaded and
+# unloaded, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 also in SageMaker's /adapters form; sleep mode; RPCs; its
+# prefix cache). Only the host's own tools call them, on the engine's port (``vllm-fleet adapters sync``); the
+# gateway never forwards them in any form (PATH, PATH/..., /models/NAME/PATH, with X-Model-Name or a body's
+# model): a JSON 404 (nginx/vllm-fleet.conf.j2, nginx/router.js.j2).
+ENGINE_ADMIN_PATHS = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/adapters",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+)
+# a path that is one of them or under one (case-insensitive: nothing that looks like one passes), the same
+# text for nginx's PCRE and the router's JavaScript
+ENGINE_ADMIN_PATH_RE = "^(?:" + "|".join(re.escape(p) for p in ENGINE_ADMIN_PATHS) + ")(?:/|$)"
+
 
 @dataclass(frozen=True)
 class GatewayPeer:

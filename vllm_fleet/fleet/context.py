@@ -16,6 +16,7 @@ from typing import Any
 from vllm_fleet import __version__
 from vllm_fleet.contracts import (
     ADMISSION_SYSLOG_TAG,
+    ENGINE_ADMIN_PATH_RE,
     ENGINE_HTTP_KEEPALIVE_SECONDS,
     GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
     SERVICE_DEFAULTS,
@@ -220,7 +221,8 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
         )
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
     # the gateway's table and the router's index of it (vllm_fleet/fleet/routes.py)
-    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml)
+    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml, vf.get("adapters") or [])
+    vf["gateway_admin_path_re"] = ENGINE_ADMIN_PATH_RE  # never forwarded (contracts.ENGINE_ADMIN_PATHS)
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
     # every gateway host (two or more: behind gateway.virtual_address, keepalived; fleet/ha.py)

@@ -28,9 +28,22 @@ configuration load (``js_preload_object``). Per served model:
   cache-aware twin (``ca_upstreams``: the upstream's primaries, ``hash $vf_pkey consistent`` with
   ``max_conns``), where the router sends a request that has a prefix key (docs/gateway.md, "Routing policy").
 
+- ``adapters`` (LoRA, the fleet's ``adapters``: ``{name, base, carriers, rank}``): adapter name → the upstream a
+  request for it uses. When the adapter's carriers are the instances the base's main upstream serves first
+  (its primaries), the base's ``default``: the adapter routes exactly as its base (pools and cache-aware twins
+  included). Else an upstream of its own, ``{main}__lora_{name}``: the carriers among the base's primaries
+  first (a carrier of role backup only when no primary carries it), every other instance of the main upstream
+  as nginx ``backup`` (they load the adapter on demand: the engines' LoRA resolver), and a cache-aware twin of
+  it when the policy is cache_aware and two or more carriers come first. Adapters whose upstream would hold the
+  same servers share the first one's (by name). Such an upstream is in ``upstreams``/``ca`` like the pools', so
+  drains, the fallback and the spill-over treat it as any upstream of the model; X-Priority does not choose
+  among the base's pools for it (its carriers do). A canary and the fallback pool are no carriers: the canary
+  keeps its share of the base's requests, adapters' included, the fallback stays the last resort.
+
 ``route_index`` is what a request needs before it knows whether anything is drained: per served model, its
-position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``, ``canary``). routes.json
-carries both, so the router finds a request's model by name and reads the model's server lists only while
+position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``, ``canary``,
+``adapters``); an adapter's name finds its base's position (an adapter costs a request one lookup, as a
+model). routes.json carries both, so the router finds a request's model by name and reads the model's server lists only while
 some of them are drained: the work per request does not grow with the fleet.
 """
 
@@ -61,13 +74,52 @@ def _server(s: dict[str, Any], backup: bool) -> dict[str, Any]:
     }
 
 
+def _by_base(
+    upstreams: list[dict[str, Any]], adapters: list[dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """Served model → its adapters (sorted by name); refuses what would corrupt the table (the spec refuses it
+    first, with the same field paths)."""
+    models = {up["model"]: {s["instance"] for s in up["servers"]} for up in upstreams}
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
+    seen: set[str] = set()
+    for i, ad in enumerate(adapters):
+        name, base = ad["name"], ad["base"]
+        if name in models or name in seen:
+            raise ValueError(f"adapters[{i}].name: {name!r} is already a served model or an adapter")
+        if base not in models:
+            raise ValueError(f"adapters[{i}].base: {base!r} is not a served model")
+        strangers = sorted(set(ad["carriers"]) - models[base])
+        if strangers:
+            raise ValueError(f"adapters[{i}].instances: {', '.join(strangers)} are not instances of {base}")
+        seen.add(name)
+        out[base].append(ad)
+    return {m: sorted(ads, key=lambda a: str(a["name"])) for m, ads in out.items()}
+
+
+def _adapter_servers(main: dict[str, Any], carriers: set[str]) -> list[dict[str, Any]]:
+    """The servers of an adapter's upstream: its carriers among the main upstream's primaries first (else its
+    carriers among the backups), every other server of the main upstream as backup; [] when no server of the
+    main upstream carries it."""
+    first = [s for s in main["servers"] if not s["backup"] and s["instance"] in carriers] or [
+        s for s in main["servers"] if s["instance"] in carriers
+    ]
+    if not first:
+        return []
+    ids = {s["instance"] for s in first}
+    rest = [s for s in main["servers"] if s["instance"] not in ids]
+    return [dict(s, backup=False) for s in first] + [dict(s, backup=True) for s in rest]
+
+
 def gateway_routes(
-    upstreams: list[dict[str, Any]], max_model_len: dict[str, int | None]
+    upstreams: list[dict[str, Any]],
+    max_model_len: dict[str, int | None],
+    adapters: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Build the routing table from ``vf.upstreams`` (context.upstreams). ``max_model_len`` per model is shown
-    in ``GET /v1/models``."""
+    in ``GET /v1/models``; ``adapters``: the fleet's LoRA adapters (``vf.adapters``)."""
     used: set[str] = set()
     routes: list[dict[str, Any]] = []
+    by_base = _by_base(upstreams, adapters or [])
     for up in upstreams:
         every = up["servers"]
         # a canary serves only through its one-server upstream, while its lease is live (the router decides)
@@ -94,6 +146,21 @@ def gateway_routes(
                         "servers": [_server(s, False) for s in first] + [_server(s, True) for s in rest],
                     }
                 )
+        # LoRA adapters of this model: the base's default, or an upstream of their carriers first (shared by
+        # adapters whose upstream would hold the same servers)
+        ad_map: dict[str, str] = {}
+        shared: dict[tuple[tuple[str, bool], ...], str] = {}
+        main_servers = {(s["instance"], s["backup"]) for s in ups[0]["servers"]}
+        for ad in by_base[up["model"]]:
+            aservers = _adapter_servers(ups[0], set(ad["carriers"]))
+            shape = tuple((s["instance"], s["backup"]) for s in aservers)
+            if not aservers or set(shape) == main_servers:
+                ad_map[ad["name"]] = pools.get("default", main)
+                continue
+            if shape not in shared:
+                shared[shape] = _name(f"{main}__lora_{ad['name']}", used)
+                ups.append({"name": shared[shape], "servers": aservers})
+            ad_map[ad["name"]] = shared[shape]
         fallback = ""
         if fallbacks:
             fallback = _name(f"{main}__fallback", used)
@@ -138,6 +205,7 @@ def gateway_routes(
                 "solo": solo,
                 "max_model_len": max_model_len.get(up["model"]),
                 "canary": canary,
+                "adapters": ad_map,
             }
         )
     return routes
@@ -153,13 +221,19 @@ SUMMARY_KEYS = (
     "prefix_chars",
     "ca",
     "canary",
+    "adapters",
 )
 
 
 def route_index(routes: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{"index": {model: position in routes}, "models": [summary per route]}``: the summary is the route
-    without its upstreams and one-server upstreams (``SUMMARY_KEYS``)."""
+    """``{"index": {model or adapter: position in routes}, "models": [summary per route]}``: the summary is the
+    route without its upstreams and one-server upstreams (``SUMMARY_KEYS``); an adapter's position is its
+    base's."""
+    index: dict[str, int] = {}
+    for i, rt in enumerate(routes):
+        index[rt["model"]] = i
+        index.update({name: i for name in rt["adapters"]})
     return {
-        "index": {rt["model"]: i for i, rt in enumerate(routes)},
+        "index": index,
         "models": [{k: rt[k] for k in SUMMARY_KEYS} for rt in routes],
     }

@@ -1,0 +1,215 @@
+"""LoRA adapters in the gateway's routing table (routes.py) and its rendered files; the engines'
+administration paths (contracts.ENGINE_ADMIN_PATHS) in nginx's config. Behaviour through the real nginx:
+tests/integration/test_gateway_adapters_nginx.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE, ENGINE_ADMIN_PATHS
+from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_testing import gateway_spec
+from vllm_fleet.fleet import context
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
+from vllm_fleet.fleet.spec import Routing
+
+needs_nginx = pytest.mark.skipif(
+    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
+    reason="nginx + libnginx-mod-http-js needed",
+)
+
+
+def _up(servers: list[tuple[str, str, str]], policy: str = "least_conn") -> dict[str, Any]:
+    routing = Routing(policy=policy).model_dump()  # type: ignore[arg-type]
+    return {
+        "model": "m",
+        "upstream": "m_m",
+        "routing": routing,
+        "servers": [
+            {
+                "instance": n,
+                "address": f"127.0.0.1:{8100 + i}",
+                "role": role,
+                "pool": pool,
+                "drained": False,
+                "max_conns": 8 if policy == "cache_aware" else None,
+            }
+            for i, (n, role, pool) in enumerate(servers)
+        ],
+    }
+
+
+def _ad(name: str, *carriers: str, base: str = "m") -> dict[str, Any]:
+    return {"name": name, "base": base, "carriers": list(carriers), "rank": 8}
+
+
+# three primaries and a backup
+FOUR = [
+    ("a", "primary", "default"),
+    ("b", "primary", "default"),
+    ("c", "primary", "default"),
+    ("d", "backup", "default"),
+]
+
+
+def _servers(rt: dict[str, Any], name: str) -> list[tuple[str, bool]]:
+    (up,) = [u for u in rt["upstreams"] if u["name"] == name]
+    return [(s["instance"], s["backup"]) for s in up["servers"]]
+
+
+def test_an_adapter_carried_by_every_primary_routes_as_its_base() -> None:
+    """Carried by the instances the base's main upstream serves first: no upstream of its own."""
+    (rt,) = gateway_routes([_up(FOUR)], {}, [_ad("all", "a", "b", "c"), _ad("every", "a", "b", "c", "d")])
+    assert rt["adapters"] == {"all": "m_m", "every": "m_m"}
+    assert [u["name"] for u in rt["upstreams"]] == ["m_m"]
+
+
+def test_an_adapter_carried_by_some_gets_its_carriers_first_and_the_rest_as_backup() -> None:
+    ads = [_ad("one", "b"), _ad("two", "a", "c"), _ad("same", "c", "a"), _ad("bk", "d")]
+    (rt,) = gateway_routes([_up(FOUR)], {}, ads)
+    assert rt["adapters"] == {
+        "one": "m_m__lora_one",
+        "two": "m_m__lora_same",  # the same servers as "same" (first by name): one upstream for both
+        "same": "m_m__lora_same",
+        "bk": "m_m__lora_bk",  # a backup instance that carries it comes first when no primary does
+    }
+    assert _servers(rt, "m_m__lora_one") == [("b", False), ("a", True), ("c", True), ("d", True)]
+    assert _servers(rt, "m_m__lora_same") == [("a", False), ("c", False), ("b", True), ("d", True)]
+    assert _servers(rt, "m_m__lora_bk") == [("d", False), ("a", True), ("b", True), ("c", True)]
+    assert rt["default"] == "m_m" and rt["ca"] == {}  # least_conn: no cache-aware twins
+
+
+def test_canary_and_fallback_are_never_servers_of_an_adapter_upstream() -> None:
+    servers = [*FOUR, ("cpu", "fallback", "cpu"), ("can", "canary", "default")]
+    (rt,) = gateway_routes([_up(servers)], {}, [_ad("x", "a", "can", "cpu")])
+    assert _servers(rt, "m_m__lora_x") == [("a", False), ("b", True), ("c", True), ("d", True)]
+    assert rt["fallback"] == "m_m__fallback" and rt["canary"]["instance"] == "can"
+    # carried only by instances outside the main upstream: routed as the base
+    (rt,) = gateway_routes([_up(servers)], {}, [_ad("y", "can", "cpu"), _ad("z")])
+    assert rt["adapters"] == {"y": "m_m", "z": "m_m"}
+
+
+def test_cache_aware_twin_for_two_carriers_or_more() -> None:
+    (rt,) = gateway_routes([_up(FOUR, "cache_aware")], {}, [_ad("one", "b"), _ad("two", "a", "c")])
+    assert rt["ca"] == {
+        "m_m": "m_m__ca",
+        "m_m__lora_two": "m_m__lora_two__ca",
+    }  # one carrier: nothing to choose
+    (twin,) = [u for u in rt["ca_upstreams"] if u["of"] == "m_m__lora_two"]
+    assert [s["instance"] for s in twin["servers"]] == ["a", "c"]
+
+
+def test_pools_stay_the_base_s_for_an_adapter_routed_as_its_base() -> None:
+    servers = [("a", "primary", "default"), ("b", "primary", "high"), ("c", "primary", "default")]
+    (rt,) = gateway_routes([_up(servers)], {}, [_ad("all", "a", "b", "c"), _ad("some", "b")])
+    assert rt["default"] == "m_m__default" and rt["adapters"]["all"] == "m_m__default"
+    assert rt["adapters"]["some"] == "m_m__lora_some"
+    assert _servers(rt, "m_m__lora_some") == [("b", False), ("a", True), ("c", True)]
+
+
+def test_the_index_finds_an_adapter_at_its_base_and_the_summary_stays_small() -> None:
+    ups = [_up(FOUR), dict(_up([("e", "primary", "default")]), model="n", upstream="m_n")]
+    routes = gateway_routes(ups, {"m": 512}, [_ad("x", "a"), _ad("y", "e", base="n")])
+    idx = route_index(routes)
+    assert idx["index"] == {"m": 0, "x": 0, "n": 1, "y": 1}
+    assert [s["adapters"] for s in idx["models"]] == [{"x": "m_m__lora_x"}, {"y": "m_n"}]
+    for s in idx["models"]:
+        assert set(s) == set(SUMMARY_KEYS) and "upstreams" not in s
+
+
+@pytest.mark.parametrize(
+    "ads,field",
+    [
+        ([_ad("m", "a")], "adapters[0].name"),  # a served model's name
+        ([_ad("x", "a"), _ad("x", "b")], "adapters[1].name"),
+        ([_ad("x", "a", base="nope")], "adapters[0].base"),
+        ([_ad("x", "a", "zz")], "adapters[0].instances"),
+    ],
+)
+def test_refused_adapters_name_the_field(ads: list[dict[str, Any]], field: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        gateway_routes([_up(FOUR)], {}, ads)
+
+
+@pytest.mark.parametrize(
+    "path,admin",
+    [
+        *[(p, True) for p in ENGINE_ADMIN_PATHS],
+        ("/adapters/tiny-sql", True),
+        ("/v1/load_lora_adapter/", True),
+        ("/V1/Load_LoRA_Adapter", True),
+        ("/v1/chat/completions", False),
+        ("/v1/models", False),
+        ("/adaptersx", False),
+        ("/v1/load_lora_adapters", False),
+        ("/tokenize", False),
+        ("/invocations", False),
+    ],
+)
+def test_engine_admin_path_re(path: str, admin: bool) -> None:
+    assert bool(re.match(ENGINE_ADMIN_PATH_RE, path, re.IGNORECASE)) is admin
+
+
+ADAPTERS = [_ad("ad-sub", "a"), _ad("ad-all", "a", "b", "c")]
+
+
+def _render_with_adapters(
+    monkeypatch: pytest.MonkeyPatch, tmp: Path, adapters: list[dict[str, Any]], **gw: Any
+) -> Path:
+    """Render a stub fleet whose vf carries ``adapters`` (as the spec's adapters will give it) into tmp/out;
+    returns the gateway host's /etc/nginx."""
+    real = context.gateway_routes
+    monkeypatch.setattr(context, "gateway_routes", lambda ups, mml, ads: real(ups, mml, ads or adapters))
+    servers = [{"name": n, "port": 9101 + i} for i, n in enumerate("abc")]
+    render_fleet(
+        gateway_spec([*servers, {"name": "d", "port": 9104, "role": "backup"}], tmp, **gw), tmp / "out"
+    )
+    return tmp / "out" / "h1" / "etc" / "nginx"
+
+
+def _ad_tiny(name: str, *carriers: str) -> dict[str, Any]:
+    return _ad(name, *carriers, base="tiny-qwen3")
+
+
+def test_rendered_files_carry_the_adapter_upstreams(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    etc = _render_with_adapters(
+        monkeypatch, tmp_path, [_ad_tiny("ad-sub", "a"), _ad_tiny("ad-all", "a", "b", "c")]
+    )
+    doc = json.loads((etc / "vllm-fleet" / "routes.json").read_text())
+    assert doc["index"] == {"tiny-qwen3": 0, "ad-sub": 0, "ad-all": 0}
+    assert doc["models"][0]["adapters"] == {"ad-sub": "m_tiny_qwen3__lora_ad_sub", "ad-all": "m_tiny_qwen3"}
+    ups = (etc / "vllm-fleet" / "upstreams.conf").read_text()
+    block = ups.split("upstream m_tiny_qwen3__lora_ad_sub {", 1)[1].split("}", 1)[0]
+    assert re.findall(r"server 127\.0\.0\.1:(\d+) .*?(backup)?;", block) == [
+        ("9101", ""),
+        ("9102", "backup"),
+        ("9103", "backup"),
+        ("9104", "backup"),
+    ]
+    conf = (etc / "conf.d" / "vllm-fleet.conf").read_text()
+    for loc in ("/_vf/m_tiny_qwen3__lora_ad_sub/", "@vf_spill_m_tiny_qwen3__lora_ad_sub"):
+        assert f"location {loc} " in conf
+    assert '"model":"$vf_model","base":"$vf_base"' in conf  # the log names the adapter and its base
+    assert f'location ~* "{ENGINE_ADMIN_PATH_RE}" {{' in conf
+    js = (etc / "vllm-fleet" / "router.js").read_text()
+    assert f"new RegExp({json.dumps(ENGINE_ADMIN_PATH_RE)}, 'i')" in js and "ad-sub" not in js
+
+
+@needs_nginx
+def test_nginx_t_accepts_a_fleet_with_adapters(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ads = [_ad_tiny("ad-sub", "a"), _ad_tiny("ad-two", "a", "b"), _ad_tiny("ad-all", "a", "b", "c")]
+    etc = _render_with_adapters(
+        monkeypatch, tmp_path, ads, limits={"default_key": {"max_in_flight": 4}}, api_keys_file="/dev/null"
+    )
+    conf = (etc / "conf.d" / "vllm-fleet.conf").read_text()
+    # gateway.limits: the admission service counts an adapter's request against its base's capacity
+    assert "proxy_set_header X-VF-Model $vf_base;" in conf and "auth_request /_vf_admit;" in conf
+    r = NginxGateway(etc, tmp_path / "prefix").check()
+    assert r.returncode == 0, r.stderr
