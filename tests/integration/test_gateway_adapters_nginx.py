@@ -250,6 +250,26 @@ def test_adapters_reach_their_carriers_spill_and_are_listed(
         g.stop()
 
 
+def test_the_base_s_canary_takes_its_share_of_an_adapter_s_requests(
+    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b", "c")]
+    rollout = {"model": BASE, "canary": {"name": "can", "port": stubs["d"].port}, "share": 0.25}
+    g = _gateway(monkeypatch, tmp_path, servers, [_ad("ad-sub", "a")], rollouts=[rollout])
+    try:
+        assert set(served(ask(g, "ad-sub", 10))) == {"a"}  # no lease: nothing for the canary
+        cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "120")
+        got = served(ask(g, "ad-sub", 60))
+        assert set(got) == {"a", "d"} and 10 <= got.count("d") <= 50, got  # binomial(60, 0.5)
+        log = g.log()[-60:]
+        assert {e["upstream"] for e in log if e["track"] == "canary"} == {"vf_i_can"}
+        assert {e["upstream"] for e in log if e["track"] == "stable"} == {"m_tiny_qwen3__lora_ad_sub"}
+        stubs["d"].status = 503  # the canary full: the adapter's normal path, its carrier
+        assert set(served(ask(g, "ad-sub", 20))) == {"a"}
+    finally:
+        g.stop()
+
+
 ADMIN_REQUESTS = [
     # (method, path, body, headers)
     ("POST", "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": "/tmp/evil", "model": BASE}, {}),
