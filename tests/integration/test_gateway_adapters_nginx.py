@@ -2,12 +2,7 @@
 what reached them): a request naming an adapter goes to its carriers, spills to the base's other instances when
 they are down or full, keeps its prefix affinity under cache_aware (apart from another adapter's), is listed by
 /v1/models with its parent, is allowed per key only when the key's models name it, and counts against its
-base's capacity in the admission service. The engines' administration paths never reach an engine.
-
-Until the spec has ``adapters`` (issue 32, the spec's branch), the tests give the fleet's adapters to the
-renderer the way ``fleet_vars`` will (``vf.adapters`` → ``gateway_routes``), and a client's ``models`` naming an
-adapter is written into the rendered context (the spec refuses it until then): ``_gateway`` is the one place
-to change."""
+base's capacity in the admission service. The engines' administration paths never reach an engine."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import free_port, http_json
-from vllm_fleet.fleet import context, render
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
@@ -90,33 +84,15 @@ def stubs() -> Iterator[dict[str, Stub]]:
 
 
 def _ad(name: str, *carriers: str) -> dict[str, Any]:
-    return {"name": name, "base": BASE, "carriers": list(carriers), "rank": 8}
+    """A spec adapter of the base carried by ``carriers`` (none named: ``any``)."""
+    return {"name": name, "instances": list(carriers) or "any"}
 
 
-def _gateway(
-    monkeypatch: pytest.MonkeyPatch,
-    tmp: Path,
-    servers: list[dict[str, Any]],
-    adapters: list[dict[str, Any]],
-    client_models: dict[str, list[str]] | None = None,
-    **gw: Any,
-) -> Gateway:
-    """The rendered fleet of ``servers`` with ``adapters`` (vf.adapters), served by nginx (and the admission
-    service with keys); ``client_models``: client → its models as rendered (adapters may be named)."""
-    real_routes, real_vars = context.gateway_routes, render.fleet_vars
-    monkeypatch.setattr(
-        context, "gateway_routes", lambda ups, mml, ads: real_routes(ups, mml, ads or adapters)
-    )
-
-    def fleet_vars(spec: Any, plan: Any = None) -> dict[str, Any]:
-        vf = real_vars(spec, plan)
-        for client, models in (client_models or {}).items():
-            vf["gateway"]["clients"][client]["models"] = models
-        return vf
-
-    monkeypatch.setattr(render, "fleet_vars", fleet_vars)
+def _gateway(tmp: Path, servers: list[dict[str, Any]], adapters: list[dict[str, Any]], **gw: Any) -> Gateway:
+    """The rendered fleet of ``servers`` with ``adapters``, served by nginx (and the admission service with
+    keys)."""
     rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, **gw), tmp).start()
+    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, adapters=adapters, **gw), tmp).start()
 
 
 def ask(
@@ -170,13 +146,11 @@ def cli(g: Gateway, *args: str) -> None:
     assert r.returncode == 0, (args, r.stdout, r.stderr)
 
 
-def test_adapters_reach_their_carriers_spill_and_are_listed(
-    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_adapters_reach_their_carriers_spill_and_are_listed(stubs: dict[str, Stub], tmp_path: Path) -> None:
     dead = free_port()
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b", "c")] + [{"name": "x", "port": dead}]
-    ads = [_ad("ad-sub", "a"), _ad("ad-dead", "x"), _ad("ad-all", "a", "b", "c", "x")]
-    g = _gateway(monkeypatch, tmp_path, servers, ads)
+    ads = [_ad("ad-sub", "a"), _ad("ad-dead", "x"), _ad("ad-all")]
+    g = _gateway(tmp_path, servers, ads)
     try:
         # carried by a alone: every request on a, the body's model still the adapter's name
         got = ask(g, "ad-sub", 12)
@@ -251,11 +225,11 @@ def test_adapters_reach_their_carriers_spill_and_are_listed(
 
 
 def test_the_base_s_canary_takes_its_share_of_an_adapter_s_requests(
-    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    stubs: dict[str, Stub], tmp_path: Path
 ) -> None:
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b", "c")]
     rollout = {"model": BASE, "canary": {"name": "can", "port": stubs["d"].port}, "share": 0.25}
-    g = _gateway(monkeypatch, tmp_path, servers, [_ad("ad-sub", "a")], rollouts=[rollout])
+    g = _gateway(tmp_path, servers, [_ad("ad-sub", "a")], rollouts=[rollout])
     try:
         assert set(served(ask(g, "ad-sub", 10))) == {"a"}  # no lease: nothing for the canary
         cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "120")
@@ -306,11 +280,9 @@ ADMIN_REQUESTS = [
 ]
 
 
-def test_engine_admin_paths_are_never_forwarded(
-    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_engine_admin_paths_are_never_forwarded(stubs: dict[str, Stub], tmp_path: Path) -> None:
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b")]
-    g = _gateway(monkeypatch, tmp_path, servers, [_ad("ad-sub", "a")])
+    g = _gateway(tmp_path, servers, [_ad("ad-sub", "a")])
     try:
         for method, path, body, headers in ADMIN_REQUESTS:
             st, err = raw(g, method, path, json.dumps(body).encode() if body is not None else b"", **headers)
@@ -342,11 +314,11 @@ CA = {"policy": "cache_aware", "max_conns": 8}
 
 
 def test_cache_aware_keeps_an_adapter_on_one_engine_and_apart_from_another(
-    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    stubs: dict[str, Stub], tmp_path: Path
 ) -> None:
     servers = [{"name": n, "port": stubs[n].port, "routing": CA} for n in ("a", "b", "c", "d")]
     ads = [_ad("ad-x", "a", "b", "c"), _ad("ad-y", "a", "b", "c")]
-    g = _gateway(monkeypatch, tmp_path, servers, ads)
+    g = _gateway(tmp_path, servers, ads)
     try:
         where: dict[tuple[str, int], set[str]] = {}
         keys: dict[tuple[str, int], set[str]] = {}
@@ -383,21 +355,17 @@ def _metrics(g: Gateway) -> dict[str, float]:
     }
 
 
-def test_per_key_permissions_and_the_base_s_capacity(
-    stubs: dict[str, Stub], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_per_key_permissions_and_the_base_s_capacity(stubs: dict[str, Stub], tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("".join(f'"{k}" {client};\n' for client, k in KEYS.items()))
     bound = {"max_num_seqs": 1, "max_num_queued_reqs": 1}  # each engine holds 1: the model's capacity is 2
     servers = [{"name": n, "port": stubs[n].port, **bound} for n in ("a", "b")]
     g = _gateway(
-        monkeypatch,
         tmp_path,
         servers,
         [_ad("ad-x", "a"), _ad("ad-y", "a")],
-        client_models={"lora": [BASE, "ad-x"]},
         api_keys_file=str(keys),
-        clients={"basic": {"models": [BASE]}, "lora": {"models": [BASE]}},
+        clients={"basic": {"models": [BASE]}, "lora": {"models": [BASE, "ad-x"]}},
         limits={"queue_wait_seconds": 20, "default_key": {"max_in_flight": 8}},
     )
 

@@ -15,11 +15,11 @@ import pytest
 from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE, ENGINE_ADMIN_PATHS
 from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
-from vllm_fleet.fleet import context
-from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.render import render_fleet, render_host
 from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
-from vllm_fleet.fleet.spec import Routing
+from vllm_fleet.fleet.spec import Routing, load_spec
 
+REPO = Path(__file__).resolve().parents[2]
 needs_nginx = pytest.mark.skipif(
     shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
     reason="nginx + libnginx-mod-http-js needed",
@@ -157,31 +157,21 @@ def test_engine_admin_path_re(path: str, admin: bool) -> None:
     assert bool(re.match(ENGINE_ADMIN_PATH_RE, path, re.IGNORECASE)) is admin
 
 
-ADAPTERS = [_ad("ad-sub", "a"), _ad("ad-all", "a", "b", "c")]
-
-
-def _render_with_adapters(
-    monkeypatch: pytest.MonkeyPatch, tmp: Path, adapters: list[dict[str, Any]], **gw: Any
-) -> Path:
-    """Render a stub fleet whose vf carries ``adapters`` (as the spec's adapters will give it) into tmp/out;
-    returns the gateway host's /etc/nginx."""
-    real = context.gateway_routes
-    monkeypatch.setattr(context, "gateway_routes", lambda ups, mml, ads: real(ups, mml, ads or adapters))
+def _render_with_adapters(tmp: Path, adapters: list[dict[str, Any]], **gw: Any) -> Path:
+    """Render a stub fleet (primaries a, b, c, backup d) with the spec's ``adapters`` into tmp/out; returns the
+    gateway host's /etc/nginx."""
     servers = [{"name": n, "port": 9101 + i} for i, n in enumerate("abc")]
-    render_fleet(
-        gateway_spec([*servers, {"name": "d", "port": 9104, "role": "backup"}], tmp, **gw), tmp / "out"
-    )
+    servers.append({"name": "d", "port": 9104, "role": "backup"})
+    render_fleet(gateway_spec(servers, tmp, adapters=adapters, **gw), tmp / "out")
     return tmp / "out" / "h1" / "etc" / "nginx"
 
 
-def _ad_tiny(name: str, *carriers: str) -> dict[str, Any]:
-    return _ad(name, *carriers, base="tiny-qwen3")
+def _spec_ad(name: str, *carriers: str) -> dict[str, Any]:
+    return {"name": name, "instances": list(carriers)}
 
 
-def test_rendered_files_carry_the_adapter_upstreams(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    etc = _render_with_adapters(
-        monkeypatch, tmp_path, [_ad_tiny("ad-sub", "a"), _ad_tiny("ad-all", "a", "b", "c")]
-    )
+def test_rendered_files_carry_the_adapter_upstreams(tmp_path: Path) -> None:
+    etc = _render_with_adapters(tmp_path, [_spec_ad("ad-sub", "a"), _spec_ad("ad-all", "a", "b", "c")])
     doc = json.loads((etc / "vllm-fleet" / "routes.json").read_text())
     assert doc["index"] == {"tiny-qwen3": 0, "ad-sub": 0, "ad-all": 0}
     assert doc["models"][0]["adapters"] == {"ad-sub": "m_tiny_qwen3__lora_ad_sub", "ad-all": "m_tiny_qwen3"}
@@ -202,11 +192,21 @@ def test_rendered_files_carry_the_adapter_upstreams(monkeypatch: pytest.MonkeyPa
     assert f"new RegExp({json.dumps(ENGINE_ADMIN_PATH_RE)}, 'i')" in js and "ad-sub" not in js
 
 
+def test_the_lora_example_routes_tiny_chat_to_its_carrier_first() -> None:
+    spec = load_spec(REPO / "examples" / "tiny-cpu-lora.yml")
+    files = {r.dest: r.content for r in render_host(spec, spec.gateway_host)}
+    doc = json.loads(files["/etc/nginx/vllm-fleet/routes.json"])
+    assert doc["index"] == {"tiny-qwen3": 0, "tiny-chat": 0, "tiny-sql": 0}
+    (rt,) = doc["routes"]
+    assert rt["adapters"] == {"tiny-chat": "m_tiny_qwen3__lora_tiny_chat", "tiny-sql": "m_tiny_qwen3"}
+    assert _servers(rt, "m_tiny_qwen3__lora_tiny_chat") == [("tiny-b", False), ("tiny-a", True)]
+
+
 @needs_nginx
-def test_nginx_t_accepts_a_fleet_with_adapters(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    ads = [_ad_tiny("ad-sub", "a"), _ad_tiny("ad-two", "a", "b"), _ad_tiny("ad-all", "a", "b", "c")]
+def test_nginx_t_accepts_a_fleet_with_adapters(tmp_path: Path) -> None:
+    ads = [_spec_ad("ad-sub", "a"), _spec_ad("ad-two", "a", "b"), _spec_ad("ad-all", "a", "b", "c")]
     etc = _render_with_adapters(
-        monkeypatch, tmp_path, ads, limits={"default_key": {"max_in_flight": 4}}, api_keys_file="/dev/null"
+        tmp_path, ads, limits={"default_key": {"max_in_flight": 4}}, api_keys_file="/dev/null"
     )
     conf = (etc / "conf.d" / "vllm-fleet.conf").read_text()
     # gateway.limits: the admission service counts an adapter's request against its base's capacity

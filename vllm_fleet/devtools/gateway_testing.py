@@ -28,12 +28,14 @@ def gateway_spec(
     workdir: Path,
     model_dir: str = "/var/lib/vllm-fleet/models/tiny",
     rollouts: list[dict[str, Any]] | None = None,
+    adapters: list[dict[str, Any]] | None = None,
     **gateway: Any,
 ) -> FleetSpec:
     """A one-host cpu spec whose instances are ``servers`` (dicts with name, port and optional
     served_model_name, role, pool); the gateway listens on a free loopback port, logs in ``workdir``; without
     ``api_keys_file`` it is an open gateway (``auth: none``). ``rollouts``: the spec's (each canary on host h1
-    unless it names one)."""
+    unless it names one); ``adapters``: the spec's LoRA adapters (each of base tiny-qwen3, rank 8, its files
+    under the models folder, unless it says otherwise)."""
     gw: dict[str, Any] = {
         "host": "h1",
         "listen_address": "127.0.0.1",
@@ -70,6 +72,11 @@ def gateway_spec(
         "gateway": gw,
         "monitoring": {"host": "h1", "enabled": False},
     }
+    if adapters:
+        data["adapters"] = [
+            {"base": "tiny-qwen3", "rank": 8, "source": {"path": f"{model_dir}-adapters/{a['name']}"}, **a}
+            for a in adapters
+        ]
     if rollouts:
         data["rollouts"] = [{**r, "canary": {"host": "h1", **r["canary"]}} for r in rollouts]
     return parse_spec(data, "gateway-test")

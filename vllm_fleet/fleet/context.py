@@ -221,7 +221,7 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
         )
     mml = {m.served_model_name: m.max_model_len for m in reversed(spec.models)}
     # the gateway's table and the router's index of it (vllm_fleet/fleet/routes.py)
-    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml, vf.get("adapters") or [])
+    vf["gateway_routes"] = gateway_routes(vf["upstreams"], mml, vf["adapters"])
     vf["gateway_admin_path_re"] = ENGINE_ADMIN_PATH_RE  # never forwarded (contracts.ENGINE_ADMIN_PATHS)
     vf["gateway_index"] = route_index(vf["gateway_routes"])
     vf["gateway_host"] = spec.gateway_host
