@@ -30,6 +30,18 @@ T0=$(date +%s)
 
 step "1/5 tiny model (built offline) and the offline wheelhouse (from locks/cpu-0.32.0.txt)"
 vllm-fleet tiny-model --out "$WORK/models/tiny" >/dev/null
+# the spec's LoRA adapters (path sources, pushed from $WORK/models/NAME like the model): tiny random ones
+ADAPTERS=$(python - "$SPEC" <<'PY'
+import sys, yaml
+for k, a in enumerate(yaml.safe_load(open(sys.argv[1])).get("adapters") or []):
+    print((a["source"].get("path") or a["name"]).rstrip("/").rsplit("/", 1)[-1], a["rank"], k + 1)
+PY
+)
+while read -r dir rank seed; do
+  if [ -n "$dir" ]; then
+    vllm-fleet tiny-adapter --base "$WORK/models/tiny" --out "$WORK/models/$dir" --rank "$rank" --seed "$seed" >/dev/null
+  fi
+done <<<"$ADAPTERS"
 SANDBOX_WH=$(python -c 'from vllm_fleet.devtools.sandbox_image import ensure_wheelhouse; print(ensure_wheelhouse())')
 CACHE=$(python -c 'from vllm_fleet.devtools.sandbox_image import cache_dir; print(cache_dir())')
 WH="$CACHE/ansible-wheelhouse"
