@@ -263,6 +263,11 @@ BUILTINS = ("validate", "plan", "render", "context", "status")
 # The one list of the sub-commands that live in their own modules, imported only when needed: a module that
 # fails to import breaks its own commands, not the others.
 PLUGINS: dict[str, Plugin] = {
+    "adapters": Plugin(
+        "vllm_fleet.host.adapters:add_args",
+        "an instance's LoRA adapters on its running engine: sync with its adapters file (load, unload, "
+        "reload; run by the play), show what is loaded",
+    ),
     "admission": Plugin(
         "vllm_fleet.host.admission_service:add_args",
         "the gateway's per-key admission service (nginx auth_request; vllm-fleet-admission.service)",

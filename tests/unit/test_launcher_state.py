@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.contracts import InstanceConfig, ServiceConfig
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV, InstanceConfig, ServiceConfig
 from vllm_fleet.host.churn import FLOOD_JUDGE_AFTER, Conns
 from vllm_fleet.host.cpu_wait import CpuReading
 from vllm_fleet.host.engine_death import DeathWatch
@@ -24,13 +24,17 @@ from vllm_fleet.host.launcher_state import (
     EXIT_LOAD_TIMEOUT,
     EXIT_WATCHDOG,
     Action,
+    AdapterLoad,
     Check,
     Exit,
     Kill,
+    LoadAdapters,
     Log,
     Notify,
     PollInflight,
+    RefreshAdapters,
     Save,
+    SaveAdapters,
     StartProbe,
     Supervisor,
     Terminate,
@@ -553,3 +557,96 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
     for mod in (launcher, launcher_state):
         src = Path(mod.__file__).read_text()
         assert not re.search(r"0\.8\b|/ ?3\b|PER_WATCHDOG", src), mod.__name__
+
+
+# ------------------------------------------------------------------------------------------ LoRA adapters
+
+
+def lora_started(now: float) -> tuple[Supervisor, Clock]:
+    """An instance whose config names an adapters file (LoRA on), started at ``now``."""
+    cfg = config()
+    cfg.environment = {ADAPTERS_FILE_ENV: "/etc/vllm-fleet/instances/a.adapters.json"}
+    sm = Supervisor(cfg, 30, now, WALL0)
+    c = Clock(sm, now)
+    c.feed(sm.engine_started(now, PID))
+    return sm, c
+
+
+def test_lora_ready_only_after_the_carried_adapters_are_loaded() -> None:
+    """The first decode answers; the carried adapters load (no readiness probe meanwhile); then READY=1 with the
+    adapters in STATUS=, the adapter state file written first; refreshed every 30 s while ready."""
+    sm, c = lora_started(100.0)
+    assert c.tick_to(101.0)[-1] == StartProbe(first=True)
+    got = c.at(101.5).feed(sm.ready_probe_done(101.5, ProbeResult(True, 0.2, "", "decode")))
+    assert got == [Notify(("STATUS=Loading m: loading adapters (2s elapsed)",)), Save(), LoadAdapters()]
+    assert sm.state == "loading" and sm.phase == "loading adapters"
+    assert StartProbe(first=True) not in c.tick_to(110.0)  # no second probe while they load
+    assert not any(isinstance(a, Notify) and "READY=1" in a.fields for _, a in c.seen)
+    load = AdapterLoad(("adapter sql loaded (12 ms)", "adapter chat loaded (9 ms)"), None, ("chat", "sql"))
+    got = c.at(110.2).feed(sm.adapters_loaded(110.2, load))
+    assert got == [
+        Log("adapter sql loaded (12 ms)"),
+        Log("adapter chat loaded (9 ms)"),
+        SaveAdapters(),
+        Save(),
+        Notify(("READY=1", "STATUS=Serving m on 127.0.0.1:9101, adapters chat, sql (ready in 10.2s)")),
+        PING,
+        Log("ready after 10.2s (health 200 and 1-token decode ok; 2 adapter(s) loaded)"),
+    ]
+    assert sm.state == "ready" and sm.adapters == ["chat", "sql"]
+    # the loaded set is read back from the engine 30 s after, then every 30 s (one read at a time)
+    assert RefreshAdapters() not in c.tick_to(140.0)
+    assert c.tick_to(140.25).count(RefreshAdapters()) == 1
+    assert RefreshAdapters() not in c.tick_to(200.0)  # still reading
+    assert c.at(200.1).feed(sm.adapters_refreshed(200.1, ["sql"])) == [SaveAdapters()]
+    assert sm.adapters == ["sql"]
+    assert RefreshAdapters() not in c.tick_to(230.0)
+    assert RefreshAdapters() in c.tick_to(230.25)
+    assert sm.adapters_refreshed(231.0, None) == []  # the engine did not say: the file is left to age
+    assert sm._serving() == "Serving m on 127.0.0.1:9101, adapter sql"
+
+
+def test_lora_a_refused_adapter_fails_the_start_as_a_configuration_error() -> None:
+    """The engine's message is in the journal and the state file; exit 78 (not restarted) when the engine
+    answered, 1 (restarted) when it did not answer."""
+    sm, c = lora_started(0.0)
+    c.tick_to(1.0)
+    c.at(1.5).feed(sm.ready_probe_done(1.5, ProbeResult(True, 0.2, "", "decode")))
+    msg = "/srv/adapters/big: HTTP 500: LoRA rank 64 is greater than max_lora_rank 8."
+    got = c.at(2.0).feed(sm.adapters_loaded(2.0, AdapterLoad((), ("big", msg, True), ())))
+    why = f"LoRA adapter big could not be loaded: {msg}; not restarting (fix the adapter or the spec, then rerun the play)"
+    assert got == [
+        Kill(wait=True),
+        Notify((f"STATUS=Failed: {why}",)),
+        Log(why, 3),
+        Save(),
+        Exit(EXIT_CONFIG),
+    ]
+    st = state_file(sm, 7, WALL0 + 2)
+    assert st["state"] == "failed" and st["phase"] == "configuration error" and st["failure_reason"] == why
+    sm, c = lora_started(0.0)
+    c.tick_to(1.0)
+    c.at(1.5).feed(sm.ready_probe_done(1.5, ProbeResult(True, 0.2, "", "decode")))
+    gone = AdapterLoad(
+        (), ("sql", "/srv/sql: POST /v1/load_lora_adapter: no answer (ConnectionRefusedError)", False)
+    )
+    assert c.at(2.0).feed(sm.adapters_loaded(2.0, gone))[-1] == Exit(EXIT_ENGINE_DIED)
+    assert sm.phase == "loading adapters"
+
+
+def test_lora_a_stop_while_adapters_load_wins() -> None:
+    sm, c = lora_started(0.0)
+    c.tick_to(1.0)
+    c.at(1.5).feed(sm.ready_probe_done(1.5, ProbeResult(True, 0.2, "", "decode")))
+    c.at(2.0).feed(sm.stop_requested(2.0))
+    assert sm.adapters_loaded(2.5, AdapterLoad((), None, ("sql",))) == []
+    assert sm.state == "draining"
+
+
+def test_lora_off_nothing_changes() -> None:
+    """No adapters file in the config: READY=1 on the first decode, no adapter action ever."""
+    sm, c = ready(10.0)
+    c.tick_to(200.0)
+    kinds = {type(a) for _, a in c.seen}
+    assert not kinds & {LoadAdapters, RefreshAdapters, SaveAdapters} and not sm.lora
+    assert sm._serving() == "Serving m on 127.0.0.1:9101"

@@ -9,7 +9,12 @@
   its own stdout (the journal) and derives a loading phase from them;
 * while loading: ``STATUS=`` (phase + elapsed) and ``EXTEND_TIMEOUT_USEC=`` while the engine is alive and
   still printing progress, so a moderate TimeoutStartSec survives slow loads but a stuck load is caught;
-* ``READY=1`` only after ``/health`` is 200 *and* a 1-token ``/v1/completions`` probe succeeds;
+* ``READY=1`` only after ``/health`` is 200 *and* a 1-token ``/v1/completions`` probe succeeds, and, when the
+  config names an adapters file (``VLLM_FLEET_ADAPTERS_FILE``: LoRA on), after every adapter the instance carries
+  is loaded (``POST /v1/load_lora_adapter``; one the engine refuses fails the start with ``EXIT_CONFIG`` and
+  the engine's message); the adapters loaded are in ``STATUS=`` and in ``{state_dir}/adapters/NAME.json``
+  (``vllm_fleet.contracts.AdapterStateFile``), refreshed from ``/v1/models`` every 30 s while ready
+  (``vllm_fleet.host.adapters``);
 * then ``WATCHDOG=1`` after every periodic liveness check that passes — busy is not hung: while requests run
   or wait, the check passes when the engine's work counters (tokens, engine steps, finished requests in
   ``/metrics``) advanced since the last check; when idle, a 1-token decode must succeed (an admission 503 is
@@ -44,19 +49,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.contracts import InstanceConfig, StateFile
+from vllm_fleet.contracts import InstanceConfig, StateFile, adapters_file_of
+from vllm_fleet.host import adapters
 from vllm_fleet.host.churn import read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import read_group
 from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
     EXIT_CONFIG,
     Action,
+    AdapterLoad,
     Check,
+    Exit,
     Kill,
+    LoadAdapters,
     Log,
     Notify,
     PollInflight,
+    RefreshAdapters,
     Save,
+    SaveAdapters,
     StartProbe,
     Supervisor,
     Terminate,
@@ -222,6 +233,15 @@ class Launcher:
     def save(self) -> None:
         write_state(self.cfg.state_dir, self.cfg.name, self.state_dict())
 
+    def save_adapters(self) -> None:
+        """The adapter state file (LoRA on): what the engine has loaded, as last read. Best effort."""
+        try:
+            adapters.write_state(
+                self.cfg.state_dir, self.cfg.name, self.cfg.served_model_name, self.sm.adapters
+            )
+        except OSError as exc:
+            _log(f"cannot write the adapter state file in {self.cfg.state_dir}: {exc}", 4)
+
     # ------------------------------------------------------------------ engine
     def _engine_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -313,6 +333,24 @@ class Launcher:
         n = inflight(self.cfg.probe_host, self.cfg.port, 2.0)
         return lambda now: self.sm.drain_progress(now, n)
 
+    def _load_adapters(self) -> Callable[[float], list[Action]]:
+        cfg = self.cfg
+        rep = adapters.load_carried(
+            cfg.probe_host, cfg.port, cfg.served_model_name, adapters_file_of(cfg.environment)
+        )
+        load = AdapterLoad(tuple(rep.lines), rep.failed, tuple(rep.loaded))
+        return lambda now: self.sm.adapters_loaded(now, load)
+
+    def _refresh_adapters(self) -> Callable[[float], list[Action]]:
+        cfg = self.cfg
+        try:
+            names: list[str] | None = sorted(
+                adapters.loaded(cfg.probe_host, cfg.port, cfg.served_model_name, self.sm.probe_timeout)
+            )
+        except adapters.EngineError:
+            names = None
+        return lambda now: self.sm.adapters_refreshed(now, names)
+
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals.append(signum)  # list.append is atomic: no signal is lost
@@ -331,6 +369,8 @@ class Launcher:
         if problem:
             return self._exit(self.sm.config_error(problem))
         self.install_signals()
+        if self.sm.lora:
+            self.save_adapters()  # none loaded yet (a file of the previous engine would say otherwise)
         self.n.status(f"Starting engine for {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
         _log(f"starting {' '.join(cfg.command)}")
         try:
@@ -392,6 +432,12 @@ class Launcher:
                 self._background("probe", self._ready_probe if a.first else self._check)
             elif isinstance(a, PollInflight):
                 self._background("drain", self._count_inflight)
+            elif isinstance(a, LoadAdapters):
+                self._background("adapters", self._load_adapters)
+            elif isinstance(a, RefreshAdapters):
+                self._background("adapters", self._refresh_adapters)
+            elif isinstance(a, SaveAdapters):
+                self.save_adapters()
             elif isinstance(a, Terminate):
                 self.signal_engine(signal.SIGTERM)
             elif isinstance(a, Kill):
@@ -399,6 +445,10 @@ class Launcher:
                 if a.wait and self.proc is not None:
                     self.proc.wait()
             else:
+                assert isinstance(a, Exit)
+                if self.sm.lora:  # the engine is gone: no adapter loaded
+                    self.sm.adapters = []
+                    self.save_adapters()
                 return a.code
         return None
 

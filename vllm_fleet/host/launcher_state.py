@@ -2,11 +2,12 @@
 
 Events are method calls, each with the monotonic time ``now`` (the caller's clock: the launcher passes
 ``time.monotonic()``, the tests plain numbers): the engine started, printed a line, a probe or a liveness check
-finished (with what it read: the work counters, the decode's answer, the CPU figures), a stop was requested,
-the drain wait counted in-flight requests, systemd's watchdog fired, the engine exited, and ``tick`` (the
-launcher calls it every 0.25 s). Each returns the actions the launcher performs in order: sd_notify fields
-(READY=1, WATCHDOG=1, STATUS=, STOPPING=1, EXTEND_TIMEOUT_USEC=), a log line, the state file's write, a probe
-or an in-flight count to start, SIGTERM or SIGKILL to the engine, the launcher's exit. No threads, sockets,
+finished (with what it read: the work counters, the decode's answer, the CPU figures), the carried LoRA
+adapters were loaded or the loaded ones read back, a stop was requested, the drain wait counted in-flight
+requests, systemd's watchdog fired, the engine exited, and ``tick`` (the launcher calls it every 0.25 s). Each
+returns the actions the launcher performs in order: sd_notify fields (READY=1, WATCHDOG=1, STATUS=, STOPPING=1,
+EXTEND_TIMEOUT_USEC=), a log line, the state file's (or the adapter state file's) write, a probe, an in-flight
+count or an adapter load or read to start, SIGTERM or SIGKILL to the engine, the launcher's exit. No threads, sockets,
 clocks or sleeps here: ``vllm_fleet.host.launcher`` does all of that.
 
 Hung is judged by withholding WATCHDOG=1: a liveness check that fails sends no ping, and systemd's watchdog
@@ -18,7 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_fleet.contracts import InstanceConfig, StateFile, probe_timing, stack_of
+from vllm_fleet.contracts import (
+    ADAPTER_STATE_REFRESH_SECONDS,
+    InstanceConfig,
+    StateFile,
+    adapters_file_of,
+    probe_timing,
+    stack_of,
+)
 from vllm_fleet.host.churn import FLOOD_JUDGE_AFTER, Conns, flooded
 from vllm_fleet.host.cpu_wait import CpuReading, starvation
 from vllm_fleet.host.engine_death import Death
@@ -94,6 +102,21 @@ class PollInflight:
 
 
 @dataclass(frozen=True)
+class LoadAdapters:
+    """Load the adapters the instance carries (``adapters.load_carried``; answer with ``adapters_loaded``)."""
+
+
+@dataclass(frozen=True)
+class RefreshAdapters:
+    """Read what the engine has loaded (``adapters.loaded``; answer with ``adapters_refreshed``)."""
+
+
+@dataclass(frozen=True)
+class SaveAdapters:
+    """Write the adapter state file from ``Supervisor.adapters`` (``adapters.write_state``)."""
+
+
+@dataclass(frozen=True)
 class Terminate:
     """SIGTERM to the engine's API server (vLLM drains with ``--shutdown-timeout``)."""
 
@@ -110,7 +133,29 @@ class Exit:
     code: int
 
 
-Action = Notify | Log | Save | StartProbe | PollInflight | Terminate | Kill | Exit
+Action = (
+    Notify
+    | Log
+    | Save
+    | StartProbe
+    | PollInflight
+    | LoadAdapters
+    | RefreshAdapters
+    | SaveAdapters
+    | Terminate
+    | Kill
+    | Exit
+)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """What loading the carried adapters did (``adapters.LoadReport``): a line per adapter, the first one the
+    engine refused (name, its message, whether the engine answered at all), the loaded set read back."""
+
+    lines: tuple[str, ...] = ()
+    failed: tuple[str, str, bool] | None = None
+    loaded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,6 +314,14 @@ class Drain:
         return [Terminate()]
 
 
+def adapters_text(names: list[str], most: int = 4) -> str:
+    """The adapters in a STATUS= line: ``adapters a, b`` (at most ``most`` names, then how many more)."""
+    if not names:
+        return "no adapters loaded"
+    shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+    return f"adapter{'s' if len(names) > 1 else ''} {shown}"
+
+
 # ---------------------------------------------------------------------------------------------- machine
 class Supervisor:
     """One engine's life: loading → ready → draining → stopped, or failed (``state``, as the state file
@@ -298,6 +351,14 @@ class Supervisor:
         self.was_starved = False  # the last check passed as starved or flooded (the status says so)
         self.last_ping: float | None = None
         self.stop: Drain | None = None
+        # LoRA (the config names an adapters file): the carried adapters load between the first decode and
+        # READY=1; the adapter state file is refreshed from the engine every 30 s while ready (contracts)
+        self.lora = bool(adapters_file_of(cfg.environment))
+        self.adapters: list[str] = []  # what the engine has loaded, as last read
+        self.adapters_loading = False
+        self.adapters_refreshing = False
+        self.next_adapters_refresh = now
+        self.ready_probe: ProbeResult | None = None  # the decode that passed while the adapters load
 
     @property
     def stopping(self) -> bool:
@@ -385,6 +446,9 @@ class Supervisor:
             out += [status(f"Probe failing ({self.probes.consecutive_failures}x): probe stuck"), Save()]
         if not self.probing and now >= self.next_probe:
             out.append(self._start_probe(now, first=False))
+        if self.lora and not self.adapters_refreshing and now >= self.next_adapters_refresh:
+            self.adapters_refreshing = True
+            out.append(RefreshAdapters())
         return out
 
     def _loading_tick(self, now: float) -> list[Action]:
@@ -402,7 +466,7 @@ class Supervisor:
             # alive and still making progress: push systemd's start timeout forward
             extend = f"EXTEND_TIMEOUT_USEC={int(max(30.0, svc.start_timeout_seconds) * 1e6)}"
             out += [Notify((f"STATUS={self.loading_status(now)}", extend)), Save()]
-        if not self.probing and now >= self.next_probe:
+        if not self.probing and not self.adapters_loading and now >= self.next_probe:
             out.append(self._start_probe(now, first=True))
         return out
 
@@ -426,16 +490,54 @@ class Supervisor:
                 self.phase = "waiting for the first decode"
             self.next_probe = now + READY_RETRY
             return []
+        if self.lora:  # the carried adapters before READY=1
+            self.ready_probe, self.adapters_loading = res, True
+            self.phase = "loading adapters"
+            return [status(self.loading_status(now)), Save(), LoadAdapters()]
+        return self._ready(now, res)
+
+    def adapters_loaded(self, now: float, load: AdapterLoad) -> list[Action]:
+        """The carried adapters are loaded: READY=1. One the engine refused fails the start, as a configuration
+        error when the engine answered (a restart would load the same files: exit 78, not restarted; the
+        play starts it again once the spec or the files change), else as an engine failure (restarted)."""
+        self.adapters_loading = False
+        if self.state != "loading" or self.stop is not None:
+            return []
+        out: list[Action] = [Log(line) for line in load.lines]
+        if load.failed is not None:
+            name, msg, answered = load.failed
+            why = f"LoRA adapter {name} could not be loaded: {msg}"
+            if answered:
+                self.phase = "configuration error"
+                why += "; not restarting (fix the adapter or the spec, then rerun the play)"
+            return [*out, Kill(wait=True), *self.fail(EXIT_CONFIG if answered else EXIT_ENGINE_DIED, why)]
+        self.adapters = list(load.loaded)
+        self.next_adapters_refresh = now + ADAPTER_STATE_REFRESH_SECONDS
+        assert self.ready_probe is not None
+        return [*out, SaveAdapters(), *self._ready(now, self.ready_probe)]
+
+    def adapters_refreshed(self, now: float, names: list[str] | None) -> list[Action]:
+        """What the engine has loaded now (None: it did not say): the adapter state file follows."""
+        self.adapters_refreshing = False
+        self.next_adapters_refresh = now + ADAPTER_STATE_REFRESH_SECONDS
+        if names is None or self.state != "ready" or self.stop is not None:
+            return []
+        self.adapters = sorted(names)
+        return [SaveAdapters()]
+
+    def _ready(self, now: float, res: ProbeResult) -> list[Action]:
         self.probes.record(now, res)
         self.state, self.phase = "ready", "serving"
         self.ready_at = self.liveness.alive_at = now
         self.load_duration = round(now - self.t0, 3)
         self.next_probe = now + self.probe_interval
+        checked = "health 200 and 1-token decode ok"
+        checked += f"; {len(self.adapters)} adapter(s) loaded" if self.lora else ""
         return [
             Save(),  # the state file is current before anyone hears READY
             Notify(("READY=1", f"STATUS={self._serving()} (ready in {self.load_duration:.1f}s)")),
             *self._ping(now),
-            Log(f"ready after {self.load_duration:.1f}s (health 200 and 1-token decode ok)"),
+            Log(f"ready after {self.load_duration:.1f}s ({checked})"),
         ]
 
     def check_done(self, now: float, check: Check) -> list[Action]:
@@ -472,7 +574,8 @@ class Supervisor:
         return out
 
     def _serving(self) -> str:
-        return f"Serving {self.cfg.served_model_name} on {self.cfg.probe_host}:{self.cfg.port}"
+        out = f"Serving {self.cfg.served_model_name} on {self.cfg.probe_host}:{self.cfg.port}"
+        return out + (f", {adapters_text(self.adapters)}" if self.lora else "")
 
     def _ping(self, now: float) -> list[Action]:
         if not self.watchdog:
