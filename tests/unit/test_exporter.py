@@ -401,3 +401,78 @@ def test_exporter_unit_reads_the_worker_configs(tmp_path: Path) -> None:
     render_monitoring(spec, tmp_path, folders=("monitoring",))
     unit = (tmp_path / "h2" / "etc/systemd/system/vllm-fleet-exporter.service").read_text()
     assert "--worker-config-dir /etc/vllm-fleet/workers" in unit and "--state-dir /run/vllm-fleet" in unit
+
+
+def _lora_host(tmp_path: Path, state: str, loaded: list[str], age: float) -> tuple[Path, Path]:
+    """One LoRA instance ``qwen3`` (its launcher ``state``) carrying sql and chat (and able to load spill), its
+    adapter state file listing ``loaded``, written ``age`` seconds ago."""
+    import time
+
+    cfg, st = tmp_path / "instances", tmp_path / "run"
+    (st / "adapters").mkdir(parents=True)
+    cfg.mkdir()
+    file = cfg / "qwen3.adapters.json"
+    env = {"VLLM_FLEET_ADAPTERS_FILE": str(file)}
+    (cfg / "qwen3.json").write_text(
+        json.dumps({"name": "qwen3", "served_model_name": "qwen3-8b", "environment": env})
+    )
+    a = {"path": "/srv/a", "rank": 8}
+    file.write_text(json.dumps({"schema": 1, "instance": "qwen3", "model": "qwen3-8b", "adapters": [
+        {**a, "name": "sql", "carry": True}, {**a, "name": "chat", "carry": True},
+        {**a, "name": "spill", "carry": False}]}))  # fmt: skip
+    (st / "qwen3.json").write_text(json.dumps({**STATE, "state": state}))
+    (st / "adapters" / "qwen3.json").write_text(
+        json.dumps(
+            {"instance": "qwen3", "model": "qwen3-8b", "loaded": loaded, "updated_at": time.time() - age}
+        )
+    )
+    return cfg, st
+
+
+@pytest.mark.parametrize(
+    ("state", "age", "want"),
+    [
+        ("ready", 5, {"sql": 1, "chat": 0}),  # fresh: as the engine said
+        ("ready", 600, {"sql": 1, "chat": 0}),  # a ready instance's file is trusted however old
+        ("loading", 5, {"sql": 1, "chat": 0}),  # fresh while loading: as it said
+        ("failed", 600, {"sql": 0, "chat": 0}),  # stale while not ready: nothing loaded
+        ("stopped", 121, {"sql": 0, "chat": 0}),
+    ],
+)
+def test_each_carried_adapter_is_loaded_or_not(
+    tmp_path: Path, state: str, age: float, want: dict[str, int]
+) -> None:
+    cfg, st = _lora_host(tmp_path, state, ["sql", "spill"], age)
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    got = {dict(k[1])["adapter"]: v for k, v in m.items() if k[0] == "vllm_fleet_instance_adapter_loaded"}
+    assert got == want  # carried ones only: spill (loaded on demand) has no series
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+    # the adapters file is no instance config
+    assert {dict(k[1])["instance"] for k in m if k[0] == "vllm_fleet_instance_state"} == {"qwen3"}
+
+
+def test_adapter_files_missing_or_broken(tmp_path: Path) -> None:
+    """No adapter state file: every carried adapter 0; a broken one, or a broken adapters file, is a read
+    error (no series from a broken adapters file, whose state file is not read then); no adapters file:
+    nothing carried, no error."""
+    cfg, st = _lora_host(tmp_path, "ready", [], 0)
+    (st / "adapters" / "qwen3.json").unlink()
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert (
+        m[("vllm_fleet_instance_adapter_loaded", lbl(instance="qwen3", model="qwen3-8b", adapter="sql"))] == 0
+    )
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+    (st / "adapters" / "qwen3.json").write_text('{"loaded": "sql"}')
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert (
+        m[("vllm_fleet_instance_adapter_loaded", lbl(instance="qwen3", model="qwen3-8b", adapter="sql"))] == 0
+    )
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 1
+    (cfg / "qwen3.adapters.json").write_text('{"schema": 1, "adapters": "x"}')
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert not [k for k in m if k[0] == "vllm_fleet_instance_adapter_loaded"]
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 1  # (the state file is not read without it)
+    (cfg / "qwen3.adapters.json").unlink()
+    m = scrape(FleetCollector(st, cfg, use_systemd=False))
+    assert not [k for k in m if k[0] == "vllm_fleet_instance_adapter_loaded"]
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0

@@ -4,7 +4,8 @@ The alerts, the dashboards and ``vllm-fleet status`` read these series by name, 
 metric name, a label, a HELP text, a value or the order of the families shows here as a diff. One fixture host
 feeds every collector: instance configs and launcher state files (a broken one too), a multi-node worker's
 config and state files (one whose process is gone), the gateway's access log, the deployment manifest, the
-drained set, keepalived's VRRP state (a gateway of two or more), systemd's ``NRestarts`` (``systemctl show``,
+drained set, keepalived's VRRP state (a gateway of two or more), LoRA instances' adapters files and adapter state
+files, systemd's ``NRestarts`` (``systemctl show``,
 faked) and NVML (a fake ``pynvml`` with two GPUs and XID events). The scrape duration, the one value that cannot
 repeat, is masked.
 
@@ -81,11 +82,34 @@ def host(tmp_path: Path) -> dict[str, Path]:
     st, cfg, wcfg = tmp_path / "run", tmp_path / "instances", tmp_path / "workers"
     for d in (st / "workers", cfg, wcfg):
         d.mkdir(parents=True)
+    # LoRA instances: their configs name their adapters files (beside them: no instance configs themselves)
+    lora = {"VLLM_FLEET_ADAPTERS_FILE": str(cfg / "qwen3.adapters.json")}
     (cfg / "qwen3.json").write_text(
-        json.dumps({"name": "qwen3", "served_model_name": "qwen3-8b", "port": 8001})
+        json.dumps({"name": "qwen3", "served_model_name": "qwen3-8b", "port": 8001, "environment": lora})
     )
     (cfg / "big.json").write_text(
-        json.dumps({"name": "big", "served_model_name": "big-70b", "port": 8003, "nnodes": 3})
+        json.dumps({"name": "big", "served_model_name": "big-70b", "port": 8003, "nnodes": 3,
+                    "environment": {"VLLM_FLEET_ADAPTERS_FILE": str(cfg / "big.adapters.json")}})
+    )  # fmt: skip
+    adapter = {"path": "/var/lib/vllm-fleet/models/adapters/x", "rank": 8}
+    (cfg / "qwen3.adapters.json").write_text(
+        json.dumps({"schema": 1, "instance": "qwen3", "model": "qwen3-8b", "adapters": [
+            {**adapter, "name": "sql", "carry": True}, {**adapter, "name": "chat", "carry": True},
+            {**adapter, "name": "spill", "carry": False}]})
+    )  # fmt: skip
+    (cfg / "big.adapters.json").write_text(
+        json.dumps({"schema": 1, "instance": "big", "model": "big-70b",
+                    "adapters": [{**adapter, "name": "legal", "carry": True}]})
+    )  # fmt: skip
+    # qwen3 is ready: its engine has sql and spill loaded (chat: 0); big is not ready and its file is stale
+    (st / "adapters").mkdir()
+    (st / "adapters" / "qwen3.json").write_text(
+        json.dumps(
+            {"instance": "qwen3", "model": "qwen3-8b", "loaded": ["sql", "spill"], "updated_at": 1795940100.0}
+        )
+    )
+    (st / "adapters" / "big.json").write_text(
+        json.dumps({"instance": "big", "model": "big-70b", "loaded": ["legal"], "updated_at": 1795940100.0})
     )
     (cfg / "zz-broken.json").write_text("{not json")
     (st / "qwen3.json").write_text(json.dumps(STATE))

@@ -4,7 +4,10 @@
   draining / failed / stopped, probe latency and failures, load duration; ``vllm_fleet.contracts.StateFile``)
   and, for a multi-node instance, its group size (the instance config); per headless rank of a multi-node
   instance on this host, the worker's state file (``{state_dir}/workers/{name}.json``: waiting / joined /
-  rank0_gone / exited). Read at every scrape; ``read_errors`` counts the files that could not be read.
+  rank0_gone / exited); per LoRA instance (its config names an adapters file), whether each adapter it carries
+  is loaded (the adapter state file the launcher and ``vllm-fleet adapters sync`` write:
+  ``{state_dir}/adapters/{name}.json``). Read at every scrape; ``read_errors`` counts the files that could not
+  be read.
 * :class:`Deployment`: the manifest ``vllm-fleet manifest`` writes and, on the gateway host, the drained set
   ``vllm-fleet drain`` writes.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +24,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vllm_fleet.contracts import (
+    ADAPTER_STATE_STALE_SECONDS,
+    ADAPTERS_FILE_SUFFIX,
     WORKER_STATE_SUBDIR,
     WORKER_STATES,
+    AdaptersFile,
+    AdapterStateFile,
     ContractError,
     StateFile,
     WorkerStateFile,
+    adapter_state_path,
+    adapters_file_of,
+    read_adapter_state,
     read_state,
     read_worker_state,
 )
@@ -43,15 +53,19 @@ class Instance:
     port: int | None = None
     state: StateFile | None = None
     nnodes: int = 1  # the instance config's: hosts the engine group spans
+    adapters_file: str = ""  # the instance config's VLLM_FLEET_ADAPTERS_FILE: LoRA on
 
 
 def _configs(config_dir: Path | None) -> tuple[list[tuple[str, dict[str, Any]]], int]:
     """``(name, config)`` of every ``*.json`` config in ``config_dir`` (name: its ``name`` or the file's stem),
-    and how many could not be read."""
+    and how many could not be read. An instance's adapters file beside its config (``NAME.adapters.json``) is
+    no config."""
     found: list[tuple[str, dict[str, Any]]] = []
     errors = 0
     if config_dir is not None and config_dir.is_dir():
         for p in sorted(config_dir.glob("*.json")):
+            if p.name.endswith(ADAPTERS_FILE_SUFFIX):
+                continue
             cfg = read_json_object(p)
             if cfg is None:
                 errors += 1
@@ -84,11 +98,13 @@ def read_instances(state_dir: Path, config_dir: Path | None) -> tuple[list[Insta
     configs, cfg_errors = _configs(config_dir)
     for name, cfg in configs:
         nnodes = cfg.get("nnodes")
+        env = cfg.get("environment")
         found[name] = Instance(
             name,
             str(cfg.get("served_model_name") or name),
             cfg.get("port"),
             nnodes=nnodes if isinstance(nnodes, int) and not isinstance(nnodes, bool) else 1,
+            adapters_file=str(adapters_file_of(env) or "") if isinstance(env, dict) else "",
         )
     states, st_errors = _states(state_dir, read_state)
     for name, st in states:
@@ -261,6 +277,72 @@ def worker_metrics(workers: list[Worker]) -> Iterator[Metric]:
     yield since
 
 
+@dataclass
+class AdapterReading:
+    """A LoRA instance's adapters file and adapter state file, as one scrape read them (None: missing)."""
+
+    instance: Instance
+    file: AdaptersFile
+    state: AdapterStateFile | None
+
+
+def read_adapters(instances: list[Instance], state_dir: Path) -> tuple[list[AdapterReading], int]:
+    """The adapters of every LoRA instance: its adapters file (one that cannot be read is a read error; a
+    missing one: nothing carried) and its adapter state file (missing: nothing loaded). Returns (readings,
+    errors)."""
+    out: list[AdapterReading] = []
+    errors = 0
+    for i in instances:
+        if not i.adapters_file:
+            continue
+        try:
+            doc = AdaptersFile.load(i.adapters_file)
+        except FileNotFoundError:
+            continue
+        except (OSError, ContractError) as exc:
+            log.warning("%s", exc)
+            errors += 1
+            continue
+        try:
+            st: AdapterStateFile | None = read_adapter_state(adapter_state_path(state_dir, i.name))
+        except FileNotFoundError:
+            st = None
+        except (OSError, ContractError) as exc:
+            log.warning("%s", exc)
+            errors += 1
+            st = None
+        out.append(AdapterReading(i, doc, st))
+    return out, errors
+
+
+def adapter_loaded(r: AdapterReading, now: float) -> dict[str, int]:
+    """1/0 per adapter the instance carries: 1 when the adapter state file lists it as loaded, unless the file
+    is older than ``ADAPTER_STATE_STALE_SECONDS`` while the instance is not ready (a stopped or failed engine
+    loads nothing, whatever its last file said)."""
+    st = r.state or {}
+    names = set(st.get("loaded") or [])
+    age = now - float(st.get("updated_at") or 0.0)
+    ready = (r.instance.state or {}).get("state") == "ready"
+    if age > ADAPTER_STATE_STALE_SECONDS and not ready:
+        names = set()
+    return {a.name: 1 if a.name in names else 0 for a in r.file.carried}
+
+
+def adapter_metrics(readings: list[AdapterReading], now: float | None = None) -> Iterator[Metric]:
+    """``adapter_loaded{instance, model, adapter}`` per adapter each LoRA instance carries."""
+    now = time.time() if now is None else now
+    fam = GaugeMetricFamily(
+        PREFIX + "instance_adapter_loaded",
+        "1 when the engine has the LoRA adapter the instance carries loaded (adapter state file; 0 also when the"
+        " file is stale while the instance is not ready)",
+        labels=["instance", "model", "adapter"],
+    )
+    for r in readings:
+        for name, v in adapter_loaded(r, now).items():
+            fam.add_metric([r.instance.name, r.instance.model, name], v)
+    yield fam
+
+
 def rank_label(w: Worker) -> str:
     """A worker's ``rank`` label: its rank, empty when neither its config nor its state file says."""
     return "" if w.rank is None else str(w.rank)
@@ -274,6 +356,7 @@ class HostStates:
     instances: list[Instance]
     workers: list[Worker]
     errors: int
+    adapters: list[AdapterReading] = field(default_factory=list)
 
 
 class StateFiles(Collector):
@@ -289,11 +372,13 @@ class StateFiles(Collector):
     def read(self) -> HostStates:
         instances, errors = read_instances(self.state_dir, self.config_dir)
         workers, worker_errors = read_workers(self.state_dir, self.worker_config_dir)
-        return HostStates(instances, workers, errors + worker_errors)
+        adapters, adapter_errors = read_adapters(instances, self.state_dir)
+        return HostStates(instances, workers, errors + worker_errors + adapter_errors, adapters)
 
     def metrics(self, states: HostStates) -> Iterator[Metric]:
-        """The instance and worker series of ``states`` (without the read-error counter)."""
+        """The instance, adapter and worker series of ``states`` (without the read-error counter)."""
         yield from instance_metrics(states.instances)
+        yield from adapter_metrics(states.adapters)
         yield from worker_metrics(states.workers)
 
     @staticmethod
