@@ -425,6 +425,7 @@ def build() -> str:
         alert("VllmFleetGatewayAdmissionDown", "10m", []),
     )
     doc += canary_cases()
+    doc += lora_cases()
     doc += ha_cases()
     doc += case(
         "Watchdog always fires",
@@ -439,6 +440,50 @@ def build() -> str:
                 )
             ],
         ),
+    )
+    return doc
+
+
+def lora_cases() -> str:
+    """LoRA adapters: tiny (h1) and tiny-b (h2) both carry tiny-sql; each host exporter says whether its engine
+    has it loaded (vllm_fleet_instance_adapter_loaded). Loaded on none of them for 5m fires, once per adapter (no
+    instance label: the carriers are one adapter's); loaded on one of them, or on none for less than 5m, is
+    silent."""
+    doc = ""
+
+    def loaded(host: str, instance: str, adapter: str, values: str) -> str:
+        labels = f'job="vllm-fleet-exporter", host="{host}", instance="{instance}", model="tiny-qwen3", adapter="{adapter}"'
+        return series("vllm_fleet_instance_adapter_loaded", labels, values)
+
+    def not_loaded(adapter: str) -> str:
+        return (
+            f"Adapter {adapter} of model tiny-qwen3 has been loaded on none of the instances that carry it for 5m: "
+            "its requests go to engines that load it on demand first (slower), or fail where it does not load. "
+            "`vllm-fleet adapters show` on the carriers' hosts says what their engines have loaded; the launcher's "
+            "journal and `vllm-fleet adapters sync` the engine's reason."
+        )
+
+    doc += case(
+        "adapter tiny-sql loaded on none of its two carriers (fires after 5m); tiny-chat loaded on tiny (silent)",
+        loaded("h1", "tiny", "tiny-sql", "0x20")
+        + loaded("h2", "tiny-b", "tiny-sql", "0x20")
+        + loaded("h1", "tiny", "tiny-chat", "1x20"),
+        fires_after(
+            "VllmFleetAdapterNotLoaded",
+            "4m",
+            "6m",
+            [({"model": "tiny-qwen3", "adapter": "tiny-sql"}, not_loaded("tiny-sql"))],
+        ),
+    )
+    doc += case(
+        "adapter tiny-sql loaded on one carrier of two, then on none for 3m, then again (silent)",
+        loaded("h1", "tiny", "tiny-sql", "1x20") + loaded("h2", "tiny-b", "tiny-sql", "0x5 0x3 1x12"),
+        alert("VllmFleetAdapterNotLoaded", "7m", []) + alert("VllmFleetAdapterNotLoaded", "15m", []),
+    )
+    doc += case(
+        "adapter tiny-sql unloaded on both carriers for 3m only (a restart of each: silent)",
+        loaded("h1", "tiny", "tiny-sql", "1x4 0x3 1x12") + loaded("h2", "tiny-b", "tiny-sql", "1x4 0x3 1x12"),
+        alert("VllmFleetAdapterNotLoaded", "7m", []) + alert("VllmFleetAdapterNotLoaded", "12m", []),
     )
     return doc
 

@@ -71,6 +71,9 @@ HA_ONLY = ABSENT_BY_DESIGN["ha"]
 # a gateway's canary entry: only while `vllm-fleet rollout` runs (none runs here; tests/unit/test_status.py and
 # the rollout's own tests read it)
 ROLLOUT_ONLY = ABSENT_BY_DESIGN["rollout"]
+# whether each carried LoRA adapter is loaded: only fleets with adapters (none here; the exporter's series are in
+# tests/unit/test_exporter*.py, the alert's logic in the promtool cases, a real engine's in test_launcher_lora)
+LORA_ONLY = ABSENT_BY_DESIGN["lora"]
 # a canary's own selectors (role="canary"): this fleet has no rollout, so no canary target (the alert's canary
 # arm is proven by the promtool cases and the rollout module)
 CANARY_ONLY = CANARY_SELECTOR
@@ -598,7 +601,7 @@ def test_every_alert_expression_reads_existing_series(live: Live) -> None:
         missing = [
             s for s in missing_series(live.prom_port, r["expr"])
             if not SYSTEMD_ONLY.search(s) and not MULTINODE_ONLY.search(s) and not HA_ONLY.search(s)
-            and not CANARY_ONLY.search(s)
+            and not CANARY_ONLY.search(s) and not LORA_ONLY.search(s)
         ]  # fmt: skip
         if missing:
             problems[r["alert"]] = missing
@@ -618,7 +621,13 @@ def test_every_dashboard_query_returns_series(live: Live) -> None:
     queries = [
         (where, substitute(expr, "tiny", "h1", "30s"))
         for where, expr, gpu_only in panel_queries(live.spec.alerts.model_dump())
-        if not (gpu_only or GPU_ONLY.search(expr) or SYSTEMD_ONLY.search(expr) or ROLLOUT_ONLY.search(expr))
+        if not (
+            gpu_only
+            or GPU_ONLY.search(expr)
+            or SYSTEMD_ONLY.search(expr)
+            or ROLLOUT_ONLY.search(expr)
+            or LORA_ONLY.search(expr)
+        )
     ]
     assert len(queries) >= 25
     empty = [(where, q) for where, q in queries if not prom_query(live.prom_port, q)]

@@ -16,11 +16,12 @@ from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.observability import (
     ADMISSION_METRICS,
     ALERTMANAGER_CLUSTER_METRICS,
+    LORA_METRICS,
     VLLM_METRICS,
     VRRP_METRICS,
     check_alert_thresholds,
 )
-from vllm_fleet.fleet.observability.alerts import ALERTS, SPEC_KEYS, SPECIAL, markdown_table
+from vllm_fleet.fleet.observability.alerts import ALERTS, FIXED_FOR, SPEC_KEYS, SPECIAL, markdown_table
 from vllm_fleet.fleet.observability.grafana import alert_rules_yaml
 from vllm_fleet.fleet.render import render_monitoring
 from vllm_fleet.fleet.spec import ModelAlerts, load_spec, parse_spec
@@ -41,6 +42,7 @@ EXPORTER_METRICS = {
 EXPORTER_METRICS |= set(ADMISSION_METRICS)  # the gateway admission service's (gateway.limits)
 EXPORTER_METRICS |= set(VRRP_METRICS)  # keepalived's state on a gateway of two or more (gateway.hosts)
 EXPORTER_METRICS |= set(ALERTMANAGER_CLUSTER_METRICS)  # Alertmanager's own (monitoring.hosts)
+EXPORTER_METRICS |= set(LORA_METRICS)  # a LoRA instance's carried adapters (adapters[])
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"
@@ -381,7 +383,7 @@ def test_table_placeholders_and_spec_keys() -> None:
         used = set(re.findall(r"\$\{(\w+)\}", " ".join(texts)))
         assert used <= SPEC_KEYS | SPECIAL, (a.name, used - SPEC_KEYS - SPECIAL)
         assert not {"value", "op"} & used, a.name  # filled in by .expression
-        assert a.for_ is None or a.for_ in SPEC_KEYS, a.name
+        assert a.for_ is None or a.for_ in SPEC_KEYS or FIXED_FOR.fullmatch(a.for_), a.name
         assert not isinstance(a.threshold, str) or a.threshold in SPEC_KEYS, a.name
         assert set(a.spec_keys) <= SPEC_KEYS
         if a.per_instance:  # the per-instance override has the fleet-wide key's name

@@ -440,6 +440,28 @@ def test_only_the_rollout_families_may_lack_series_outside_a_rollout() -> None:
     assert all(absent_by_design(n, ["rollout"]) for n in ROLLOUT_METRICS)
 
 
+def test_only_the_adapter_family_may_lack_series_without_lora_adapters() -> None:
+    """ "lora" covers the carried adapters' loaded gauge (LORA_METRICS, VllmFleetAdapterNotLoaded's) and nothing else
+    an alert or a panel reads: a fleet without adapters exports none."""
+    from vllm_fleet.devtools.promql import absent_by_design, metric_name, selectors
+    from vllm_fleet.fleet.observability import LORA_METRICS
+    from vllm_fleet.fleet.observability.alerts import ALERTS
+
+    read = {
+        metric_name(s)
+        for expr in [e for _w, e, _g in panel_queries(parse_spec(spec_data()).alerts.model_dump())]
+        + [a.expression for a in ALERTS]
+        for s in selectors(expr)
+    }
+    assert {n for n in read if absent_by_design(n, ["lora"])} == set(LORA_METRICS)
+    for other in (
+        "vllm_fleet_instance_adapter_loaded_x",
+        "vllm_fleet_instance_state",
+        "vllm:lora_requests_info",
+    ):
+        assert not absent_by_design(other, ["lora"]), other
+
+
 def test_the_overview_marks_canary_rollouts(out: Path) -> None:
     """A region on every overview panel while a gateway sends a canary its share; its query is checked with the
     panels' (panel_queries)."""

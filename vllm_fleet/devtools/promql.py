@@ -26,6 +26,9 @@ ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
     # each gateway's canary entry (vllm_fleet.fleet.observability.ROLLOUT_METRICS): only while `vllm-fleet
     # rollout` runs (a canary is stopped otherwise); every other family must have series on a deployed fleet
     "rollout": re.compile(r"vllm_fleet_gateway_canary_(?:share|lease_expiry_timestamp_seconds)\b"),
+    # whether each carried LoRA adapter is loaded (vllm_fleet.fleet.observability.LORA_METRICS): only fleets
+    # whose spec has `adapters` (a LoRA instance's exporter exports it per adapter it carries)
+    "lora": re.compile(r"vllm_fleet_instance_adapter_loaded\b"),
 }
 
 # a selector of a rollout's canary (its role / track label, monitoring/prometheus.yml.j2): series only in a fleet

@@ -54,3 +54,8 @@ ROLLOUT_METRICS = (
     "vllm_fleet_gateway_canary_share",
     "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds",
 )
+
+# LoRA adapters (the spec's adapters[], docs: vllm_fleet/host/adapters.py): each LoRA instance's host exporter says
+# per adapter it carries whether its engine has it loaded (labels host, instance, model, adapter): no series on a
+# fleet without adapters (vllm_fleet.devtools.promql.ABSENT_BY_DESIGN["lora"])
+LORA_METRICS = ("vllm_fleet_instance_adapter_loaded",)

@@ -42,6 +42,7 @@ SPECIAL = frozenset({"by", "sel", "threshold", "value", "op"})
 OVERVIEW_UID = "vllm-fleet-overview"  # the dashboards' uids (the alerts link to them; dashboards.py)
 INSTANCE_UID = "vllm-fleet-instance"
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+FIXED_FOR = re.compile(r"[1-9][0-9]*[smh]")  # a ``for_`` that is a duration itself, not a spec key
 # A canary (``rollouts[].canary``: role canary) is deployed but stopped except during ``vllm-fleet rollout``:
 # its engine target (job vllm, always in prometheus.yml) is down then, normally. Its ``up`` series says which
 # instance is a canary (the host exporter's series have no role label); its launcher's state whether it runs.
@@ -59,7 +60,8 @@ class Alert:
     value: str
     op: str | None = None  # comparison of value and threshold; None: ``value`` is the whole expression
     threshold: str | float | None = None  # a key of the spec's ``alerts:`` (str) or a constant
-    for_: str | None = None  # key of the spec's ``alerts:`` holding the ``for:`` duration; None: no ``for``
+    # key of the spec's ``alerts:`` holding the ``for:`` duration, or a fixed duration ("5m"); None: no ``for``
+    for_: str | None = None
     expr: str = "${value} ${op} ${threshold}"  # the Prometheus expression
     scope: Literal["instance", "fleet"] = "instance"  # which dashboard the alert links to
     per_instance: bool = False  # models[].alerts.<threshold> overrides the threshold per instance
@@ -217,6 +219,19 @@ ALERTS: tuple[Alert, ...] = (
               "(vllm_fleet_instance_nodes) * 0)",
         op=">", threshold=0, for_="multinode_partial_for",
         expr="${value}\n${op} ${threshold}",
+    ),
+    Alert(
+        # LoRA adapters (the spec's adapters[]): each instance that carries an adapter loads it before READY=1 and
+        # `vllm-fleet adapters sync` keeps it loaded; each one's host exporter says whether its engine has it
+        # (vllm_fleet_instance_adapter_loaded, the adapter state file). Fires when no carrier has it loaded
+        "VllmFleetAdapterNotLoaded", "warning", section="LoRA adapters", scope="fleet",
+        summary="A LoRA adapter is loaded on none of the instances that carry it",
+        description="Adapter {{ $labels.adapter }} of model {{ $labels.model }} has been loaded on none of the "
+                    "instances that carry it for 5m: its requests go to engines that load it on demand first "
+                    "(slower), or fail where it does not load. `vllm-fleet adapters show` on the carriers' hosts "
+                    "says what their engines have loaded; the launcher's journal and `vllm-fleet adapters sync` "
+                    "the engine's reason.",
+        value="max by (model, adapter) (vllm_fleet_instance_adapter_loaded)", op="==", threshold=0, for_="5m",
     ),
     Alert(
         "VllmGateway5xxRatioHigh", "critical", section="gateway", scope="fleet",
@@ -392,6 +407,13 @@ class Rule:
     annotations: dict[str, str]
 
 
+def for_duration(a: dict[str, Any], alert: Alert) -> str | None:
+    """The ``for:`` of ``alert``'s rule: the spec's ``alerts:`` value (``a``) of its key, or its fixed duration."""
+    if alert.for_ is None:
+        return None
+    return alert.for_ if FIXED_FOR.fullmatch(alert.for_) else a[alert.for_]
+
+
 def spec_values(a: dict[str, Any]) -> dict[str, str]:
     """The placeholders' values of the spec's ``alerts:`` (``a``), and ``${by}``."""
     return {k: _num(v) for k, v in a.items() if k in SPEC_KEYS} | {"by": BY}
@@ -416,7 +438,7 @@ def _rule(vf: dict[str, Any], alert: Alert, sel: str, threshold: Any) -> Rule:
     return Rule(
         alert=alert,
         expr=fill(alert.expression, values),
-        for_=vf["alerts"][alert.for_] if alert.for_ else None,
+        for_=for_duration(vf["alerts"], alert),
         labels=labels,
         annotations={
             "summary": fill(alert.summary, values),

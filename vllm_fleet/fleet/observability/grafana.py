@@ -22,6 +22,7 @@ from vllm_fleet.fleet.observability.alerts import (
     OVERVIEW_UID,
     Alert,
     fill,
+    for_duration,
     runbook_url,
     spec_values,
 )
@@ -56,7 +57,7 @@ def _rule(vf: dict[str, Any], alert: Alert) -> G.AlertRulev9:
             "__dashboardUid__": INSTANCE_UID if alert.scope == "instance" else OVERVIEW_UID,
         },
         labels={"severity": alert.severity, "source": "grafana"},
-        evaluateFor=a[alert.for_],
+        evaluateFor=for_duration(a, alert),
         # no data = nothing to alert on (instances come and go); a broken query must be visible
         noDataAlertState="OK",
         errorAlertState="Error",
