@@ -6,7 +6,9 @@ endpoints and status codes; the JSON shapes (keys and types) of plain and stream
 SSE framing; error bodies; every vLLM metric that the product reads — derived from the alert rules, the
 dashboards' queries, the launcher's probe, ``vllm-fleet status``, ``drain`` and ``bench`` — with its type and
 labels; the admission 503 (body, headers, and what the launcher's probe makes of it); a burst of streams
-refused before their first byte (the launcher's stream guard); drain on SIGTERM.
+refused before their first byte (the launcher's stream guard); drain on SIGTERM; LoRA as vllm-fleet runs it
+(``--enable-lora``, runtime loading, vllm-fleet's resolver): adapters in /v1/models, requests naming one, the
+load/unload routes and their answers, the spill path, ``vllm:lora_requests_info``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from lora_fixtures import lora_engine_env, write_adapters_file  # type: ignore[import-not-found]
 
 from vllm_fleet.devtools.testing import EngineProcess, http_json
 from vllm_fleet.fleet import status
@@ -30,6 +34,7 @@ from vllm_fleet.fleet.observability.alerts import ALERTS
 from vllm_fleet.fleet.observability.dashboards import panel_queries
 from vllm_fleet.fleet.observability.thresholds import TTFT_BUCKETS
 from vllm_fleet.fleet.spec import AlertThresholds
+from vllm_fleet.host import adapters as host_adapters
 from vllm_fleet.host import drain, probe
 from vllm_fleet.vllm_metrics import (
     HISTOGRAM_SUFFIXES,
@@ -62,6 +67,27 @@ def bounded(request: pytest.FixtureRequest) -> EngineProcess:
     extra = ["--max-num-seqs", "2", "--max-num-queued-reqs", "2", "--middleware", STREAM_GUARD]
     return make(extra=extra, token_delay=0.003)  # type: ignore[no-any-return]
 
+
+@pytest.fixture(scope="module", params=KINDS)
+def lora_subject(
+    request: pytest.FixtureRequest, tiny_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    """A LoRA engine as vllm-fleet starts one: ``--enable-lora --max-loras 2 --max-lora-rank 8``, runtime
+    loading on, an adapters file (ad-a carried, ad-c listed: the resolver's) in its environment; ad-a loaded at
+    start (``--lora-modules``). A real engine of its own (stopped with the module), or a sim engine."""
+    work = tmp_path_factory.mktemp("lora-engine")
+    file = write_adapters_file(work / "tiny.adapters.json", "tiny", MODEL,
+                               {"ad-a": (tiny_adapters["ad-a"], True), "ad-c": (tiny_adapters["ad-c"], False)})  # fmt: skip
+    extra = [*LORA_FLAGS, "--lora-modules", f"ad-a={tiny_adapters['ad-a']}"]
+    env = lora_engine_env(file, work)
+    if request.param == "sim":
+        return request.getfixturevalue("sim_engine_factory")(extra=extra, env=env)
+    e = EngineProcess(request.getfixturevalue("tiny_model"), extra=extra, workdir=work, env=env).start()
+    request.addfinalizer(e.stop)
+    return e.wait_ready(900)
+
+
+LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
 # --------------------------------------------------------------------------------------------- shapes
 
@@ -138,6 +164,11 @@ CHAT_LAST = {**_CH, "system_fingerprint": str,
 MESSAGE = {"id": str, "type": "message", "role": "assistant", "content": [{"type": "text", "text": str}],
            "model": MODEL, "stop_reason": {"max_tokens", "end_turn"},
            "usage": {"input_tokens": int, "output_tokens": int}}  # fmt: skip
+PERMISSION = [{"id": str, "object": "model_permission", "created": int, "allow_create_engine": False,
+               "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+               "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]  # fmt: skip
+ADAPTER_CARD = {"id": str, "object": "model", "created": int, "owned_by": "vllm", "root": str, "parent": MODEL,
+                "max_model_len": None, "permission": PERMISSION}  # fmt: skip
 MODELS = {"object": "list", "data": [{
     "id": MODEL, "object": "model", "created": int, "owned_by": "vllm", "root": str, "parent": None,
     "max_model_len": 1024,
@@ -520,3 +551,107 @@ def test_sigterm_drains_in_flight_requests(bounded: EngineProcess) -> None:
     last = json.loads(events[-2][1])
     assert last["choices"][0]["finish_reason"] == "length", last
     assert e.proc.wait(60) == 0
+
+
+# ------------------------------------------------------------------------------------------------- LoRA
+
+
+def lora_error(type_: str, code: int, message: str, param: Any = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion(e: EngineProcess, model: str) -> tuple[int, dict[str, str], str]:
+    return raw(e, "POST", "/v1/completions", {"model": model, "prompt": "def f(", "max_tokens": 3})
+
+
+def test_lora_adapters_are_models_of_their_own(lora_subject: EngineProcess) -> None:
+    """/v1/models lists a loaded adapter with its base as ``parent``; a request naming it is answered under its
+    name; one naming an adapter that is not loaded (nor listed for the resolver) gets vLLM's 404."""
+    st, _, text = raw(lora_subject, "GET", "/v1/models")
+    assert st == 200
+    doc = json.loads(text)
+    conforms(doc, {"object": "list", "data": [dict]})
+    base, *cards = doc["data"]
+    conforms({"object": "list", "data": [base]}, MODELS)
+    assert [c["id"] for c in cards] == ["ad-a"]
+    for c in cards:
+        conforms(c, ADAPTER_CARD)
+    assert cards[0]["root"].endswith("/ad-a")
+    st, _, text = completion(lora_subject, "ad-a")
+    assert st == 200, text
+    conforms(json.loads(text), {**COMPLETION, "model": "ad-a"})
+    st, _, text = raw(lora_subject, "POST", "/v1/chat/completions",
+                      {"model": "ad-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+    assert st == 200 and json.loads(text)["model"] == "ad-a", text
+    st, headers, text = completion(lora_subject, "ad-b")
+    assert st == 404 and headers["content-type"] == "application/json", text
+    msg = f"The model `ad-b` does not exist. Valid aliases: {MODEL}."
+    assert json.loads(text) == lora_error("NotFoundError", 404, msg, "model")
+    # vllm-fleet's client of the engine reads the same
+    assert host_adapters.loaded("127.0.0.1", lora_subject.port, MODEL) == {"ad-a": cards[0]["root"]}
+
+
+def test_lora_runtime_load_and_unload(lora_subject: EngineProcess, tiny_adapters: dict[str, Path]) -> None:
+    """With VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: load (200 text), again (400 "already been loaded"), unload (200
+    text), again (404); a folder with no adapter (404), a rank above --max-lora-rank (refused); SageMaker's forms."""
+    e, ad_b = lora_subject, str(tiny_adapters["ad-b"])
+    st, headers, text = raw(e, "POST", "/v1/load_lora_adapter", {"lora_name": "ad-b", "lora_path": ad_b})
+    assert (st, text) == (200, "Success: LoRA adapter 'ad-b' added successfully.")
+    assert "content-type" not in headers, headers
+    assert completion(e, "ad-b")[0] == 200
+    st, _, text = raw(e, "POST", "/v1/load_lora_adapter", {"lora_name": "ad-b", "lora_path": ad_b})
+    msg = ("The lora adapter 'ad-b' has already been loaded. If you want to load the adapter in place, set "
+           "'load_inplace' to True.")  # fmt: skip
+    assert st == 400 and json.loads(text) == lora_error("InvalidUserInput", 400, msg), text
+    assert host_adapters.ALREADY_LOADED in msg
+    st, _, text = raw(e, "POST", "/v1/unload_lora_adapter", {"lora_name": "ad-b"})
+    assert (st, text) == (200, "Success: LoRA adapter 'ad-b' removed successfully.")
+    assert completion(e, "ad-b")[0] == 404
+    st, _, text = raw(e, "POST", "/v1/unload_lora_adapter", {"lora_name": "ad-b"})
+    msg = "The lora adapter 'ad-b' cannot be found."
+    assert st == 404 and json.loads(text) == lora_error("NotFoundError", 404, msg), text
+    nowhere = str(tiny_adapters["ad-b"].parent / "no-such-adapter")
+    st, _, text = raw(e, "POST", "/v1/load_lora_adapter", {"lora_name": "ad-x", "lora_path": nowhere})
+    msg = "Loading lora ad-x failed: No adapter found for <path>"  # vLLM takes paths out of its messages
+    assert st == 404 and json.loads(text) == lora_error("NotFoundError", 404, msg), text
+    big = str(tiny_adapters["ad-big"])
+    st, _, text = raw(e, "POST", "/v1/load_lora_adapter", {"lora_name": "ad-big", "lora_path": big})
+    assert st == 500, text
+    err = json.loads(text)
+    conforms(err, error("InternalServerError", 500, None))
+    assert "LoRA rank 16 is greater than max_lora_rank 8." in err["error"]["message"], err
+    assert completion(e, "ad-big")[0] == 404
+    # SageMaker's forms of the same
+    st, _, text = raw(e, "POST", "/adapters", {"name": "ad-b", "src": ad_b})
+    assert st == 200, text
+    assert completion(e, "ad-b")[0] == 200
+    st, _, text = raw(e, "DELETE", "/adapters/ad-b")
+    assert st == 200, text
+    assert completion(e, "ad-b")[0] == 404
+    assert raw(e, "GET", "/v1/models")[2].count('"parent"') == 2  # the base (null) and ad-a
+
+
+def test_lora_resolver_loads_a_listed_adapter_on_its_first_request(lora_subject: EngineProcess) -> None:
+    """The spill path: ad-c is in the engine's adapters file (not carried, not loaded); its first request loads it
+    through vllm-fleet's resolver and is served under its name; /v1/models lists it afterwards."""
+    before = host_adapters.loaded("127.0.0.1", lora_subject.port, MODEL)
+    st, _, text = completion(lora_subject, "ad-c")
+    assert st == 200, text
+    assert json.loads(text)["model"] == "ad-c"
+    after = host_adapters.loaded("127.0.0.1", lora_subject.port, MODEL)
+    assert "ad-c" not in before and "ad-c" in after, (before, after)
+
+
+def test_lora_metrics(lora_subject: EngineProcess) -> None:
+    """``vllm:lora_requests_info`` (a gauge: max_lora, running and waiting adapters; no model_name, no engine
+    label); the engine's other series name the BASE model only, adapter requests included."""
+    assert completion(lora_subject, "ad-a")[0] == 200
+    types, samples = parse_exposition(raw(lora_subject, "GET", "/metrics")[2])
+    assert types.get("vllm:lora_requests_info") == "gauge"
+    info = samples["vllm:lora_requests_info"]
+    assert info and all(
+        set(lab) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"} for lab in info
+    )
+    assert {lab["max_lora"] for lab in info} == {"2"}
+    names = {lab.get("model_name") for series in samples.values() for lab in series} - {None}
+    assert names == {MODEL}, names

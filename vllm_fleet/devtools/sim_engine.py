@@ -457,8 +457,22 @@ class HTTPError(Exception):
         self.body = body
 
 
+_PATH_RES = (
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's error messages without file paths (each becomes ``<path>``), as its error responses carry them."""
+    for rx in _PATH_RES:
+        message = rx.sub("<path>", message)
+    return message.strip()
+
+
 def openai_error(status: int, message: str, type_: str, param: str | None = None) -> HTTPError:
-    return HTTPError(status, {"error": {"message": message, "type": type_, "param": param, "code": status}})
+    body = {"message": sanitize_message(message), "type": type_, "param": param, "code": status}
+    return HTTPError(status, {"error": body})
 
 
 class Response:
