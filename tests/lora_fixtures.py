@@ -1,10 +1,6 @@
-"""LoRA fixtures: tiny peft adapters for the tiny model, and the environment an engine needs for vllm-fleet's LoRA
-resolver (its ``vllm.general_plugins`` entry point).
-
-``build_tiny_adapter`` is a private copy of the builder the spec side adds to vllm_fleet/devtools/tinymodel.py
-(same logic: random A/B of rank r for q, k, v, o, gate, up and down of every layer, peft format); use that one
-once it is there.
-"""
+"""LoRA fixtures: tiny peft adapters for the tiny model (``vllm_fleet.devtools.tinymodel.build_tiny_adapter``), an
+instance's adapters file, and the environment an engine needs for vllm-fleet's LoRA resolver (its
+``vllm.general_plugins`` entry point)."""
 
 from __future__ import annotations
 
@@ -15,43 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fleet.contracts import ADAPTERS_FILE_ENV
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV, RUNTIME_LORA_ENV
+from vllm_fleet.devtools.tinymodel import build_tiny_adapter
 
 RESOLVER_ENTRY = "vllm_fleet.host.lora_resolver:register"
-
-
-def build_tiny_adapter(
-    base: Path, out: Path, rank: int = 8, seed: int = 1, base_name: str = "tiny-qwen3"
-) -> Path:
-    """A peft LoRA adapter of rank ``rank`` for the tiny model at ``base`` (its config.json gives the shapes)."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = json.loads((base / "config.json").read_text())
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    dims = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-            "mlp.down_proj": (inter, h)}  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    t = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for mod, (i, o) in dims.items():
-            p = f"base_model.model.model.layers.{layer}.{mod}"
-            t[p + ".lora_A.weight"] = (
-                (torch.randn(rank, i, generator=g) * 0.02).to(torch.bfloat16).contiguous()
-            )
-            t[p + ".lora_B.weight"] = (
-                (torch.randn(o, rank, generator=g) * 0.02).to(torch.bfloat16).contiguous()
-            )
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name, "r": rank,
-        "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted({m.split(".")[1] for m in dims}), "modules_to_save": None}, indent=2))  # fmt: skip
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +50,7 @@ def lora_engine_env(adapters_file: Path, workdir: Path) -> dict[str, str]:
     """What a LoRA instance's engine gets (the render's environment) plus, when this Python's installed
     vllm-fleet does not declare the resolver's entry point yet (an editable install older than it), a
     distribution of its own on ``PYTHONPATH`` that declares it, so vLLM finds vllm-fleet's resolver."""
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", ADAPTERS_FILE_ENV: str(adapters_file)}
+    env = {RUNTIME_LORA_ENV: "1", ADAPTERS_FILE_ENV: str(adapters_file)}
     found = importlib.metadata.entry_points(group="vllm.general_plugins")
     if any(e.value == RESOLVER_ENTRY for e in found):
         return env

@@ -9,11 +9,8 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
 - ``WorkerStateFile``: ``{state_dir}/workers/NAME.json``, written by a multi-node instance's headless rank
   (``vllm_fleet.host.worker.state_dict``), read by the host exporter (``vllm_fleet.host.exporter.read_workers``);
   in a folder of its own, so that the exporter's ``{state_dir}/*.json`` never takes a worker for an instance.
-- ``AdaptersFile``: ``{config_dir}/instances/NAME.adapters.json`` (the instance config's environment names it:
-  ``ADAPTERS_FILE_ENV``), every LoRA adapter of the instance's base model and whether it carries it; rendered on
-  the controller, read on the host by the launcher, ``vllm-fleet adapters``, the exporter and the engine's LoRA
-  resolver (``vllm_fleet.host.lora_resolver``). ``AdapterStateFile``: ``{state_dir}/adapters/NAME.json``, the
-  adapters the engine has loaded, written by the launcher and ``vllm-fleet adapters sync``, read by the exporter.
+- ``AdapterStateFile``: ``{state_dir}/adapters/NAME.json``, the LoRA adapters an instance's engine has loaded,
+  written by the launcher and ``vllm-fleet adapters sync`` (``vllm_fleet.host.adapters``), read by the exporter.
 - ``SERVICE_DEFAULTS``: the defaults of an instance's ``service`` settings: the spec's ``ServiceSettings``,
   the base unit ``vllm@.service`` and the launcher take them from here; ``probe_timing``: the watchdog timing
   rule both the spec's validation and the launcher apply.
@@ -505,86 +502,13 @@ def read_worker_state(path: str | Path) -> WorkerStateFile:
     return parse_worker_state(data, str(p))
 
 
-# ------------------------------------------------------------------------------------------ LoRA adapters
+# ------------------------------------------------------------------------- what an instance's engine has loaded
 
-# the instance config's environment names the instance's adapters file (LoRA on: rendered with the config);
-# the launcher, `vllm-fleet adapters`, the host exporter and the engine's LoRA resolver read it from there
-ADAPTERS_FILE_ENV = "VLLM_FLEET_ADAPTERS_FILE"
-ADAPTERS_FILE_SUFFIX = ".adapters.json"  # {config_dir}/instances/NAME.adapters.json: not an instance config
-ADAPTERS_FILE_SCHEMA = 1
 ADAPTER_STATE_SUBDIR = "adapters"  # {state_dir}/adapters/NAME.json: not matched by the instances' *.json
 # the launcher rewrites the adapter state file from the engine at most this often while the instance is ready;
 # the exporter distrusts one older than ADAPTER_STATE_STALE_SECONDS while its instance is not ready
 ADAPTER_STATE_REFRESH_SECONDS = 30.0
 ADAPTER_STATE_STALE_SECONDS = 120.0
-
-
-@dataclass(frozen=True)
-class AdapterEntry:
-    """One adapter of an instance's base model: ``carry``: this instance loads it at start (and gets its
-    requests first); any other adapter of the base it loads on a request's demand (the resolver: spill)."""
-
-    name: str
-    path: str
-    rank: int
-    carry: bool
-
-
-@dataclass(frozen=True)
-class AdaptersFile:
-    """``{config_dir}/instances/NAME.adapters.json`` (``ADAPTERS_FILE_ENV``): every adapter of the instance's
-    base model, rendered on the controller per instance. A change of it never restarts the instance
-    (`vllm-fleet adapters sync` applies it to the running engine)."""
-
-    instance: str
-    model: str
-    adapters: tuple[AdapterEntry, ...] = ()
-
-    @property
-    def carried(self) -> list[AdapterEntry]:
-        return [a for a in self.adapters if a.carry]
-
-    def get(self, name: str) -> AdapterEntry | None:
-        return next((a for a in self.adapters if a.name == name), None)
-
-    @classmethod
-    def from_dict(cls, d: Any, source: str = "") -> AdaptersFile:
-        """Check and convert the rendered JSON; ``ContractError`` names the first field that is wrong."""
-        d = _mapping(d, source, "(root)")
-        if d.get("schema") != ADAPTERS_FILE_SCHEMA:
-            want = f"expected {ADAPTERS_FILE_SCHEMA}, got {d.get('schema')!r}"
-            raise ContractError(f"{_where(source, 'schema')}: {want}")
-        raw = d.get("adapters")
-        if not isinstance(raw, list):
-            raise ContractError(f"{_where(source, 'adapters')}: expected a list, got {raw!r}")
-        out: list[AdapterEntry] = []
-        for i, a in enumerate(raw):
-            key = f"adapters[{i}]"
-            a = _mapping(a, source, key)
-            carry = a.get("carry", False)
-            if not isinstance(carry, bool):
-                raise ContractError(f"{_where(source, key + '.carry')}: expected true/false, got {carry!r}")
-            out.append(
-                AdapterEntry(
-                    name=_string(a.get("name"), source, f"{key}.name"),
-                    path=_string(a.get("path"), source, f"{key}.path"),
-                    rank=_integer(a.get("rank"), source, f"{key}.rank"),
-                    carry=carry,
-                )
-            )
-        names = [a.name for a in out]
-        if dupes := sorted({n for n in names if names.count(n) > 1}):
-            raise ContractError(f"{_where(source, 'adapters')}: duplicate names {', '.join(dupes)}")
-        return cls(
-            instance=_string(d.get("instance"), source, "instance"),
-            model=_string(d.get("model"), source, "model"),
-            adapters=tuple(out),
-        )
-
-    @classmethod
-    def load(cls, path: str | Path) -> AdaptersFile:
-        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-        return cls.from_dict(*_contract_json(path))
 
 
 def adapters_file_of(environment: dict[str, str]) -> str:

@@ -1,6 +1,7 @@
-"""LoRA adapters on the host: the adapters file and adapter state file contracts, the engine's error messages as
-``vllm-fleet adapters`` reads them, the state file's writer, and the engine's LoRA resolver (its light import,
-its answers). The engine calls themselves: tests/integration/test_adapters_sim.py and test_engine_contract.py."""
+"""LoRA adapters on the host: the adapter state file (its contract and writer), the engine's error messages as
+``vllm-fleet adapters`` reads them, and the engine's LoRA resolver (its light import, its answers). The adapters
+file's contract: tests/unit/test_lora.py; the engine calls themselves: tests/integration/test_adapters_sim.py and
+test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,33 +27,6 @@ DOC = {
     "adapters": [{"name": "tiny-sql", "path": "/var/lib/vllm-fleet/models/adapters/tiny-sql", "rank": 8, "carry": True},
                  {"name": "tiny-chat", "path": "/srv/adapters/tiny-chat", "rank": 16, "carry": False}],
 }  # fmt: skip
-
-
-def test_the_adapters_file_as_the_design_writes_it() -> None:
-    doc = AdaptersFile.from_dict(DOC, "f.json")
-    assert (doc.instance, doc.model) == ("tiny-a", "tiny-qwen3")
-    assert [a.name for a in doc.carried] == ["tiny-sql"]
-    chat = doc.get("tiny-chat")
-    assert chat is not None and (chat.path, chat.rank, chat.carry) == ("/srv/adapters/tiny-chat", 16, False)
-    assert doc.get("nope") is None
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"schema": 2}, "f.json: schema: expected 1, got 2"),
-        ({"adapters": {}}, "f.json: adapters: expected a list, got {}"),
-        ({"adapters": [DOC["adapters"][0], {**DOC["adapters"][1], "rank": "8"}]},
-         "f.json: adapters[1].rank: expected an integer, got '8'"),
-        ({"adapters": [{**DOC["adapters"][0], "carry": "yes"}]}, "f.json: adapters[0].carry: expected true/false"),
-        ({"adapters": [DOC["adapters"][0], DOC["adapters"][0]]}, "f.json: adapters: duplicate names tiny-sql"),
-        ({"model": None}, "f.json: model: expected a string, got None"),
-    ],
-)  # fmt: skip
-def test_a_wrong_adapters_file_names_the_field(change: dict[str, Any], message: str) -> None:
-    with pytest.raises(ContractError) as e:
-        AdaptersFile.from_dict({**DOC, **change}, "f.json")
-    assert str(e.value).startswith(message), str(e.value)
 
 
 def test_the_adapter_state_file_written_and_read(tmp_path: Path) -> None:
@@ -114,7 +87,7 @@ def test_the_resolver_module_imports_nothing_heavy_and_does_nothing_without_an_a
 def test_the_resolver_answers_from_the_adapters_file(tmp_path: Path) -> None:
     file = tmp_path / "a.adapters.json"
     file.write_text(json.dumps(DOC))
-    assert lora_resolver.lookup(str(file), "tiny-chat") == AdaptersFile.from_dict(DOC).get("tiny-chat")
+    assert lora_resolver.lookup(str(file), "tiny-chat") == AdaptersFile.from_dict(DOC).adapter("tiny-chat")
     assert lora_resolver.lookup(str(file), "nope") is None
     assert lora_resolver.lookup(str(tmp_path / "missing.json"), "tiny-chat") is None
     # a name added to the file later is found (the file is read on every call); vLLM's side of the resolver: a

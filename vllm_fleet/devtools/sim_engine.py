@@ -69,7 +69,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.contracts import ADAPTERS_FILE_ENV
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV, RUNTIME_LORA_ENV
 from vllm_fleet.host import lora_resolver, stream_guard
 
 VERSION = "0.32.0"
@@ -573,10 +573,7 @@ class SimServer:
         # LoRA (--enable-lora): adapters by name → their folder; runtime loading only with the env vLLM reads,
         # and vllm-fleet's resolver (the spill path) when the engine's environment names an adapters file
         self.loras: dict[str, str] = {}
-        self.runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in (
-            "1",
-            "true",
-        )
+        self.runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
         self.adapters_file = os.environ.get(ADAPTERS_FILE_ENV, "") if self.runtime_lora else ""
         if args.enable_lora:
             self.metrics.max_lora = args.max_loras

@@ -356,7 +356,9 @@ def show(cfg: InstanceConfig, timeout: float = 5.0) -> dict[str, Any]:
         rows.append({"name": a.name, "carry": a.carry, "rank": a.rank, "path": a.path,
                      "loaded": None if now is None else a.name in now})  # fmt: skip
     for name, path in sorted((now or {}).items()):
-        if doc is None or doc.get(name) is None:  # loaded, and not (or no longer) in the file
+        if doc is None or name not in {
+            x.name for x in doc.adapters
+        }:  # loaded, and not (or no longer) in the file
             rows.append({"name": name, "carry": False, "rank": None, "path": path, "loaded": True})
     out["adapters"] = rows
     return out

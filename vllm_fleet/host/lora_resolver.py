@@ -28,8 +28,8 @@ def lookup(file: str, name: str) -> AdapterEntry | None:
     """The adapter ``name`` of the adapters file ``file``; None when it does not list it, or the file cannot
     be read (no adapter is the safe answer: the request gets vLLM's 404)."""
     try:
-        return AdaptersFile.load(file).get(name)
-    except (OSError, ContractError):
+        return AdaptersFile.load(file).adapter(name)
+    except (OSError, ContractError, KeyError):
         return None
 
 
