@@ -43,7 +43,9 @@ def units(remote: Remote, spec: FleetSpec) -> dict[str, str]:
     bases = {a.base for a in spec.adapters}
     for m in spec.models:
         if m.served_model_name in bases and m.role != "canary":
-            cp = remote.run(m.host, ["systemctl", "show", "-p", "MainPID", "-p", "NRestarts", f"vllm@{m.name}"])
+            cp = remote.run(
+                m.host, ["systemctl", "show", "-p", "MainPID", "-p", "NRestarts", f"vllm@{m.name}"]
+            )
             out[m.name] = " ".join(cp.stdout.split())
     return out
 
@@ -137,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     per: dict[str, Any] = {}
     for m, ld in loads.items():
         failed = [r for r in ld.records if r.outcome != "ok"]
-        per[m] = {"requests": len(ld.records), "failed": len(failed), "failures": [r.__dict__ for r in failed[:5]]}
+        per[m] = {
+            "requests": len(ld.records),
+            "failed": len(failed),
+            "failures": [r.__dict__ for r in failed[:5]],
+        }
     out["per_name"] = per
     out["requests"] = sum(v["requests"] for v in per.values())
     out["failed"] = sum(v["failed"] for v in per.values())
@@ -146,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=2, default=str))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
-    return 0 if out["failed"] == 0 and not out["restarted"] and all(
-        x["rc"] == 0 for x in (out["play_add"], out["play_remove"])
-    ) else 1
+    return (
+        0
+        if out["failed"] == 0
+        and not out["restarted"]
+        and all(x["rc"] == 0 for x in (out["play_add"], out["play_remove"]))
+        else 1
+    )
 
 
 if __name__ == "__main__":
