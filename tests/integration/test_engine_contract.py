@@ -47,6 +47,10 @@ from vllm_fleet.vllm_metrics import (
 MODEL = "tiny-qwen3"
 REAL = pytest.param("vllm", marks=[pytest.mark.engine, pytest.mark.slow])
 KINDS = [REAL, "sim"]
+# LoRA against a real engine of its own (a third engine start, ~200 s on 2 cores): make test-all; make test runs
+# the sim half here and a real LoRA engine under the launcher (test_launcher_lora.py: load before READY, sync,
+# the resolver's spill path)
+LORA_KINDS = [pytest.param("vllm", marks=[pytest.mark.engine, pytest.mark.slow, pytest.mark.extended]), "sim"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -68,7 +72,7 @@ def bounded(request: pytest.FixtureRequest) -> EngineProcess:
     return make(extra=extra, token_delay=0.003)  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=LORA_KINDS)
 def lora_subject(
     request: pytest.FixtureRequest, tiny_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Any:
