@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fleet.devtools.failover import FailoverLoad
+from vllm_fleet.fleet import engine
 from vllm_fleet.fleet.remote import Remote, load_inventory
 from vllm_fleet.fleet.spec import FleetSpec, load_spec
 
@@ -65,7 +66,9 @@ def engine_adapters(remote: Remote, spec: FleetSpec) -> dict[str, list[str]]:
     bases = {a.base for a in spec.adapters}
     for m in spec.models:
         if m.served_model_name in bases and m.role != "canary":
-            cp = remote.run(m.host, ["curl", "-s", f"http://127.0.0.1:{m.port}/v1/models"])
+            address = engine.listen_address(spec, m)
+            code = f"import urllib.request; print(urllib.request.urlopen('http://{address}:{m.port}/v1/models').read().decode())"
+            cp = remote.run(m.host, ["python3", "-c", code])
             try:
                 data = json.loads(cp.stdout or "{}").get("data", [])
             except ValueError:
