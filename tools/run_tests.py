@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,8 +108,12 @@ def run_phases(args: list[str]) -> int:
     for s, log in ((fleet, logdir), (local, None)):
         _start(s, args, log)
         running.append(s)
-    _wait(local)
-    _wait(fleet)
+    # each stream's time is its own (a waiter each): the one that ends first is not timed by the other
+    waiters = [threading.Thread(target=_wait, args=(s,)) for s in (fleet, local)]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join()
     assert fleet.log is not None
     print(f"\n== tests: stream fleet's output ({fleet.log})", flush=True)
     sys.stdout.buffer.write(fleet.log.read_bytes())
