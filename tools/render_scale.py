@@ -18,7 +18,7 @@ the square of the replicas of one model; ``--replicas 0`` gives every host the s
 Rounds are interleaved (N = 10, 100, 1000, then again), each figure is min / median / max over the rounds.
 
     python tools/render_scale.py [--sizes 10,100,1000] [--rounds 3] [--replicas 10] [--per-host] [--multinode]
-        [--stacks] [--keep DIR]
+        [--stacks] [--adapters K] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-004-4xa100.yml"
 
 
-def make_spec(n: int, replicas: int = 10, multinode: bool = False, stacks: bool = False) -> dict:
+def make_spec(
+    n: int, replicas: int = 10, multinode: bool = False, stacks: bool = False, adapters: int = 0
+) -> dict:
     """The seed-004 fleet with ``n`` copies of its host (``gpu-0000`` ...), two instances each. Hosts come in
     groups of ``replicas`` that serve the same two models (``qwen3-8b-g0000`` ...); ``replicas`` 0: every host
     serves the seed's two models (one pool of ``n`` replicas each). ``stacks``: each host also runs a CPU
@@ -86,6 +88,17 @@ def make_spec(n: int, replicas: int = 10, multinode: bool = False, stacks: bool 
                 "max_num_seqs": 4, "enforce_eager": True, "shape": copy.deepcopy(second["shape"]),
             })  # fmt: skip
     spec = dict(base, name=f"scale-{n}", hosts=hosts, models=models)
+    if adapters:  # every served model: LoRA on, `adapters` rank-16 adapters, half carried by all, half by one
+        served: dict[str, list[str]] = {}
+        for m in models:
+            m["lora"] = {"max_loras": 4}
+            served.setdefault(m["served_model_name"], []).append(m["name"])
+        spec["adapters"] = [
+            {"name": f"{base_name}-ad{k:03d}", "base": base_name, "rank": 16,
+             "source": {"path": f"/srv/adapters/{base_name}/ad{k:03d}"},
+             "instances": "any" if k % 2 == 0 else [names[k % len(names)]]}
+            for base_name, names in served.items() for k in range(adapters)
+        ]  # fmt: skip
     if stacks:
         spec["stacks"] = {"cpu-fallback": {"profile": "cpu", "vllm_version": "0.32.0"}}
     spec["gateway"] = dict(base["gateway"], host=hosts[0]["name"])
@@ -125,6 +138,11 @@ def main() -> None:
         "--stacks", action="store_true",
         help="each host also runs a cpu fallback on a named stack (two stacks per host: stacks, models[].stack)",
     )  # fmt: skip
+    ap.add_argument(
+        "--adapters", type=int, default=0,
+        help="LoRA on every instance and this many rank-16 adapters per served model (half carried by all its "
+        "instances, half by one)",
+    )  # fmt: skip
     ap.add_argument("--keep", help="write the generated specs here (kept)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -135,7 +153,9 @@ def main() -> None:
     specs = {}
     for n in sizes:
         specs[n] = work / f"fleet-{n}.yml"
-        specs[n].write_text(yaml.safe_dump(make_spec(n, a.replicas, a.multinode, a.stacks), sort_keys=False))
+        specs[n].write_text(
+            yaml.safe_dump(make_spec(n, a.replicas, a.multinode, a.stacks, a.adapters), sort_keys=False)
+        )
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for r in range(a.rounds):

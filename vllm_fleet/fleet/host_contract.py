@@ -56,7 +56,7 @@ def host_adapters(spec: FleetSpec, instances: list[ModelInstance]) -> list[HostA
     """Every adapter of the served model of each LoRA instance of ``instances`` (each may load any of them), in
     the spec's order."""
     bases = {m.served_model_name for m in instances if spec.lora_on(m)}
-    return [host_adapter(spec, a) for a in spec.adapters if a.base in bases]
+    return [host_adapter(spec, a) for _, a in spec.adapters_at(bases)]
 
 
 def host_instance(spec: FleetSpec, m: ModelInstance) -> HostInstance:

@@ -58,7 +58,7 @@ def doctor_checks(spec: FleetSpec, host: str) -> DoctorChecks:
     profiles = sorted({s.profile for s in stacks})
     gpu_stacks = [s for s in stacks if s.profile == "gpu"]
     used = [g for m in spec.models_on(host) if spec.stack_of(m).profile == "gpu" for g in m.gpus]
-    index = [h.name for h in spec.hosts].index(host)
+    index = spec.host_position(host)
     return DoctorChecks(
         profile="gpu+cpu" if len(profiles) > 1 else profiles[0],
         min_driver=max((s.min_driver for s in gpu_stacks), default=spec.stack.min_driver),

@@ -384,8 +384,8 @@ def check_lora(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
                 f"{s.max_lora_rank} is not a rank vLLM accepts ({', '.join(map(str, LORA_RANKS))})",
             )
         )
-    for k, a in enumerate(spec.adapters):
-        if a.base == m.served_model_name and a.rank > s.max_lora_rank:
+    for k, a in spec.adapters_at([m.served_model_name]):
+        if a.rank > s.max_lora_rank:
             found.append(
                 _problem(
                     f"adapters[{k}].rank",
@@ -523,7 +523,7 @@ def check_gpu_memory_known(
     """The fit needs the GPUs' memory: a refusal, or a note before the play has detected the GPUs."""
     if not (host.gpus.detect or not host.gpus.memory_gib):
         return []
-    host_path = f"hosts[{[h.name for h in spec.hosts].index(host.name)}].gpus"
+    host_path = f"hosts[{spec.host_position(host.name)}].gpus"
     why = f"GPU memory of {host.name} unknown ({'detect: true' if host.gpus.detect else 'no memory_gib'})"
     if fit_after_fetch:
         return [_note(host_path, f"{why}: fit checked when the play plans again with the detected GPUs")]
@@ -778,7 +778,7 @@ def check_primaries(spec: FleetSpec) -> list[Finding]:
     """Every served model needs a primary instance somewhere."""
     found: list[Finding] = []
     for name in sorted({m.served_model_name for m in spec.models}):
-        if "primary" not in {m.role for m in spec.models if m.served_model_name == name}:
+        if "primary" not in {m.role for m in spec.models_of(name)}:
             idx = next(i for i, m in enumerate(spec.models) if m.served_model_name == name)
             found.append(_problem(f"models[{idx}].role", f"model {name!r} has no primary instance"))
     return found
@@ -873,7 +873,7 @@ def check_gateway_auth(spec: FleetSpec) -> list[Finding]:
 
 def _address_field(spec: FleetSpec, name: str) -> tuple[str, str]:
     """(spec field, value) of host ``name``'s fleet-internal address: private_address, else address."""
-    i = [h.name for h in spec.hosts].index(name)
+    i = spec.host_position(name)
     h = spec.hosts[i]
     return (
         (f"hosts[{i}].private_address", h.private_address)

@@ -864,11 +864,16 @@ class Firewall(_Model):
 
 @dataclasses.dataclass
 class _HostIndex:
-    key: tuple[int, int, int, int]
-    hosts: dict[str, Host] = dataclasses.field(default_factory=dict)
+    key: tuple[int, ...]
+    hosts: dict[str, tuple[int, Host]] = dataclasses.field(default_factory=dict)  # name: (its index, it)
     models: dict[str, list[ModelInstance]] = dataclasses.field(default_factory=dict)
     workers: dict[str, list[tuple[ModelInstance, int]]] = dataclasses.field(default_factory=dict)
     groups: dict[str, list[ModelInstance]] = dataclasses.field(default_factory=dict)
+    # by served model: its instances and its adapters (spec order)
+    served: dict[str, list[ModelInstance]] = dataclasses.field(default_factory=dict)
+    adapters: dict[str, list[tuple[int, Adapter]]] = dataclasses.field(
+        default_factory=dict
+    )  # (k: adapters[k])
 
 
 # the name of the fleet's own ``stack`` (what an instance without ``stack`` runs)
@@ -937,17 +942,22 @@ class FleetSpec(_Model):
         names += [self.stack_name(m) for m, _ in self.workers_on(host)]
         return list(dict.fromkeys(names))
 
-    def _by_host(self) -> _HostIndex:
-        """Hosts, instances, ranks and groups by host name, built once per hosts/models list: the render and
-        the context ask per host, and a scan of every model per host made a 1,000-host fleet quadratic."""
-        key = (id(self.hosts), len(self.hosts), id(self.models), len(self.models))
+    def _indexed(self) -> _HostIndex:
+        """Hosts, instances, ranks and groups by host name, instances and adapters by served model, built once
+        per hosts/models/adapters list: the render and the context ask per host and per instance, and a scan of
+        every model per host (of every adapter per instance) made a 1,000-host fleet quadratic."""
+        key = (id(self.hosts), len(self.hosts), id(self.models), len(self.models), id(self.adapters),
+               len(self.adapters))  # fmt: skip
         idx = self._index
         if idx is None or idx.key != key:
             idx = _HostIndex(key)
-            for h in self.hosts:
-                idx.hosts.setdefault(h.name, h)
+            for i, h in enumerate(self.hosts):
+                idx.hosts.setdefault(h.name, (i, h))
+            for k, a in enumerate(self.adapters):
+                idx.adapters.setdefault(a.base, []).append((k, a))
             for m in self.models:
                 idx.models.setdefault(m.host, []).append(m)
+                idx.served.setdefault(m.served_model_name, []).append(m)
                 for r, n in enumerate(m.placement):
                     idx.groups.setdefault(n.host, []).append(m)
                     if r:
@@ -956,18 +966,26 @@ class FleetSpec(_Model):
         return idx
 
     def host(self, name: str) -> Host:
-        return self._by_host().hosts[name]  # KeyError for an unknown name
+        return self._indexed().hosts[name][1]  # KeyError for an unknown name
+
+    def host_position(self, name: str) -> int:
+        """``k`` of ``hosts[k]`` named ``name`` (KeyError for an unknown name)."""
+        return self._indexed().hosts[name][0]
 
     def models_on(self, host: str) -> list[ModelInstance]:
-        return list(self._by_host().models.get(host, []))
+        return list(self._indexed().models.get(host, []))
+
+    def models_of(self, served_model: str) -> list[ModelInstance]:
+        """The instances of a served model, in spec order."""
+        return list(self._indexed().served.get(served_model, []))
 
     def workers_on(self, host: str) -> list[tuple[ModelInstance, int]]:
         """The (instance, rank) of each headless rank > 0 of a multi-node instance that runs on ``host``."""
-        return list(self._by_host().workers.get(host, []))
+        return list(self._indexed().workers.get(host, []))
 
     def groups_on(self, host: str) -> list[ModelInstance]:
         """The multi-node instances with a rank (0 or more) on ``host``."""
-        return [m for m in self._by_host().groups.get(host, []) if m.multi_node]
+        return [m for m in self._indexed().groups.get(host, []) if m.multi_node]
 
     def rollout_of(self, served_model: str) -> Rollout | None:
         """The ``rollouts`` entry of a served model, or None."""
@@ -997,11 +1015,16 @@ class FleetSpec(_Model):
     # ------------------------------------------------------------------ adapters (docs/lora.md)
     def adapters_of(self, served_model: str) -> list[Adapter]:
         """The adapters of a served model, in spec order."""
-        return [a for a in self.adapters if a.base == served_model]
+        return [a for _, a in self._indexed().adapters.get(served_model, [])]
+
+    def adapters_at(self, served_models: Iterable[str]) -> list[tuple[int, Adapter]]:
+        """(k, adapters[k]) of every adapter of ``served_models``, in spec order."""
+        idx = self._indexed().adapters
+        return sorted((x for b in set(served_models) for x in idx.get(b, [])), key=lambda x: x[0])
 
     def lora_on(self, m: ModelInstance) -> bool:
         """Whether ``m`` runs with LoRA: its served model has adapters, or it sets ``lora``."""
-        return m.lora is not None or any(a.base == m.served_model_name for a in self.adapters)
+        return m.lora is not None or bool(self._indexed().adapters.get(m.served_model_name))
 
     def max_lora_rank(self, m: ModelInstance) -> int:
         """``m``'s --max-lora-rank: ``lora.max_lora_rank``, else the smallest of vLLM's ranks at or above the
@@ -1026,11 +1049,7 @@ class FleetSpec(_Model):
         the instance it copies carries (the served model's first primary)."""
         if m.role == "canary":
             src = next(
-                (
-                    x
-                    for x in self.models
-                    if x.served_model_name == m.served_model_name and x.role == "primary"
-                ),
+                (x for x in self._indexed().served.get(m.served_model_name, []) if x.role == "primary"),
                 None,
             )
             if src is not None:
@@ -1051,7 +1070,7 @@ class FleetSpec(_Model):
 
     def adapter_carriers(self, a: Adapter) -> list[str]:
         """The instances (names, spec order, canaries included) that carry ``a``."""
-        return [m.name for m in self.models if self.carries(m, a)]
+        return [m.name for m in self._indexed().served.get(a.base, []) if self.carries(m, a)]
 
     def adapter_path(self, a: Adapter) -> str:
         """Where ``a``'s files are on a host: ``source.path``, else ``{paths.models_dir}/adapters/NAME``."""
@@ -1307,7 +1326,7 @@ def _adapter_checks(spec: FleetSpec) -> list[tuple[str, str]]:
             continue
         if a.instances == "any":
             continue
-        of_base = [m.name for m in spec.models if m.served_model_name == a.base]
+        of_base = [m.name for m in spec.models_of(a.base)]
         listed: dict[str, int] = {}
         for j, name in enumerate(a.instances):
             if name in listed:
