@@ -161,9 +161,14 @@ class LabGateway:
     """The rendered gateway as the gateway host runs it: the API key file it includes (one generated key, client
     ``lab``), the admission service on the rendered admission.json (``vllm-fleet admission``; its sockets under
     the spec's gateway.limits.runtime_dir), then nginx (Debian's, unpacked under /root/vf/nginx) on the rendered
-    conf. ``key`` is sent with every request through it. ``host_root``: the render's host folder (OUT/h200)."""
+    conf. ``key`` is sent with every request through it. ``host_root``: the render's host folder (OUT/h200);
+    ``vf``: the lab's root (the live admission.json goes to VF/etc/gateway); ``nginx_root``: where nginx's
+    Debian files are (usr/sbin/nginx, usr/lib/nginx/modules; None: VF/nginx, the unpacked packages; ``/``: the
+    machine's own nginx, for lora_fleet.py --local)."""
 
-    def __init__(self, host_root: Path, prefix: Path, log: Path) -> None:
+    def __init__(
+        self, host_root: Path, prefix: Path, log: Path, vf: Path = VF, nginx_root: Path | None = None
+    ) -> None:
         from vllm_fleet.devtools import gateway_nginx
 
         self.host_root, self.prefix, self.log = host_root, prefix, log
@@ -184,14 +189,15 @@ class LabGateway:
             except KeyError:  # no www-data group on this machine: the sockets keep root's group
                 self.info["socket_group_missing"] = cfg["socket_group"]
                 cfg["socket_group"] = ""
-            live = VF / "etc/gateway/admission.json"
+            live = vf / "etc/gateway/admission.json"
             live.parent.mkdir(parents=True, exist_ok=True)
             live.write_text(json.dumps(cfg, indent=2))
             self.admission_path = live
             for s in (cfg["socket"], cfg["log_socket"]):
                 Path(s).parent.mkdir(parents=True, exist_ok=True)
-        gateway_nginx.NGINX = str(VF / "nginx/usr/sbin/nginx")
-        gateway_nginx.JS_MODULE = str(VF / "nginx/usr/lib/nginx/modules/ngx_http_js_module.so")
+        nginx_root = vf / "nginx" if nginx_root is None else nginx_root
+        gateway_nginx.NGINX = str(nginx_root / "usr/sbin/nginx")
+        gateway_nginx.JS_MODULE = str(nginx_root / "usr/lib/nginx/modules/ngx_http_js_module.so")
         self.nginx = gateway_nginx.NginxGateway(
             host_root / "etc/nginx",
             prefix,

@@ -8,6 +8,8 @@
 #                               through the gateway then at the engine (tools/gpu-validate/churn.py)
 #   run-device.sh classes OUT   request classes on the real engine: interactive TTFT while batch saturates it,
 #                               gateway with and without classes (tools/gpu-validate/classes.py)
+#   run-device.sh lora-fleet OUT  LoRA adapters through vllm-fleet: fetch, launcher, gateway, burst, adapters sync
+#                               under traffic, exporter, stop (tools/gpu-validate/lora_fleet.py)
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
@@ -50,5 +52,8 @@ churn)
 classes)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 204 client connections + the gateway's
   exec python3 tools/gpu-validate/classes.py "$2" ;;  # exec: a `timeout` TERM reaches it
-*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT" >&2; exit 2 ;;
+lora-fleet)
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 384 client connections + the gateway's
+  exec python3 tools/gpu-validate/lora_fleet.py "$2" ;;  # exec: a `timeout` TERM reaches it
+*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT" >&2; exit 2 ;;
 esac
