@@ -4,7 +4,7 @@ host does: the rendered spec, ``vllm-fleet fetch``, the launcher (sd_notify thro
 rendered gateway (nginx + njs + the admission service, measure.LabGateway) and ``vllm-fleet adapters sync``.
 
   lora_fleet.py OUT           on the device, after ``run-device.sh install`` (one call of about 5-7 min):
-  1. K+1 random rank-16 adapters of the Qwen3-8B shape (lora.make_adapters: a00..a08 under /root/vf/adapters);
+  1. nine random rank-16 adapters of the Qwen3-8B shape (lora.make_adapters: a00..a08 under /root/vf/adapters);
      the spec h200-lora.yml (a00-a03 carried by the instance, a04-a07 listed only: the engine's resolver loads
      them on a first request) with every adapter file's sha256, rendered (``--lock-dir '' --allow-unchecked-flags``
      as measure.py), planned (the LoRA slots' estimate) and fetched (``vllm-fleet fetch --contract``: checksums
@@ -21,7 +21,7 @@ rendered gateway (nginx + njs + the admission service, measure.LabGateway) and `
      and status (every non-200 must be a 429/503 JSON with Retry-After; no 200 carrying an error; every answer
      names the model asked), TTFT p50/p90 of the base vs the adapters, the watchdog pings (never a gap of
      WatchdogSec), the launcher alive, the same engine, one READY=1; the engine's queue and
-     ``vllm:lora_requests_info`` sampled every 0.5 s;
+     ``vllm:lora_requests_info`` sampled every second (and how many series that gauge has at the end);
   5. under steady traffic (4 lanes: the base, a00, a01, a05): the spec edited (a08 added to the carried set, a03
      removed), rendered again (the instance config must not change), fetched, the adapters file installed,
      ``vllm-fleet adapters sync qwen3-8b --json`` (timed: loaded [a08], unloaded [a03]), the gateway's new
@@ -29,7 +29,8 @@ rendered gateway (nginx + njs + the admission service, measure.LabGateway) and `
      follow; a second sync changes nothing;
   6. ``vllm-fleet exporter --once --no-nvml``: the ``vllm_fleet_instance_adapter_loaded`` lines; the engine's
      ``vllm:lora_requests_info`` series;
-  7. SIGTERM to the launcher: exit code, the drain (STOPPING=1, its time), the adapter state file after it;
+  7. 4 streams in flight (the base and a00), then SIGTERM to the launcher: the streams must complete (the drain),
+     exit code 0 with STOPPING=1, the engine gone, the adapter state file empty after it;
      nvidia-smi before and after; OUT/lora-fleet-results.json (written after every step; a ``timeout``'s SIGTERM
      stops the launcher and writes it) + the logs, and a summary. Exit 0 when every check passed.
   lora_fleet.py OUT --local   the same steps with the sim engine (vllm_fleet/devtools/sim_engine.py: the engine
@@ -37,7 +38,8 @@ rendered gateway (nginx + njs + the admission service, measure.LabGateway) and `
                               a temporary folder on free ports, small sizes: no GPU (docs/gpu-validation.md).
 
 Knobs (flags, defaults from the environment): VF_MAX_NUM_SEQS (64; local 8), VF_BURST_S (40; local 8),
-VF_LANES_PER_SEQ (6), VF_TOKENS (128; local 16), VF_STEADY_S (5; local 2), VF_READY_TIMEOUT (420; local 60).
+VF_LANES_PER_SEQ (6), VF_TOKENS (128; local 16), VF_STEADY_S (5; local 2), VF_DRAIN_S (30),
+VF_READY_TIMEOUT (420; local 60).
 """
 
 from __future__ import annotations
@@ -485,8 +487,9 @@ def metrics_text(port: int) -> str:
 
 
 class Sampler:
-    """Every 0.5 s the engine's running/waiting requests and its ``vllm:lora_requests_info`` (the adapters in
-    the batch and waiting for a slot)."""
+    """Every second the engine's running/waiting requests and its ``vllm:lora_requests_info`` (the adapters in
+    the batch and waiting for a slot). vLLM keeps a series of that gauge per set of adapters it saw, so its
+    /metrics grows under a mixed burst: the sampler asks once a second and reports the size."""
 
     def __init__(self, port: int) -> None:
         self.port, self.rows = port, []  # type: ignore[var-annotated]
@@ -506,8 +509,9 @@ class Sampler:
             info = [(float(ln.rsplit(" ", 1)[1]), lora_info_labels(ln)) for ln in lora_info_lines(text)]
             if info:
                 row["lora"] = max(info, key=lambda x: x[0])[1]
+            row["bytes"], row["lora_series"] = len(text), len(lora_info_lines(text))
             self.rows.append(row)
-            self.ev.wait(0.5)
+            self.ev.wait(1.0)
 
     def done(self) -> dict[str, Any]:
         self.ev.set()
@@ -526,6 +530,8 @@ class Sampler:
             "adapters_seen_running": sorted({x for s in running_sets for x in s.split(",") if x}),
             "adapters_seen_waiting": sorted({x for s in waiting_sets for x in s.split(",") if x}),
             "max_lora": next((r["lora"].get("max_lora") for r in rows if "lora" in r), None),
+            "metrics_bytes_last": rows[-1]["bytes"] if rows else None,
+            "lora_info_series_last": rows[-1]["lora_series"] if rows else None,
         }
 
 
@@ -580,6 +586,10 @@ def resolver_pythonpath(root: Path) -> tuple[str | None, str]:
     return str(dist.parent), f"shim distribution {dist}"
 
 
+class RunStop(Exception):
+    """A step cannot go on (its message says why): the run stops the launcher and writes what it has."""
+
+
 # ---- the lab: adapters, model, engine command (device: what run-device.sh install left; local: the sim)
 
 
@@ -609,9 +619,14 @@ def make_local_lab(lay: Layout, n: int, token_delay: float) -> dict[str, Any]:
 
 def make_device_adapters(n: int) -> dict[str, Any]:
     """lora.py's make_adapters: ``n`` random rank-16 adapters of the Qwen3-8B shape (a00..) in /root/vf/adapters
-    (kept when there: a rerun reuses them)."""
+    (kept when there: a rerun reuses them). In a child process: its CUDA context (and torch's cached blocks) go
+    with it, before the engine sizes its share of the GPU."""
     t = time.monotonic()
-    names = lora.make_adapters(n)
+    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import lora; print(json.dumps(lora.make_adapters({n})))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise RunStop(f"make_adapters failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
+    names = json.loads(r.stdout.strip().splitlines()[-1])
     size = sum(f.stat().st_size for f in (lora.ADAPTERS / names[0]).iterdir())
     return {"adapters": len(names), "seconds": round(time.monotonic() - t, 1), "bytes_each": size}
 
@@ -623,10 +638,6 @@ def free_port() -> int:
 
 
 # ---- the run
-
-
-class RunStop(Exception):
-    """A step cannot go on (its message says why): the run stops the launcher and writes what it has."""
 
 
 class Run:
@@ -664,6 +675,7 @@ class Run:
         return ok
 
     def step(self, title: str) -> None:
+        self.res["last_step"] = title
         print(f"== {title} ({time.monotonic() - self.tstart:.0f} s)", flush=True)
 
     @property
@@ -1132,8 +1144,10 @@ class Run:
         self.res["stop"] = {"rc": rc, "seconds": took, "stopping_at_s": stopping,
                             "statuses": [str(f["STATUS"])[:160] for f in msgs if "STATUS" in f][:10],
                             "adapter_state_after": self.adapter_state()}  # fmt: skip
-        time.sleep(2)
-        self.res["nvidia_smi_after_stop"] = nvidia_smi()
+        deadline = time.monotonic() + 15  # the engine core's CUDA context goes a moment after the launcher
+        while (smi := nvidia_smi()).get("apps") and time.monotonic() < deadline:
+            time.sleep(1)
+        self.res["nvidia_smi_after_stop"] = smi
         gone = pid is not None and not Path(f"/proc/{pid}").exists()
         print(
             f"   launcher rc {rc} after {took} s; STOPPING=1 at {stopping}; drain {self.res.get('drain')}",
@@ -1177,11 +1191,14 @@ class Run:
                 self.sync()
                 self.exporter()
             self.stop()
+            self.check("run_completed", True)
         except RunStop as exc:
             print(f"stopped: {exc}", flush=True)
             self.check("run_completed", False, str(exc))
         finally:
             self.res["wall_s"] = round(time.monotonic() - self.tstart, 1)
+            if "run_completed" not in self.res["checks"]:  # cut (a `timeout`'s SIGTERM) or an exception
+                self.check("run_completed", False, f"cut in step {self.res.get('last_step')}")
             failed = [
                 k
                 for k, v in self.res["checks"].items()
@@ -1205,7 +1222,8 @@ def summary(res: dict[str, Any]) -> None:
               f"TTFT base p50/p90 {g['base']['ttft_p50_s']}/{g['base']['ttft_p90_s']} s, adapters "
               f"{g['adapter']['ttft_p50_s']}/{g['adapter']['ttft_p90_s']} s; longest ping gap "
               f"{b['watchdog']['max_ping_gap_s']} s; engine peak running {b['engine']['peak_running']} waiting "
-              f"{b['engine']['peak_waiting']}, adapters in a batch ≤ {b['engine']['most_adapters_running']}")  # fmt: skip
+              f"{b['engine']['peak_waiting']}, adapters in a batch ≤ {b['engine']['most_adapters_running']}, "
+              f"lora_requests_info series {b['engine']['lora_info_series_last']}")  # fmt: skip
     s = res.get("sync")
     if s:
         r = s["sync"]["result"] if isinstance(s["sync"]["result"], dict) else {}
