@@ -1009,6 +1009,11 @@ class Run:
         s["instance_config_unchanged"] = inst == running
         self.check("edited_spec_leaves_the_instance_config_unchanged", s["instance_config_unchanged"])
         s["fetch"] = self.fetch("edited")
+        self.check(
+            "fetch_verified_the_added_adapter",
+            s["fetch"]["ok"] and ADDED in s["fetch"]["adapters"],
+            s["fetch"],
+        )
         s["admission_config_unchanged"] = (
             self.lay.rendered("edited", lay.etc / "gateway/admission.json").read_text()
             == self.lay.rendered("initial", lay.etc / "gateway/admission.json").read_text()
@@ -1095,8 +1100,13 @@ class Run:
             for x in carried(self.spec2)
         )
         info = lora_info_lines(metrics_text(lay.engine_port))
-        self.res["exporter"] = {"rc": r.returncode, "stderr": r.stderr[-1500:], "adapter_loaded": lines,
-                                "engine_lora_requests_info": info[-20:]}  # fmt: skip
+        self.res["exporter"] = {
+            "rc": r.returncode,
+            "stderr": r.stderr[-1500:],
+            "adapter_loaded": lines,
+            "engine_lora_requests_info": info[-20:],
+            "engine_lora_requests_info_series": len(info),
+        }
         for ln in lines:
             print("  ", ln, flush=True)
         self.check("exporter_reports_the_carried_adapters_loaded", r.returncode == 0 and lines == want,
