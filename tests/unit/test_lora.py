@@ -224,10 +224,12 @@ def test_the_lora_slots_are_taken_from_the_kv_cache_on_the_gpu_profile() -> None
     models = REPO / "tests/fixtures/plan/models"
     off = make_plan(_gpu(None), [models]).instances[0]
     on = make_plan(_gpu({"max_loras": 3, "max_lora_rank": 32}), [models]).instances[0]
-    # per layer, rank × (in + out) of q, k, v, o, gate, up, down; 2 bytes (bf16)
+    # per layer, rank × (in + out) of q, k, v, o, gate, up, down; the embedding and the LM head, rank × (vocab
+    # + hidden) each; 2 bytes (bf16)
     h, inter, q, kv = 1024, 3072, 16 * 128, 8 * 128
     widths = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + inter)
-    want = 3 * SMALL_CFG["num_hidden_layers"] * 32 * widths * 2
+    vocab = 2 * (SMALL_CFG["vocab_size"] + h)
+    want = 3 * 32 * (SMALL_CFG["num_hidden_layers"] * widths + vocab) * 2
     assert on.lora_bytes == want and off.lora_bytes is None
     assert on.kv_cache_bytes is not None and off.kv_cache_bytes is not None
     assert off.kv_cache_bytes - on.kv_cache_bytes == want

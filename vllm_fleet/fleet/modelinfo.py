@@ -52,6 +52,7 @@ class ModelFacts:
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
+    vocab_size: int | None = None
 
     def missing(self) -> list[str]:
         need = {
@@ -118,6 +119,7 @@ def facts_from_config(cfg: dict, weight_bytes_on_disk: int | None, source: str) 
         hidden_size=text_cfg.get("hidden_size"),
         intermediate_size=text_cfg.get("intermediate_size"),
         num_attention_heads=n_heads,
+        vocab_size=text_cfg.get("vocab_size"),
     )
 
 
@@ -231,10 +233,15 @@ def lora_dtype_bytes(model: ModelInstance, facts: ModelFacts) -> float:
 
 def lora_bytes(model: ModelInstance, facts: ModelFacts, max_loras: int, max_lora_rank: int) -> int | None:
     """The memory vLLM allocates for LoRA: ``max_loras`` slots of ``max_lora_rank`` in every layer, A (rank ×
-    in) and B (out × rank) of each adapted module, in the LoRA dtype; None when the shape is not known. Dense
-    projections only (a mixture-of-experts model's experts are not counted)."""
+    in) and B (out × rank) of each adapted module, and in the token embedding and the LM head (vocab + hidden
+    each), in the LoRA dtype; None when the shape is not known. Dense projections only (a mixture-of-experts
+    model's experts are not counted). On the H200 (vLLM 0.21.0, Qwen3-8B's shape) the weights vLLM reported
+    grew by 0.73 GiB for 8 slots of rank 16 and 2.90 GiB for 32 (this: 0.72, 2.90); LoRA's second set of
+    CUDA graphs (~0.17 GiB there) is not counted (docs/perf/lora.md)."""
     widths = lora_widths(facts)
     if widths is None or not facts.num_layers:
         return None
-    per_layer = sum(max_lora_rank * (i + o) for i, o in widths)
-    return int(max_loras * facts.num_layers * per_layer * lora_dtype_bytes(model, facts))
+    per_layer = sum(i + o for i, o in widths)
+    vocab = 2 * (facts.vocab_size + (facts.hidden_size or 0)) if facts.vocab_size else 0
+    per_rank = facts.num_layers * per_layer + vocab
+    return int(max_loras * max_lora_rank * per_rank * lora_dtype_bytes(model, facts))
