@@ -216,6 +216,8 @@ def test_adapters_reach_their_carriers_spill_and_are_listed(stubs: dict[str, Stu
             http_json("GET", g.url + "/v1/models/ad-nope"),
         ):
             assert st == 404 and err["error"]["code"] == "model_not_found", err
+        # the message names what is served: the models and their adapters
+        assert f"(served: {BASE}, ad-all, ad-dead, ad-sub)" in ask(g, "ad-nope")[0][1]["error"]["message"]
         st, err = http_json(
             "POST", g.url + "/v1/messages", {"model": "ad-nope", "max_tokens": 2, "messages": []}
         )
