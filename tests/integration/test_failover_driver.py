@@ -246,8 +246,9 @@ def test_command_line(engines: tuple[SimEngineProcess, SimEngineProcess], tmp_pa
     a, _ = engines
     key, out = tmp_path / "key", tmp_path / "failover.json"
     key.write_text("sk-not-checked\n")  # the sim engine takes any key: the header is only sent
+    # 3 s after the cut: on a loaded 2-core machine a request may take a second, and one must start after it
     argv = [
-        "run", a.url, "--key-file", str(key), "--model", "tiny-qwen3", "--lanes", "2", "--duration", "2",
+        "run", a.url, "--key-file", str(key), "--model", "tiny-qwen3", "--lanes", "2", "--duration", "4",
         "--cut-after", "1", "--cut-cmd", f"{sys.executable} -c 'print(\"cut\")'",
         "--engine-metrics", a.url + "/metrics", "--window", "1", "--out", str(out),
     ]  # fmt: skip
