@@ -46,6 +46,7 @@ from vllm_fleet.contracts import (
     adapters_file_of,
     read_state,
 )
+from vllm_fleet.files import write_json_atomic
 
 DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 TIMEOUT = 30.0  # one engine call (a load reads the adapter's files and hands them to the engine core)
@@ -151,12 +152,7 @@ def write_state(state_dir: str | Path, instance: str, model: str, names: list[st
         "loaded": sorted(names),
         "updated_at": time.time(),
     }
-    tmp = d / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-    tmp.chmod(0o644)
-    if owner is not None:
-        os.chown(tmp, owner.st_uid, owner.st_gid)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, owner=None if owner is None else (owner.st_uid, owner.st_gid))
     return path
 
 

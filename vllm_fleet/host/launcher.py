@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from vllm_fleet.contracts import InstanceConfig, StateFile, adapters_file_of
+from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host import adapters
 from vllm_fleet.host.churn import read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import read_group
@@ -143,10 +143,7 @@ def write_state(state_dir: str, name: str, data: StateFile | dict[str, Any]) -> 
     try:
         d = Path(state_dir)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-        tmp.chmod(0o644)
-        os.replace(tmp, d / f"{name}.json")
+        write_json_atomic(d / f"{name}.json", data)
     except OSError as exc:
         _log(f"cannot write state file in {state_dir}: {exc}", 4)
 
