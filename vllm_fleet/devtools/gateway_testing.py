@@ -24,10 +24,37 @@ from vllm_fleet.devtools.gateway_nginx import NginxGateway
 from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.fleet.admission_config import admission_config_path
 from vllm_fleet.fleet.render import render_fleet
-from vllm_fleet.fleet.spec import FleetSpec, parse_spec
+from vllm_fleet.fleet.spec import FleetSpec, Routing, parse_spec
 
 # gateway.rate_limit high enough that no routing test meets it
 OPEN_RATE_LIMIT = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
+
+
+def route_upstream(
+    servers: list[tuple[str, str, str]], policy: str = "least_conn", max_conns: int | None = None
+) -> dict[str, Any]:
+    """An upstream as ``context.upstreams`` makes it, for ``routes.gateway_routes`` without a spec: served model
+    ``m`` (upstream ``m_m``) routed by ``policy``, its ``servers`` (instance, role, pool) on 127.0.0.1:8100,
+    8101 ... in order, none drained, each with ``max_conns`` (None: 8 under cache_aware, which bounds each
+    server's load, else none)."""
+    if max_conns is None and policy == "cache_aware":
+        max_conns = 8
+    return {
+        "model": "m",
+        "upstream": "m_m",
+        "routing": Routing.model_validate({"policy": policy}).model_dump(),
+        "servers": [
+            {
+                "instance": n,
+                "address": f"127.0.0.1:{8100 + i}",
+                "role": role,
+                "pool": pool,
+                "drained": False,
+                "max_conns": max_conns,
+            }
+            for i, (n, role, pool) in enumerate(servers)
+        ],
+    }
 
 
 def gateway_spec(
