@@ -687,6 +687,9 @@ def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
 
 # ------------------------------------------------------------------------- a host's contract: host.json
 
+# the spec's paths.config_dir by default, and where the host commands (launch, worker, adapters) look without
+# --config-dir: the instance configs under instances/, the host's contract
+DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 HOST_CONTRACT_FILE = "host.json"  # in the spec's paths.config_dir
 HOST_CONTRACT_SCHEMA = 1  # raised when a field changes meaning; a host refuses a schema it does not know
 

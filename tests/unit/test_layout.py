@@ -328,6 +328,10 @@ ONE_PLACE = [
     ("GATEWAY_UPSTREAM_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
     ("ENGINE_HTTP_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
     ("RETRY_AFTER_SECONDS", "vllm_fleet.host.stream_guard"),  # an engine's overload refusal
+    (
+        "/etc/vllm-fleet",
+        "vllm_fleet.contracts",
+    ),  # paths.config_dir's default, the host commands' --config-dir
 ]
 
 

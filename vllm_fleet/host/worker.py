@@ -34,12 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_fleet.contracts import WorkerStateFile, worker_state_path
+from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, WorkerStateFile, worker_state_path
 from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 
-DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 TCP_ESTABLISHED = "01"
 
 
