@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
 import threading
 import time
 import urllib.request
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import (
     OPEN_RATE_LIMIT,
     Gateway,
@@ -32,10 +31,7 @@ from vllm_fleet.devtools.gateway_testing import (
 )
 from vllm_fleet.devtools.testing import free_port, http_json
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 BASE = "tiny-qwen3"
 

@@ -7,7 +7,6 @@ and nginx's peer handler keep the lease in the state file."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import (
     OPEN_RATE_LIMIT,
     Gateway,
@@ -29,10 +28,7 @@ from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.host.exporter.access_log import AccessLogTail
 from vllm_fleet.host.gateway_state import read_state
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,14 +20,11 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import free_port, http_json
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 class Stub:

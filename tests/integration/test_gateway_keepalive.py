@@ -12,7 +12,6 @@ import http.client
 import json
 import random
 import select
-import shutil
 import socket
 import threading
 import time
@@ -24,14 +23,11 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
 from vllm_fleet.host.exporter import AccessLogTail, FleetCollector
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 class ClosingStub:

@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE, ENGINE_ADMIN_PATHS
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec, route_upstream
 from vllm_fleet.fleet.render import render_fleet, render_host
 from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
 from vllm_fleet.fleet.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-needs_nginx = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 def _ad(name: str, *carriers: str, base: str = "m") -> dict[str, Any]:
