@@ -353,12 +353,7 @@ def parse_state(data: Any, source: str = "") -> StateFile:
 
 def read_state(path: str | Path) -> StateFile:
     """Read and check a state file (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except ValueError as exc:
-        raise ContractError(f"{p}: not JSON ({exc})") from None
-    return parse_state(data, str(p))
+    return parse_state(*_contract_json(path))
 
 
 # ------------------------------------------------------------------------- an instance's LoRA adapters
@@ -494,12 +489,7 @@ def parse_worker_state(data: Any, source: str = "") -> WorkerStateFile:
 
 def read_worker_state(path: str | Path) -> WorkerStateFile:
     """Read and check a worker state file (``OSError`` / ``ContractError`` as ``read_state``)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except ValueError as exc:
-        raise ContractError(f"{p}: not JSON ({exc})") from None
-    return parse_worker_state(data, str(p))
+    return parse_worker_state(*_contract_json(path))
 
 
 # ------------------------------------------------------------------------- what an instance's engine has loaded
@@ -550,12 +540,7 @@ def parse_adapter_state(data: Any, source: str = "") -> AdapterStateFile:
 
 def read_adapter_state(path: str | Path) -> AdapterStateFile:
     """Read and check an adapter state file (``OSError`` / ``ContractError`` as ``read_state``)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except ValueError as exc:
-        raise ContractError(f"{p}: not JSON ({exc})") from None
-    return parse_adapter_state(data, str(p))
+    return parse_adapter_state(*_contract_json(path))
 
 
 # ------------------------------------------------------------------------- keepalived's VRRP state (gateway HA)
@@ -602,12 +587,7 @@ def parse_vrrp_state(data: Any, source: str = "") -> VrrpStateFile:
 
 def read_vrrp_state(path: str | Path) -> VrrpStateFile:
     """Read and check a VRRP state file (``OSError`` / ``ContractError`` as ``read_state``)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except ValueError as exc:
-        raise ContractError(f"{p}: not JSON ({exc})") from None
-    return parse_vrrp_state(data, str(p))
+    return parse_vrrp_state(*_contract_json(path))
 
 
 # ------------------------------------------------------------------------- the gateways' peers (gateway HA)
@@ -707,6 +687,9 @@ def nvidia_smi_text(gpus: list[dict[str, str]]) -> str:
 
 # ------------------------------------------------------------------------- a host's contract: host.json
 
+# the spec's paths.config_dir by default, and where the host commands (launch, worker, adapters) look without
+# --config-dir: the instance configs under instances/, the host's contract
+DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 HOST_CONTRACT_FILE = "host.json"  # in the spec's paths.config_dir
 HOST_CONTRACT_SCHEMA = 1  # raised when a field changes meaning; a host refuses a schema it does not know
 

@@ -1,10 +1,11 @@
-"""Small file helpers every room uses (controller, hosts, harness): a sha256, a JSON object, the weight bytes of
-safetensors files. Standard library only."""
+"""Small file helpers every room uses (controller, hosts, harness): a sha256, a JSON object read or replaced
+atomically, the weight bytes of safetensors files. Standard library only."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,23 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def write_json_atomic(path: Path, data: Any, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
+    """Replace ``path`` with ``data`` (JSON, sorted keys, one line and a newline) atomically, as the hosts' state
+    files are written: a temp file in the same folder (``.NAME.PID.tmp``), given ``mode`` whatever the umask
+    (the units' UMask=0077; the exporter, another user, reads it) and ``owner`` (uid, gid) when set, then
+    renamed over ``path``; readers see the old file or the new one, never half of one. The folder must exist.
+    ``OSError`` when it cannot be written (the temp file is removed)."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+        tmp.chmod(mode)
+        if owner is not None:
+            os.chown(tmp, *owner)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def safetensors_bytes(model_dir: Path) -> int | None:

@@ -19,20 +19,10 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import wait_for
-from vllm_fleet.devtools.testing import free_port, http_json, sim_engine_argv
+from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
 from vllm_fleet.host.launcher import EXIT_CONFIG
 from vllm_fleet.host.notify import NotifyListener
 
-SERVICE = {
-    "watchdog_seconds": 6,
-    "probe_interval_seconds": 1,
-    "probe_timeout_seconds": 2,
-    "stop_kill_after_loading_seconds": 2,
-    "start_timeout_seconds": 30,
-    "load_timeout_seconds": 60,
-    "stall_timeout_seconds": 30,
-    "starved_grace_seconds": 0,
-}
 LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
 
@@ -62,7 +52,7 @@ class Instance:
             "listen_address": "127.0.0.1", "port": self.port,
             "command": sim_engine_argv(model, self.port, "sim-served", LORA_FLAGS, shutdown_timeout=5),
             "environment": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_FLEET_ADAPTERS_FILE": str(self.file)},
-            "shutdown_timeout": 5, "state_dir": str(self.state_dir), "service": SERVICE,
+            "shutdown_timeout": 5, "state_dir": str(self.state_dir), "service": SIM_LAUNCHER_SERVICE,
         }  # fmt: skip
         (workdir / "instances" / "sim.json").write_text(json.dumps(cfg))
         self.proc: subprocess.Popen[bytes] | None = None

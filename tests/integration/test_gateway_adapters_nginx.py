@@ -9,78 +9,37 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
-from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
+from vllm_fleet.devtools.gateway_testing import (
+    OPEN_RATE_LIMIT,
+    Gateway,
+    StubEngine,
+    chat_body,
+    gateway_spec,
+    stub_engines,
+    wait_for,
+)
 from vllm_fleet.devtools.testing import free_port, http_json
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 BASE = "tiny-qwen3"
 
 
-class Stub:
-    """An engine stand-in: any method on any path answers ``status`` (200 by default) with
-    {"served_by": NAME, "model": the body's model, "path": PATH}, after ``delay`` seconds; ``seen`` lists
-    (method, path) of every request that reached it."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.status, self.delay = name, 200, 0.0
-        self.seen: list[tuple[str, str]] = []
-        stub = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _any(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                stub.seen.append((self.command, self.path))
-                try:
-                    model = json.loads(raw).get("model") if raw else None
-                except ValueError:
-                    model = None
-                if stub.delay:
-                    time.sleep(stub.delay)
-                out = json.dumps({"served_by": stub.name, "model": model, "path": self.path}).encode()
-                self.send_response(stub.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            do_GET = do_POST = do_DELETE = do_PUT = _any
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def stubs() -> Iterator[dict[str, Stub]]:
-    s = {n: Stub(n) for n in ("a", "b", "c", "d")}
-    yield s
-    for x in s.values():
-        x.server.shutdown()
-        x.server.server_close()
+def stubs() -> Iterator[dict[str, StubEngine]]:
+    with stub_engines("a", "b", "c", "d") as s:
+        yield s
 
 
 def _ad(name: str, *carriers: str) -> dict[str, Any]:
@@ -91,8 +50,9 @@ def _ad(name: str, *carriers: str) -> dict[str, Any]:
 def _gateway(tmp: Path, servers: list[dict[str, Any]], adapters: list[dict[str, Any]], **gw: Any) -> Gateway:
     """The rendered fleet of ``servers`` with ``adapters``, served by nginx (and the admission service with
     keys)."""
-    rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, adapters=adapters, **gw), tmp).start()
+    return Gateway(
+        gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT, adapters=adapters, **gw), tmp
+    ).start()
 
 
 def ask(
@@ -138,15 +98,9 @@ def raw(g: Gateway, method: str, path: str, body: bytes = b"", **headers: str) -
         c.close()
 
 
-def cli(g: Gateway, *args: str) -> None:
-    main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
-    routes = g.nginx.etc_nginx / "vllm-fleet" / "routes.json"
-    cmd = [sys.executable, "-c", main, *args, "--routes", str(routes), "--state", str(g.state)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, (args, r.stdout, r.stderr)
-
-
-def test_adapters_reach_their_carriers_spill_and_are_listed(stubs: dict[str, Stub], tmp_path: Path) -> None:
+def test_adapters_reach_their_carriers_spill_and_are_listed(
+    stubs: dict[str, StubEngine], tmp_path: Path
+) -> None:
     dead = free_port()
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b", "c")] + [{"name": "x", "port": dead}]
     ads = [_ad("ad-sub", "a"), _ad("ad-dead", "x"), _ad("ad-all")]
@@ -175,10 +129,10 @@ def test_adapters_reach_their_carriers_spill_and_are_listed(stubs: dict[str, Stu
         assert set(served(ask(g, "ad-all", 9))) <= {"a", "b", "c"}
         assert {e["upstream"] for e in g.log()[-9:]} == {"m_tiny_qwen3"}
         # a drained carrier: the drain walks the adapter's upstream like any of the base's
-        cli(g, "drain", "a")
+        g.cli("drain", "a")
         assert set(served(ask(g, "ad-sub", 6))) <= {"b", "c"}
         assert {e["upstream"] for e in g.log()[-6:]} == {"m_tiny_qwen3__lora_ad_sub__x__a"}
-        cli(g, "undrain", "a")
+        g.cli("undrain", "a")
         assert set(served(ask(g, "ad-sub", 3))) == {"a"}
 
         # GET /v1/models: every model followed by its adapters, each with its parent
@@ -227,14 +181,14 @@ def test_adapters_reach_their_carriers_spill_and_are_listed(stubs: dict[str, Stu
 
 
 def test_the_base_s_canary_takes_its_share_of_an_adapter_s_requests(
-    stubs: dict[str, Stub], tmp_path: Path
+    stubs: dict[str, StubEngine], tmp_path: Path
 ) -> None:
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b", "c")]
     rollout = {"model": BASE, "canary": {"name": "can", "port": stubs["d"].port}, "share": 0.25}
     g = _gateway(tmp_path, servers, [_ad("ad-sub", "a")], rollouts=[rollout])
     try:
         assert set(served(ask(g, "ad-sub", 10))) == {"a"}  # no lease: nothing for the canary
-        cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "120")
+        g.cli("canary", "set", "can", "--share", "0.5", "--lease", "120")
         got = served(ask(g, "ad-sub", 60))
         assert set(got) == {"a", "d"} and 10 <= got.count("d") <= 50, got  # binomial(60, 0.5)
         log = g.log()[-60:]
@@ -282,7 +236,7 @@ ADMIN_REQUESTS = [
 ]
 
 
-def test_engine_admin_paths_are_never_forwarded(stubs: dict[str, Stub], tmp_path: Path) -> None:
+def test_engine_admin_paths_are_never_forwarded(stubs: dict[str, StubEngine], tmp_path: Path) -> None:
     servers = [{"name": n, "port": stubs[n].port} for n in ("a", "b")]
     g = _gateway(tmp_path, servers, [_ad("ad-sub", "a")])
     try:
@@ -316,7 +270,7 @@ CA = {"policy": "cache_aware", "max_conns": 8}
 
 
 def test_cache_aware_keeps_an_adapter_on_one_engine_and_apart_from_another(
-    stubs: dict[str, Stub], tmp_path: Path
+    stubs: dict[str, StubEngine], tmp_path: Path
 ) -> None:
     servers = [{"name": n, "port": stubs[n].port, "routing": CA} for n in ("a", "b", "c", "d")]
     ads = [_ad("ad-x", "a", "b", "c"), _ad("ad-y", "a", "b", "c")]
@@ -357,7 +311,7 @@ def _metrics(g: Gateway) -> dict[str, float]:
     }
 
 
-def test_per_key_permissions_and_the_base_s_capacity(stubs: dict[str, Stub], tmp_path: Path) -> None:
+def test_per_key_permissions_and_the_base_s_capacity(stubs: dict[str, StubEngine], tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("".join(f'"{k}" {client};\n' for client, k in KEYS.items()))
     bound = {"max_num_seqs": 1, "max_num_queued_reqs": 1}  # each engine holds 1: the model's capacity is 2

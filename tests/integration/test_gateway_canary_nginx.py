@@ -7,89 +7,46 @@ and nginx's peer handler keep the lease in the state file."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
-from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
+from vllm_fleet.devtools.gateway_testing import (
+    OPEN_RATE_LIMIT,
+    Gateway,
+    StubEngine,
+    chat_body,
+    gateway_spec,
+    stub_engines,
+    wait_for,
+)
 from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.host.exporter.access_log import AccessLogTail
 from vllm_fleet.host.gateway_state import read_state
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
-
-
-class Stub:
-    """An engine stand-in: 200 {"served_by": NAME} (or ``status``), counting its requests."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.status, self.hits = name, 200, 0
-        self.lock = threading.Lock()
-        stub = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with stub.lock:
-                    stub.hits += 1
-                body = json.dumps({"served_by": stub.name}).encode()
-                self.send_response(stub.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 @pytest.fixture
-def stubs() -> Iterator[dict[str, Stub]]:
-    s = {n: Stub(n) for n in ("a", "b", "c", "can")}
-    yield s
-    for x in s.values():
-        x.server.shutdown()
-        x.server.server_close()
+def stubs() -> Iterator[dict[str, StubEngine]]:
+    with stub_engines("a", "b", "c", "can") as s:
+        yield s
 
 
 CA = {"policy": "cache_aware", "max_conns": 8}
 
 
 def _gw(
-    tmp: Path, stubs: dict[str, Stub], canary_port: int, routing: dict[str, Any] | None = None
+    tmp: Path, stubs: dict[str, StubEngine], canary_port: int, routing: dict[str, Any] | None = None
 ) -> Gateway:
-    rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
     extra = {"routing": routing} if routing else {}
     servers = [{"name": n, "port": stubs[n].port, **extra} for n in ("a", "b", "c")]
     rollout = {"model": "tiny-qwen3", "canary": {"name": "can", "port": canary_port}, "share": 0.25}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, rollouts=[rollout]), tmp)
-
-
-def cli(g: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
-    main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
-    routes = g.nginx.etc_nginx / "vllm-fleet" / "routes.json"
-    cmd = [sys.executable, "-c", main, *args, "--routes", str(routes), "--state", str(g.state)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, (args, r.stdout, r.stderr)
-    return r
+    return Gateway(gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT, rollouts=[rollout]), tmp)
 
 
 def ask(g: Gateway, n: int, body: dict[str, Any] | None = None, distinct: bool = False) -> list[str]:
@@ -108,7 +65,7 @@ def ask(g: Gateway, n: int, body: dict[str, Any] | None = None, distinct: bool =
 
 
 def test_the_canary_gets_its_share_only_while_its_lease_is_live(
-    stubs: dict[str, Stub], tmp_path: Path
+    stubs: dict[str, StubEngine], tmp_path: Path
 ) -> None:
     g = _gw(tmp_path, stubs, stubs["can"].port).start()
     try:
@@ -117,7 +74,7 @@ def test_the_canary_gets_its_share_only_while_its_lease_is_live(
         assert stubs["can"].hits == 0
         assert {e["track"] for e in g.log()} == {"stable"}
         # (ii) a live lease of 0.25, requests without a prefix key (least_conn): about a quarter
-        cli(g, "canary", "set", "can", "--share", "0.25", "--lease", "120")
+        g.cli("canary", "set", "can", "--share", "0.25", "--lease", "120")
         got = ask(g, 400)
         n = got.count("can")
         assert 60 <= n <= 140, n  # binomial(400, 0.25): mean 100, sd 8.7
@@ -127,38 +84,38 @@ def test_the_canary_gets_its_share_only_while_its_lease_is_live(
         assert {e["upstream"] for e in log if e["track"] == "canary"} == {"vf_i_can"}
         # (vi) drain and undrain of a stable instance keep the lease (and the canary its share)
         lease = read_state(g.state).canary["can"]
-        cli(g, "drain", "a")
+        g.cli("drain", "a")
         assert read_state(g.state).canary == {"can": lease}
         got = ask(g, 80)
         assert "a" not in got and "can" in got
-        cli(g, "undrain", "a")
+        g.cli("undrain", "a")
         assert read_state(g.state).canary == {"can": lease} and read_state(g.state).drained == []
         # a drained canary gets nothing, whatever its lease
-        cli(g, "drain", "can")
+        g.cli("drain", "can")
         before = stubs["can"].hits
         ask(g, 40)
         assert stubs["can"].hits == before
-        cli(g, "undrain", "can")
+        g.cli("undrain", "can")
         # (v) a lease that ran out: nothing
-        cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "1")
+        g.cli("canary", "set", "can", "--share", "0.5", "--lease", "1")
         time.sleep(1.2)
         before = stubs["can"].hits
         assert "can" not in ask(g, 40)
         assert stubs["can"].hits == before
         assert {e["track"] for e in g.log()[-40:]} == {"stable"}
         # cleared: nothing either
-        cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "60")
-        cli(g, "canary", "clear", "can")
+        g.cli("canary", "set", "can", "--share", "0.5", "--lease", "60")
+        g.cli("canary", "clear", "can")
         assert "can" not in ask(g, 20)
     finally:
         g.stop()
 
 
-def test_cache_aware_decides_by_the_prefix_key(stubs: dict[str, Stub], tmp_path: Path) -> None:
+def test_cache_aware_decides_by_the_prefix_key(stubs: dict[str, StubEngine], tmp_path: Path) -> None:
     """(iii) each key always on the same side, about ``share`` of the distinct keys on the canary."""
     g = _gw(tmp_path, stubs, stubs["can"].port, routing=CA).start()
     try:
-        cli(g, "canary", "set", "can", "--share", "0.25", "--lease", "120")
+        g.cli("canary", "set", "can", "--share", "0.25", "--lease", "120")
 
         def tenant(p: int, q: int) -> dict[str, Any]:
             system = f"You are the assistant of tenant {p}. " * 30
@@ -192,20 +149,19 @@ def _track_counts(g: Gateway) -> dict[tuple[str, str], float]:
 
 @pytest.mark.parametrize("routing", [None, CA], ids=["least_conn", "cache_aware"])
 def test_a_failing_canary_costs_the_client_nothing(
-    stubs: dict[str, Stub], tmp_path: Path, routing: dict[str, Any] | None
+    stubs: dict[str, StubEngine], tmp_path: Path, routing: dict[str, Any] | None
 ) -> None:
     """(iv) the canary full (503) or refusing connections: every request is answered by a stable instance, and
     the exporter counts the canary's failures (shed, error)."""
     g = _gw(tmp_path, stubs, stubs["can"].port, routing=routing).start()
     try:
-        cli(g, "canary", "set", "can", "--share", "0.5", "--lease", "120")
+        g.cli("canary", "set", "can", "--share", "0.5", "--lease", "120")
         stubs["can"].status = 503
         got = ask(g, 60, distinct=True)
         assert set(got) <= {"a", "b", "c"}
         shed = stubs["can"].hits
         assert shed >= 10  # binomial(60, 0.5)
-        stubs["can"].server.shutdown()
-        stubs["can"].server.server_close()  # now the canary refuses connections
+        stubs["can"].close()  # now the canary refuses connections
         got = ask(g, 60, distinct=True)
         assert set(got) <= {"a", "b", "c"}
         counts = _track_counts(g)
@@ -220,7 +176,7 @@ def test_a_failing_canary_costs_the_client_nothing(
         g.stop()
 
 
-def test_the_peer_handler_keeps_the_lease(stubs: dict[str, Stub], tmp_path: Path) -> None:
+def test_the_peer_handler_keeps_the_lease(stubs: dict[str, StubEngine], tmp_path: Path) -> None:
     """(vi) another gateway's drain (nginx's peer location, router.js peer()) rewrites the drained set and keeps
     the canary's lease: the peer server of peer.conf, added here to the one-gateway config."""
     g = _gw(tmp_path, stubs, stubs["can"].port)
@@ -232,7 +188,7 @@ def test_the_peer_handler_keeps_the_lease(stubs: dict[str, Stub], tmp_path: Path
     )
     g.start()
     try:
-        cli(g, "canary", "set", "can", "--share", "0.25", "--lease", "120")
+        g.cli("canary", "set", "can", "--share", "0.25", "--lease", "120")
         lease = read_state(g.state).canary
         st, body = http_json("POST", f"http://127.0.0.1:{port}/vf/drained", {"drain": "b"})
         assert (st, body) == (200, {"drained": ["b"]})

@@ -8,9 +8,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,14 +19,11 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
-from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
+from vllm_fleet.devtools.gateway_testing import OPEN_RATE_LIMIT, Gateway, chat_body, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import free_port, http_json
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 class Stub:
@@ -97,15 +92,11 @@ def stubs() -> Iterator[dict[str, Stub]]:
 
 
 def _gw(tmp: Path, servers: list[dict[str, Any]], **gw: Any) -> Gateway:
-    rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, **gw), tmp).start()
+    return Gateway(gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT, **gw), tmp).start()
 
 
 def drain(g: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
-    main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
-    routes = g.nginx.etc_nginx / "vllm-fleet" / "routes.json"
-    cmd = [sys.executable, "-c", main, *args, "--routes", str(routes), "--state", str(g.state)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return g.cli(*args, check=False)
 
 
 def ask(g: Gateway, n: int = 6) -> list[tuple[int, str]]:

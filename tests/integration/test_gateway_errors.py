@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -14,15 +13,12 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec
 from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.fleet.tls import self_signed
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 KEY1, KEY2 = "sk-vf-test-one-0123456789abcdef", "sk-vf-test-two-0123456789abcdef"
 # client-three may use only Qwen/Qwen3-8B and the pool "high" (gateway.clients)

@@ -12,7 +12,6 @@ import http.client
 import json
 import random
 import select
-import shutil
 import socket
 import threading
 import time
@@ -24,14 +23,11 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE
-from vllm_fleet.devtools.gateway_testing import Gateway, chat_body, gateway_spec, wait_for
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
+from vllm_fleet.devtools.gateway_testing import OPEN_RATE_LIMIT, Gateway, chat_body, gateway_spec, wait_for
 from vllm_fleet.host.exporter import AccessLogTail, FleetCollector
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 class ClosingStub:
@@ -133,8 +129,7 @@ def stubs() -> Iterator[list[ClosingStub]]:
 
 
 def start(tmp: Path, servers: list[dict[str, Any]], **gw: Any) -> Gateway:
-    rl = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=rl, **gw), tmp).start()
+    return Gateway(gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT, **gw), tmp).start()
 
 
 def post_load(g: Gateway, workers: int = 12, per_worker: int = 25) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_testing import Gateway, gateway_spec, wait_for
+from vllm_fleet.devtools.gateway_testing import OPEN_RATE_LIMIT, Gateway, gateway_spec, wait_for
 from vllm_fleet.devtools.testing import EngineProcess
 
 
@@ -37,8 +37,7 @@ def engine(sim_engine_factory: Any) -> EngineProcess:
 
 
 def start(tmp: Path, servers: list[dict[str, Any]]) -> Gateway:
-    limits = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
-    return Gateway(gateway_spec(servers, tmp, rate_limit=limits), tmp).start()
+    return Gateway(gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT), tmp).start()
 
 
 @pytest.fixture

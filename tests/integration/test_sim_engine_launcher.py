@@ -18,20 +18,9 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import wait_for
-from vllm_fleet.devtools.testing import free_port, http_json, sim_engine_argv
+from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
 from vllm_fleet.host import probe
 from vllm_fleet.host.notify import NotifyListener
-
-SERVICE = {
-    "watchdog_seconds": 6,
-    "probe_interval_seconds": 1,
-    "probe_timeout_seconds": 2,
-    "stop_kill_after_loading_seconds": 2,
-    "start_timeout_seconds": 30,
-    "load_timeout_seconds": 60,
-    "stall_timeout_seconds": 30,
-    "starved_grace_seconds": 0,
-}
 
 
 class Launched:
@@ -42,7 +31,7 @@ class Launched:
             "name": "sim", "served_model_name": "sim-served", "model_path": str(model),
             "listen_address": "127.0.0.1", "port": self.port,
             "command": sim_engine_argv(model, self.port, "sim-served", shutdown_timeout=10, load_seconds=3),
-            "shutdown_timeout": 10, "state_dir": str(workdir / "state"), "service": SERVICE,
+            "shutdown_timeout": 10, "state_dir": str(workdir / "state"), "service": SIM_LAUNCHER_SERVICE,
         }  # fmt: skip
         (workdir / "instances").mkdir(parents=True)
         (workdir / "instances" / "sim.json").write_text(json.dumps(cfg))

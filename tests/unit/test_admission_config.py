@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.admission_config import admission_config, model_capacity
 from vllm_fleet.fleet.network import firewall_rules
@@ -20,10 +19,7 @@ from vllm_fleet.fleet.plan import make_plan
 from vllm_fleet.fleet.render import render_fleet, render_host
 from vllm_fleet.fleet.spec import FleetSpec, SpecError, parse_spec
 
-needs_nginx = pytest.mark.skipif(
-    not (shutil.which("nginx") and Path(JS_MODULE).exists()),
-    reason="nginx + libnginx-mod-http-js not installed",
-)
+needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js not installed")
 
 SERVERS: list[dict[str, Any]] = [
     {"name": "a", "port": 9001, "max_num_seqs": 4},  # queue bound 8 (twice max_num_seqs)

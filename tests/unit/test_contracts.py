@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ from vllm_fleet.contracts import (
     InstanceConfig,
     is_adapters_file,
     parse_state,
+    read_adapter_state,
+    read_state,
+    read_vrrp_state,
+    read_worker_state,
     stack_of,
 )
 from vllm_fleet.fleet.render import render_fleet
@@ -89,6 +94,24 @@ def test_the_launchers_state_is_a_state_file() -> None:
         "instance": "a",
         "new_key": 1,
     }  # older/newer launchers
+
+
+@pytest.mark.parametrize("read", [read_state, read_worker_state, read_adapter_state, read_vrrp_state])
+def test_every_state_file_reader_refuses_alike(read: Callable[[Path], object], tmp_path: Path) -> None:
+    """Each state file's reader: OSError for a missing file, a ContractError naming the file for one that is not
+    JSON or has a key of the wrong type, its content for a good one."""
+    with pytest.raises(FileNotFoundError):
+        read(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ContractError, match=rf"^{re.escape(str(bad))}: not JSON \("):
+        read(bad)
+    bad.write_text(json.dumps({"updated_at": "soon", "since": "soon"}))
+    with pytest.raises(ContractError, match=rf"^{re.escape(str(bad))}: (updated_at|since): expected"):
+        read(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"new_key": 1}))
+    assert read(good) == {"new_key": 1}
 
 
 def test_the_state_file_names_the_stack_the_engine_runs_from() -> None:

@@ -6,44 +6,20 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fleet.contracts import ENGINE_ADMIN_PATH_RE, ENGINE_ADMIN_PATHS
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
-from vllm_fleet.devtools.gateway_testing import gateway_spec
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
+from vllm_fleet.devtools.gateway_testing import gateway_spec, route_upstream
 from vllm_fleet.fleet.render import render_fleet, render_host
 from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
-from vllm_fleet.fleet.spec import Routing, load_spec
+from vllm_fleet.fleet.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-needs_nginx = pytest.mark.skipif(
-    shutil.which("nginx") is None or not Path(JS_MODULE).exists(),
-    reason="nginx + libnginx-mod-http-js needed",
-)
-
-
-def _up(servers: list[tuple[str, str, str]], policy: str = "least_conn") -> dict[str, Any]:
-    routing = Routing(policy=policy).model_dump()  # type: ignore[arg-type]
-    return {
-        "model": "m",
-        "upstream": "m_m",
-        "routing": routing,
-        "servers": [
-            {
-                "instance": n,
-                "address": f"127.0.0.1:{8100 + i}",
-                "role": role,
-                "pool": pool,
-                "drained": False,
-                "max_conns": 8 if policy == "cache_aware" else None,
-            }
-            for i, (n, role, pool) in enumerate(servers)
-        ],
-    }
+needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 
 def _ad(name: str, *carriers: str, base: str = "m") -> dict[str, Any]:
@@ -66,14 +42,16 @@ def _servers(rt: dict[str, Any], name: str) -> list[tuple[str, bool]]:
 
 def test_an_adapter_carried_by_every_primary_routes_as_its_base() -> None:
     """Carried by the instances the base's main upstream serves first: no upstream of its own."""
-    (rt,) = gateway_routes([_up(FOUR)], {}, [_ad("all", "a", "b", "c"), _ad("every", "a", "b", "c", "d")])
+    (rt,) = gateway_routes(
+        [route_upstream(FOUR)], {}, [_ad("all", "a", "b", "c"), _ad("every", "a", "b", "c", "d")]
+    )
     assert rt["adapters"] == {"all": "m_m", "every": "m_m"}
     assert [u["name"] for u in rt["upstreams"]] == ["m_m"]
 
 
 def test_an_adapter_carried_by_some_gets_its_carriers_first_and_the_rest_as_backup() -> None:
     ads = [_ad("one", "b"), _ad("two", "a", "c"), _ad("same", "c", "a"), _ad("bk", "d")]
-    (rt,) = gateway_routes([_up(FOUR)], {}, ads)
+    (rt,) = gateway_routes([route_upstream(FOUR)], {}, ads)
     assert rt["adapters"] == {
         "one": "m_m__lora_one",
         "two": "m_m__lora_same",  # the same servers as "same" (first by name): one upstream for both
@@ -88,16 +66,16 @@ def test_an_adapter_carried_by_some_gets_its_carriers_first_and_the_rest_as_back
 
 def test_canary_and_fallback_are_never_servers_of_an_adapter_upstream() -> None:
     servers = [*FOUR, ("cpu", "fallback", "cpu"), ("can", "canary", "default")]
-    (rt,) = gateway_routes([_up(servers)], {}, [_ad("x", "a", "can", "cpu")])
+    (rt,) = gateway_routes([route_upstream(servers)], {}, [_ad("x", "a", "can", "cpu")])
     assert _servers(rt, "m_m__lora_x") == [("a", False), ("b", True), ("c", True), ("d", True)]
     assert rt["fallback"] == "m_m__fallback" and rt["canary"]["instance"] == "can"
     # carried only by instances outside the main upstream: routed as the base
-    (rt,) = gateway_routes([_up(servers)], {}, [_ad("y", "can", "cpu"), _ad("z")])
+    (rt,) = gateway_routes([route_upstream(servers)], {}, [_ad("y", "can", "cpu"), _ad("z")])
     assert rt["adapters"] == {"y": "m_m", "z": "m_m"}
 
 
 def test_cache_aware_twin_for_two_carriers_or_more() -> None:
-    (rt,) = gateway_routes([_up(FOUR, "cache_aware")], {}, [_ad("one", "b"), _ad("two", "a", "c")])
+    (rt,) = gateway_routes([route_upstream(FOUR, "cache_aware")], {}, [_ad("one", "b"), _ad("two", "a", "c")])
     assert rt["ca"] == {
         "m_m": "m_m__ca",
         "m_m__lora_two": "m_m__lora_two__ca",
@@ -108,14 +86,17 @@ def test_cache_aware_twin_for_two_carriers_or_more() -> None:
 
 def test_pools_stay_the_base_s_for_an_adapter_routed_as_its_base() -> None:
     servers = [("a", "primary", "default"), ("b", "primary", "high"), ("c", "primary", "default")]
-    (rt,) = gateway_routes([_up(servers)], {}, [_ad("all", "a", "b", "c"), _ad("some", "b")])
+    (rt,) = gateway_routes([route_upstream(servers)], {}, [_ad("all", "a", "b", "c"), _ad("some", "b")])
     assert rt["default"] == "m_m__default" and rt["adapters"]["all"] == "m_m__default"
     assert rt["adapters"]["some"] == "m_m__lora_some"
     assert _servers(rt, "m_m__lora_some") == [("b", False), ("a", True), ("c", True)]
 
 
 def test_the_index_finds_an_adapter_at_its_base_and_the_summary_stays_small() -> None:
-    ups = [_up(FOUR), dict(_up([("e", "primary", "default")]), model="n", upstream="m_n")]
+    ups = [
+        route_upstream(FOUR),
+        dict(route_upstream([("e", "primary", "default")]), model="n", upstream="m_n"),
+    ]
     routes = gateway_routes(ups, {"m": 512}, [_ad("x", "a"), _ad("y", "e", base="n")])
     idx = route_index(routes)
     assert idx["index"] == {"m": 0, "x": 0, "n": 1, "y": 1}
@@ -135,7 +116,7 @@ def test_the_index_finds_an_adapter_at_its_base_and_the_summary_stays_small() ->
 )
 def test_refused_adapters_name_the_field(ads: list[dict[str, Any]], field: str) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
-        gateway_routes([_up(FOUR)], {}, ads)
+        gateway_routes([route_upstream(FOUR)], {}, ads)
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 from vllm_fleet.cli import main
-from vllm_fleet.devtools.gateway_testing import gateway_spec
+from vllm_fleet.devtools.gateway_testing import gateway_spec, route_upstream
 from vllm_fleet.fleet.admission_config import model_capacity
 from vllm_fleet.fleet.context import fleet_vars
 from vllm_fleet.fleet.plan import make_plan
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.routes import SUMMARY_KEYS, gateway_routes, route_index
-from vllm_fleet.fleet.spec import Routing
 from vllm_fleet.host.canary import CanaryError, canaries, clear_lease, set_lease, show
 from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
 from vllm_fleet.host.exporter.access_log import AccessLogTail, track_outcome
@@ -30,26 +29,6 @@ from vllm_fleet.host.gateway_state import (
     write_state,
 )
 
-
-def _up(servers: list[tuple[str, str, str]], policy: str = "least_conn") -> dict[str, object]:
-    return {
-        "model": "m",
-        "upstream": "m_m",
-        "routing": dict(Routing().model_dump(), policy=policy),
-        "servers": [
-            {
-                "instance": n,
-                "address": f"127.0.0.1:{8100 + i}",
-                "role": role,
-                "pool": pool,
-                "drained": False,
-                "max_conns": 4,
-            }
-            for i, (n, role, pool) in enumerate(servers)
-        ],
-    }
-
-
 SERVERS = [
     ("a", "primary", "default"),
     ("b", "primary", "high"),
@@ -61,7 +40,7 @@ SERVERS = [
 
 @pytest.mark.parametrize("policy", ["least_conn", "cache_aware"])
 def test_a_canary_serves_no_upstream_only_its_own(policy: str) -> None:
-    (rt,) = gateway_routes([_up(SERVERS, policy)], {})
+    (rt,) = gateway_routes([route_upstream(SERVERS, policy)], {})
     every = [s["instance"] for u in rt["upstreams"] + rt["ca_upstreams"] for s in u["servers"]]
     assert "can" not in every
     assert {"a", "b", "c", "d"} <= set(every)
@@ -77,7 +56,7 @@ def test_a_canary_serves_no_upstream_only_its_own(policy: str) -> None:
 
 
 def test_without_a_canary_the_route_says_null() -> None:
-    (rt,) = gateway_routes([_up(SERVERS[:3])], {})
+    (rt,) = gateway_routes([route_upstream(SERVERS[:3])], {})
     assert rt["canary"] is None and "can" not in rt["solo"]
     assert route_index([rt])["models"][0]["canary"] is None
 

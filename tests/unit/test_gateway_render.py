@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS, GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.render import make_env, render_fleet, render_host
@@ -19,7 +18,6 @@ from vllm_fleet.fleet.spec import Routing, load_spec
 from vllm_fleet.host.drain import DrainError, instances, load_routes, set_drained, stranded_models
 
 REPO = Path(__file__).resolve().parents[2]
-HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
 needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js not installed")
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from vllm_fleet.contracts import GATEWAY_PEERS_FILE, GatewayPeers
-from vllm_fleet.devtools.gateway_nginx import JS_MODULE, NginxGateway
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
 from vllm_fleet.fleet import ha
 from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.hostplan import HostDeployPlan
@@ -304,7 +304,7 @@ def engines() -> Iterator[list[http.server.HTTPServer]]:
         srv.server_close()
 
 
-@pytest.mark.skipif(shutil.which("nginx") is None or not Path(JS_MODULE).exists(), reason="needs nginx + njs")
+@pytest.mark.skipif(not HAVE_NGINX, reason="needs nginx + njs")
 def test_the_rendered_gateway_answers_keepalived(
     tmp_path: Path, engines: list[http.server.HTTPServer]
 ) -> None:
@@ -405,7 +405,7 @@ def _drained(path: Path) -> list[str]:
     return list(doc["drained"])
 
 
-@pytest.mark.skipif(shutil.which("nginx") is None or not Path(JS_MODULE).exists(), reason="needs nginx + njs")
+@pytest.mark.skipif(not HAVE_NGINX, reason="needs nginx + njs")
 def test_a_drain_on_either_gateway_reaches_the_other(
     tmp_path: Path, named_engines: list[http.server.ThreadingHTTPServer], capsys: pytest.CaptureFixture[str]
 ) -> None:

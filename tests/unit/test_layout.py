@@ -168,12 +168,28 @@ def test_the_shared_leaves_use_the_standard_library_only() -> None:
 
 
 def test_one_copy_of_the_file_helpers() -> None:
-    """sha256_file and the JSON-object reader live in vllm_fleet/files.py only."""
+    """sha256_file, the JSON-object reader and the atomic JSON writer live in vllm_fleet/files.py only."""
     for name, path in FILES.items():
         tree = ast.parse(path.read_text())
         defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         if name != "vllm_fleet.files":
-            assert not defs & {"sha256_file", "read_json_object", "_read_json"}, name
+            assert not defs & {"sha256_file", "read_json_object", "_read_json", "write_json_atomic"}, name
+
+
+def test_host_state_files_are_replaced_through_the_one_writer() -> None:
+    """Host code replaces its state files with files.write_json_atomic: no other module of host/ renames a
+    temp file over one (os.replace), but the gateway's drained-set file's writer (gateway_state.write_atomic:
+    fsynced, and only while nginx's peer handler has not replaced the file meanwhile)."""
+    renames = {
+        name
+        for name in _room("vllm_fleet.host")
+        for n in ast.walk(ast.parse(FILES[name].read_text()))
+        if isinstance(n, ast.Attribute)
+        and n.attr in ("replace", "rename")
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "os"
+    }
+    assert renames == {"vllm_fleet.host.gateway_state"}
 
 
 def test_host_code_stays_off_the_planner_and_the_renderer() -> None:
@@ -312,6 +328,10 @@ ONE_PLACE = [
     ("GATEWAY_UPSTREAM_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
     ("ENGINE_HTTP_KEEPALIVE_SECONDS", "vllm_fleet.contracts"),
     ("RETRY_AFTER_SECONDS", "vllm_fleet.host.stream_guard"),  # an engine's overload refusal
+    (
+        "/etc/vllm-fleet",
+        "vllm_fleet.contracts",
+    ),  # paths.config_dir's default, the host commands' --config-dir
 ]
 
 

@@ -564,6 +564,45 @@ def test_the_tiny_adapter(tmp_path: Path) -> None:
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
 
 
+# tools/gpu-validate/lora.py writes its adapters with tinymodel.write_lora_adapter on a GPU box whose Python has
+# only the engine's packages and the repo: importing tinymodel and sizing an adapter may not need torch (imported
+# by the write itself), pydantic or yaml (the spec)
+WIDTHS_WITHOUT_HEAVY_IMPORTS = """
+import json, sys
+
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "safetensors", "transformers", "pydantic", "yaml", "jinja2"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Block())
+from vllm_fleet.devtools.tinymodel import adapter_widths, qwen3_8b_config
+
+print(json.dumps(adapter_widths(qwen3_8b_config())))
+"""
+
+
+def test_an_adapter_s_widths_are_the_planner_s_and_need_no_heavy_import() -> None:
+    import subprocess
+    import sys
+
+    from vllm_fleet.fleet.modelinfo import lora_widths
+
+    r = subprocess.run(
+        [sys.executable, "-c", WIDTHS_WITHOUT_HEAVY_IMPORTS], capture_output=True, text=True, cwd=REPO
+    )
+    assert r.returncode == 0, r.stderr
+    widths = {k: tuple(v) for k, v in json.loads(r.stdout).items()}
+    assert widths["self_attn.q_proj"] == (4096, 4096) and widths["self_attn.k_proj"] == (4096, 1024)
+    assert widths["mlp.down_proj"] == (12288, 4096)
+    from vllm_fleet.devtools.tinymodel import qwen3_8b_config
+
+    assert list(widths.values()) == lora_widths(facts_from_config(qwen3_8b_config(), None, "x"))
+
+
 def test_facts_of_a_shape_only_model_have_no_projection_widths() -> None:
     assert ModelFacts(params=1, num_layers=2, num_kv_heads=2, head_dim=32).hidden_size is None
 

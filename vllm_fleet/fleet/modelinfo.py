@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_fleet.files import safetensors_bytes
-from vllm_fleet.fleet.spec import ModelInstance
+
+# the spec's types in annotations only: the facts and the LoRA widths load without pydantic (devtools.tinymodel
+# on a GPU box, tools/gpu-validate/lora.py)
+if TYPE_CHECKING:
+    from vllm_fleet.fleet.spec import ModelInstance
 
 DTYPE_BYTES = {
     "float32": 4.0,

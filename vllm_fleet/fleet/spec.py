@@ -28,8 +28,8 @@ from pydantic import (
 )
 
 from vllm_fleet.contracts import COMMIT_RE as COMMIT_RE  # re-exported: plan.py and others import it from here
+from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, adapters_file_path, probe_timing_problems
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
-from vllm_fleet.contracts import adapters_file_path, probe_timing_problems
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 # vLLM's accepted --max-lora-rank values (vllm/config/lora.py MaxLoRARanks, the same in 0.32 and 0.33) and its
@@ -461,7 +461,7 @@ class Stack(_Model):
 class Paths(_Model):
     prefix: str = "/opt/vllm-fleet"
     venv: str = "/opt/vllm-fleet/venv"
-    config_dir: str = "/etc/vllm-fleet"
+    config_dir: str = DEFAULT_CONFIG_DIR
     models_dir: str = "/var/lib/vllm-fleet/models"
     cache_dir: str = "/var/lib/vllm-fleet/cache"
     state_dir: str = "/run/vllm-fleet"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fleet.contracts import (
-    ADAPTERS_FILE_SUFFIX,
+    DEFAULT_CONFIG_DIR,
     AdapterEntry,
     AdaptersFile,
     AdapterStateFile,
@@ -44,10 +44,12 @@ from vllm_fleet.contracts import (
     InstanceConfig,
     adapter_state_path,
     adapters_file_of,
+    is_adapters_file,
     read_state,
 )
+from vllm_fleet.files import write_json_atomic
+from vllm_fleet.host.launcher_state import AdapterLoad
 
-DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 TIMEOUT = 30.0  # one engine call (a load reads the adapter's files and hands them to the engine core)
 ALREADY_LOADED = "has already been loaded"  # vLLM's 400 for a load of a loaded name
 RUNNING_STATES = ("loading", "ready")  # launcher states of an instance whose engine sync may change
@@ -151,27 +153,11 @@ def write_state(state_dir: str | Path, instance: str, model: str, names: list[st
         "loaded": sorted(names),
         "updated_at": time.time(),
     }
-    tmp = d / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-    tmp.chmod(0o644)
-    if owner is not None:
-        os.chown(tmp, owner.st_uid, owner.st_gid)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, owner=None if owner is None else (owner.st_uid, owner.st_gid))
     return path
 
 
 # --------------------------------------------------------------------------------------- the launcher's load
-
-
-@dataclass
-class LoadReport:
-    """What loading the carried adapters at start did: per adapter a line for the journal, the first failure
-    (adapter, the engine's message, whether the engine answered) and the loaded set read back afterwards."""
-
-    lines: list[str] = field(default_factory=list)
-    failed: tuple[str, str, bool] | None = None
-    loaded: list[str] = field(default_factory=list)
-    carried: list[str] = field(default_factory=list)
 
 
 def read_adapters_file(path: str) -> AdaptersFile | None:
@@ -183,35 +169,33 @@ def read_adapters_file(path: str) -> AdaptersFile | None:
         return None
 
 
-def load_carried(host: str, port: int, model: str, file: str, timeout: float = TIMEOUT) -> LoadReport:
+def load_carried(host: str, port: int, model: str, file: str, timeout: float = TIMEOUT) -> AdapterLoad:
     """Load every adapter ``file`` says this instance carries (stop at the first the engine refuses), then
-    read back what the engine has loaded. For the launcher, before READY=1."""
-    rep = LoadReport()
+    read back what the engine has loaded: per adapter a line for the journal, the first failure (adapter, the
+    engine's message, whether the engine answered) and the loaded set. For the launcher, before READY=1."""
+    lines: list[str] = []
     try:
         doc = read_adapters_file(file)
     except (OSError, ContractError) as exc:
-        rep.failed = ("(adapters file)", f"cannot read {file}: {exc}", True)
-        return rep
+        return AdapterLoad(failed=("(adapters file)", f"cannot read {file}: {exc}", True))
     if doc is None:
-        rep.lines.append(f"no adapters file {file}: no adapter to carry")
-    for a in doc.carried if doc is not None else []:
-        rep.carried.append(a.name)
+        lines.append(f"no adapters file {file}: no adapter to carry")
+    carried = doc.carried if doc is not None else []
+    for a in carried:
         t0 = time.monotonic()
         try:
             fresh = load(host, port, a, timeout)
         except EngineError as exc:
-            rep.failed = (a.name, f"{a.path}: {exc}", exc.answered)
-            return rep
+            return AdapterLoad(tuple(lines), (a.name, f"{a.path}: {exc}", exc.answered))
         took = (time.monotonic() - t0) * 1000
-        rep.lines.append(f"adapter {a.name} {'loaded' if fresh else 'was loaded already'} ({took:.0f} ms)")
+        lines.append(f"adapter {a.name} {'loaded' if fresh else 'was loaded already'} ({took:.0f} ms)")
     try:
-        rep.loaded = sorted(loaded(host, port, model, timeout))
+        now = tuple(sorted(loaded(host, port, model, timeout)))
     except EngineError as exc:
-        rep.failed = ("(loaded adapters)", str(exc), exc.answered)
-        return rep
-    if missing := sorted(set(rep.carried) - set(rep.loaded)):
-        rep.failed = (missing[0], "loaded, but /v1/models does not list it", True)
-    return rep
+        return AdapterLoad(tuple(lines), ("(loaded adapters)", str(exc), exc.answered))
+    if missing := sorted({a.name for a in carried} - set(now)):
+        return AdapterLoad(tuple(lines), (missing[0], "loaded, but /v1/models does not list it", True), now)
+    return AdapterLoad(tuple(lines), None, now)
 
 
 # ---------------------------------------------------------------------------------------------------- sync
@@ -334,7 +318,7 @@ def instance_configs(config_dir: Path, name: str | None = None) -> list[Instance
     paths = (
         [folder / f"{name}.json"]
         if name
-        else sorted(p for p in folder.glob("*.json") if not p.name.endswith(ADAPTERS_FILE_SUFFIX))
+        else sorted(p for p in folder.glob("*.json") if not is_adapters_file(p))
     )
     return [InstanceConfig.load(p) for p in paths]
 
@@ -351,15 +335,18 @@ def show(cfg: InstanceConfig, timeout: float = 5.0) -> dict[str, Any]:
         now: dict[str, str] | None = loaded(cfg.probe_host, cfg.port, cfg.served_model_name, timeout)
     except EngineError as exc:
         now, out["engine"] = None, str(exc)
-    rows = []
-    for a in doc.adapters if doc is not None else ():
-        rows.append({"name": a.name, "carry": a.carry, "rank": a.rank, "path": a.path,
-                     "loaded": None if now is None else a.name in now})  # fmt: skip
-    for name, path in sorted((now or {}).items()):
-        if doc is None or name not in {
-            x.name for x in doc.adapters
-        }:  # loaded, and not (or no longer) in the file
-            rows.append({"name": name, "carry": False, "rank": None, "path": path, "loaded": True})
+    listed = doc.adapters if doc is not None else []
+    rows = [
+        {"name": a.name, "carry": a.carry, "rank": a.rank, "path": a.path,
+         "loaded": None if now is None else a.name in now}
+        for a in listed
+    ]  # fmt: skip
+    names = {a.name for a in listed}
+    rows += [  # loaded, and not (or no longer) in the file
+        {"name": name, "carry": False, "rank": None, "path": path, "loaded": True}
+        for name, path in sorted((now or {}).items())
+        if name not in names
+    ]
     out["adapters"] = rows
     return out
 

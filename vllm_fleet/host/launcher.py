@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -49,7 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.contracts import InstanceConfig, StateFile, adapters_file_of
+from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, InstanceConfig, StateFile, adapters_file_of
+from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host import adapters
 from vllm_fleet.host.churn import read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import read_group
@@ -57,7 +57,6 @@ from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_state import (
     EXIT_CONFIG,
     Action,
-    AdapterLoad,
     Check,
     Exit,
     Kill,
@@ -77,8 +76,6 @@ from vllm_fleet.host.launcher_state import (
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, health, inflight, probe, sample
-
-DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 
 # (pattern, phase) in the order vLLM prints them; the last one seen is the current phase
 PHASES: list[tuple[re.Pattern[str], str]] = [
@@ -143,10 +140,7 @@ def write_state(state_dir: str, name: str, data: StateFile | dict[str, Any]) -> 
     try:
         d = Path(state_dir)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-        tmp.chmod(0o644)
-        os.replace(tmp, d / f"{name}.json")
+        write_json_atomic(d / f"{name}.json", data)
     except OSError as exc:
         _log(f"cannot write state file in {state_dir}: {exc}", 4)
 
@@ -335,10 +329,9 @@ class Launcher:
 
     def _load_adapters(self) -> Callable[[float], list[Action]]:
         cfg = self.cfg
-        rep = adapters.load_carried(
+        load = adapters.load_carried(
             cfg.probe_host, cfg.port, cfg.served_model_name, adapters_file_of(cfg.environment)
         )
-        load = AdapterLoad(tuple(rep.lines), rep.failed, tuple(rep.loaded))
         return lambda now: self.sm.adapters_loaded(now, load)
 
     def _refresh_adapters(self) -> Callable[[float], list[Action]]:

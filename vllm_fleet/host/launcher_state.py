@@ -150,7 +150,7 @@ Action = (
 
 @dataclass(frozen=True)
 class AdapterLoad:
-    """What loading the carried adapters did (``adapters.LoadReport``): a line per adapter, the first one the
+    """What loading the carried adapters did (``adapters.load_carried``): a line per adapter, the first one the
     engine refused (name, its message, whether the engine answered at all), the loaded set read back."""
 
     lines: tuple[str, ...] = ()
@@ -355,10 +355,10 @@ class Supervisor:
         # READY=1; the adapter state file is refreshed from the engine every 30 s while ready (contracts)
         self.lora = bool(adapters_file_of(cfg.environment))
         self.adapters: list[str] = []  # what the engine has loaded, as last read
-        self.adapters_loading = False
         self.adapters_refreshing = False
         self.next_adapters_refresh = now
-        self.ready_probe: ProbeResult | None = None  # the decode that passed while the adapters load
+        # the decode that passed while the carried adapters load (READY=1 follows their load); None: not loading
+        self.ready_probe: ProbeResult | None = None
 
     @property
     def stopping(self) -> bool:
@@ -466,7 +466,7 @@ class Supervisor:
             # alive and still making progress: push systemd's start timeout forward
             extend = f"EXTEND_TIMEOUT_USEC={int(max(30.0, svc.start_timeout_seconds) * 1e6)}"
             out += [Notify((f"STATUS={self.loading_status(now)}", extend)), Save()]
-        if not self.probing and not self.adapters_loading and now >= self.next_probe:
+        if not self.probing and self.ready_probe is None and now >= self.next_probe:
             out.append(self._start_probe(now, first=True))
         return out
 
@@ -491,7 +491,7 @@ class Supervisor:
             self.next_probe = now + READY_RETRY
             return []
         if self.lora:  # the carried adapters before READY=1
-            self.ready_probe, self.adapters_loading = res, True
+            self.ready_probe = res
             self.phase = "loading adapters"
             return [status(self.loading_status(now)), Save(), LoadAdapters()]
         return self._ready(now, res)
@@ -500,7 +500,7 @@ class Supervisor:
         """The carried adapters are loaded: READY=1. One the engine refused fails the start, as a configuration
         error when the engine answered (a restart would load the same files: exit 78, not restarted; the
         play starts it again once the spec or the files change), else as an engine failure (restarted)."""
-        self.adapters_loading = False
+        passed, self.ready_probe = self.ready_probe, None
         if self.state != "loading" or self.stop is not None:
             return []
         out: list[Action] = [Log(line) for line in load.lines]
@@ -513,8 +513,8 @@ class Supervisor:
             return [*out, Kill(wait=True), *self.fail(EXIT_CONFIG if answered else EXIT_ENGINE_DIED, why)]
         self.adapters = list(load.loaded)
         self.next_adapters_refresh = now + ADAPTER_STATE_REFRESH_SECONDS
-        assert self.ready_probe is not None
-        return [*out, SaveAdapters(), *self._ready(now, self.ready_probe)]
+        assert passed is not None
+        return [*out, SaveAdapters(), *self._ready(now, passed)]
 
     def adapters_refreshed(self, now: float, names: list[str] | None) -> list[Action]:
         """What the engine has loaded now (None: it did not say): the adapter state file follows."""

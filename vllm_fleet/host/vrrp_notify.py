@@ -19,13 +19,13 @@ status; this one exits 0 when the file was written, 1 (with a line on stderr, ke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from vllm_fleet.contracts import VRRP_STATE_FILE, VrrpStateFile
+from vllm_fleet.files import write_json_atomic
 
 
 def record(kind: str, name: str, state: str, priority: int, now: float | None = None) -> VrrpStateFile:
@@ -44,15 +44,7 @@ def write(path: Path, rec: VrrpStateFile) -> None:
     """Replace ``path`` with ``rec`` atomically: the folder 0755 (made when missing), the file 0644."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o755)  # whatever the umask (mkdir's mode is masked by it)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o644)  # whatever the umask: the exporter's user reads it
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(path, rec)  # 0644 whatever the umask: the exporter's user reads it
 
 
 def _priority(text: str) -> int:

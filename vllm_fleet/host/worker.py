@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_fleet.contracts import WorkerStateFile, worker_state_path
+from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, WorkerStateFile, worker_state_path
+from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 
-DEFAULT_CONFIG_DIR = "/etc/vllm-fleet"
 TCP_ESTABLISHED = "01"
 
 
@@ -184,10 +184,7 @@ class StateWriter:
             if not d.is_dir():
                 d.mkdir(parents=True, exist_ok=True)
                 d.chmod(0o755)  # the unit's UMask=0077; the exporter (another user) lists it
-            tmp = d / f".{self.path.name}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(self.data, sort_keys=True) + "\n")
-            tmp.chmod(0o644)
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, self.data)
         except OSError as exc:
             if not self._warned:
                 self._warned = True

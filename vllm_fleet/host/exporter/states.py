@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 
 from vllm_fleet.contracts import (
     ADAPTER_STATE_STALE_SECONDS,
-    ADAPTERS_FILE_SUFFIX,
     WORKER_STATE_SUBDIR,
     WORKER_STATES,
     AdaptersFile,
@@ -35,6 +34,7 @@ from vllm_fleet.contracts import (
     WorkerStateFile,
     adapter_state_path,
     adapters_file_of,
+    is_adapters_file,
     read_adapter_state,
     read_state,
     read_worker_state,
@@ -64,7 +64,7 @@ def _configs(config_dir: Path | None) -> tuple[list[tuple[str, dict[str, Any]]],
     errors = 0
     if config_dir is not None and config_dir.is_dir():
         for p in sorted(config_dir.glob("*.json")):
-            if p.name.endswith(ADAPTERS_FILE_SUFFIX):
+            if is_adapters_file(p):
                 continue
             cfg = read_json_object(p)
             if cfg is None:
