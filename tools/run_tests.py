@@ -3,14 +3,16 @@
 
     tools/run_tests.py [--serial] [pytest options ...]      e.g.  -m "not extended"
 
-Phase 1 runs two pytest processes side by side: the ``fleet`` stream (the Ansible e2e, one shared fleet of
-sandbox hosts, most of its time playbook runs and waiting on hosts; then the playbook-render parity checks) and
-the ``local`` stream (every other module: unit tests, gateways, engines, the live observability stack, the
-engine unit under systemd on a sandbox host of its own). Phase 2 then runs the modules that must have the
-machine to themselves: `sandbox down`'s "nothing left behind" checks (no other host may run) and the
-launcher's loading-time signal escalations. Each stream is one ordinary pytest run over its modules; the
-result is the worst of their exit codes. Sandbox hosts take their addresses atomically (``up`` without an
-address), so the streams' hosts never collide.
+Phase 1 runs three pytest processes side by side: the ``fleet`` stream (the Ansible e2e, one shared fleet of
+sandbox hosts, most of its time playbook runs and waiting on hosts), the ``engines`` stream (the modules that
+start real vLLM-CPU engines: the session's engine and the engine contract, bench, the LoRA launcher, the engine
+unit under systemd on a sandbox host of its own) and the ``local`` stream (every other module: unit tests,
+gateways on sim engines, the live observability stack, the playbook-render parity checks). Much of each
+stream's time is waiting (on hosts, engines' imports, alerts), so three keep two cores busier than two did.
+Phase 2 then runs the modules that must have the machine to themselves: `sandbox down`'s "nothing left
+behind" checks (no other host may run) and the launcher's loading-time signal escalations. Each stream is one
+ordinary pytest run over its modules; the result is the worst of their exit codes. Sandbox hosts take their
+addresses atomically (``up`` without an address), so the streams' hosts never collide.
 
 Given test paths (or ``--serial``), it runs one plain pytest with the arguments as given.
 """
@@ -29,9 +31,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = "tests/integration"
 
-# phase 1, beside the local stream: the e2e fleet (its hosts have their own network namespaces), then the
-# playbook-render parity checks (ansible-playbook on the controller)
-FLEET = ["test_ansible.py", "test_ansible_render.py", "test_ha_fleet.py", "test_rollout_fleet.py"]
+# phase 1, three streams side by side. fleet: the e2e fleets (their hosts have their own network namespaces;
+# most of their time is playbook runs and waiting on hosts)
+FLEET = ["test_ansible.py", "test_ha_fleet.py", "test_rollout_fleet.py"]
+# engines: the modules that start real vLLM-CPU engines (the session's engine is shared by the first three, so
+# they stay in one pytest), on the controller or on a sandbox host of their own. What is not in a list is the
+# local stream's: unit tests, gateways on sim engines and stubs, live observability, the render parity checks.
+ENGINES = [
+    "test_bench_engine.py",
+    "test_engine.py",
+    "test_engine_contract.py",
+    "test_exporter_systemd.py",
+    "test_launcher_lora.py",
+    "test_unit_devices.py",
+    "test_unit_engine_service.py",
+]
 # phase 2, with the machine to themselves
 ALONE = [
     "test_launcher.py",  # signals while an engine loads: SIGTERM escalating to SIGKILL after a set time
@@ -52,14 +66,20 @@ class Stream:
 
 
 def streams(root: Path = REPO) -> tuple[list[Stream], list[Stream]]:
-    """The two phases: [fleet, local] side by side, then [alone]. Every test module is in exactly one."""
+    """The two phases: [fleet, engines, local] side by side, then [alone]. Every test module is in exactly
+    one."""
     modules = sorted(p.name for p in (root / INTEGRATION).glob("test_*.py"))
-    missing = [m for m in FLEET + ALONE if m not in modules]
+    named = FLEET + ENGINES + ALONE
+    missing = [m for m in named if m not in modules]
     if missing:
         raise SystemExit(f"run_tests.py names modules that do not exist: {missing}")
-    local = ["tests/unit"] + [f"{INTEGRATION}/{m}" for m in modules if m not in FLEET + ALONE]
+    local = ["tests/unit"] + [f"{INTEGRATION}/{m}" for m in modules if m not in named]
     return (
-        [Stream("fleet", [f"{INTEGRATION}/{m}" for m in FLEET]), Stream("local", local)],
+        [
+            Stream("fleet", [f"{INTEGRATION}/{m}" for m in FLEET]),
+            Stream("engines", [f"{INTEGRATION}/{m}" for m in ENGINES]),
+            Stream("local", local),
+        ],
         [Stream("alone", [f"{INTEGRATION}/{m}" for m in ALONE])],
     )
 
@@ -103,29 +123,33 @@ def run_phases(args: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     t0 = time.monotonic()
-    fleet, local = phase1
-    # the fleet's output goes to its log (printed when it ends); the local stream's to the terminal
-    for s, log in ((fleet, logdir), (local, None)):
-        _start(s, args, log)
+    *logged, local = phase1
+    # the other streams' output goes to their logs (printed when all have ended); the local stream's to the
+    # terminal
+    for s in phase1:
+        _start(s, args, None if s is local else logdir)
         running.append(s)
-    # each stream's time is its own (a waiter each): the one that ends first is not timed by the other
-    waiters = [threading.Thread(target=_wait, args=(s,)) for s in (fleet, local)]
+    # each stream's time is its own (a waiter each): the one that ends first is not timed by another
+    waiters = [threading.Thread(target=_wait, args=(s,)) for s in phase1]
     for w in waiters:
         w.start()
     for w in waiters:
         w.join()
-    assert fleet.log is not None
-    print(f"\n== tests: stream fleet's output ({fleet.log})", flush=True)
-    sys.stdout.buffer.write(fleet.log.read_bytes())
-    sys.stdout.flush()
+    for s in logged:
+        assert s.log is not None
+        print(f"\n== tests: stream {s.name}'s output ({s.log})", flush=True)
+        sys.stdout.buffer.write(s.log.read_bytes())
+        sys.stdout.flush()
     for s in phase2:
         _start(s, args, None)
         running.append(s)
         _wait(s)
     print("\n== tests: streams")
     for s in running:
-        print(f"   {s.name:6} rc={s.rc} {s.seconds:7.0f} s  {' '.join(s.paths)}")
-    print(f"   phase 1 (fleet beside local) then phase 2: {time.monotonic() - t0:.0f} s in all", flush=True)
+        print(f"   {s.name:7} rc={s.rc} {s.seconds:7.0f} s  {' '.join(s.paths)}")
+    print(
+        f"   phase 1 (fleet, engines, local) then phase 2: {time.monotonic() - t0:.0f} s in all", flush=True
+    )
     return max((s.rc or 0) for s in running)
 
 

@@ -14,7 +14,7 @@ import run_tests  # noqa: E402
 
 def test_every_module_in_exactly_one_stream() -> None:
     phase1, phase2 = run_tests.streams(REPO)
-    assert [s.name for s in phase1] == ["fleet", "local"] and [s.name for s in phase2] == ["alone"]
+    assert [s.name for s in phase1] == ["fleet", "engines", "local"] and [s.name for s in phase2] == ["alone"]
     paths = [p for s in phase1 + phase2 for p in s.paths]
     assert len(paths) == len(set(paths))
     integration = {f"tests/integration/{p.name}" for p in (REPO / "tests/integration").glob("test_*.py")}
@@ -22,6 +22,9 @@ def test_every_module_in_exactly_one_stream() -> None:
     # the e2e and the modules whose checks need the machine alone are where the docs say
     assert "tests/integration/test_ansible.py" in phase1[0].paths
     assert "tests/integration/test_sandbox.py" in phase2[0].paths
+    # the modules that share the session's real engine run in one pytest
+    shared = {f"tests/integration/test_{m}.py" for m in ("bench_engine", "engine", "engine_contract")}
+    assert shared <= set(phase1[1].paths)
 
 
 def test_a_stream_naming_a_missing_module_is_refused(tmp_path: Path) -> None:
