@@ -12,25 +12,22 @@ CPU, a burst deeper than the watchdog, stop during a stream), and the launcher's
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fleet.devtools.cpu_throttle import FLOOR_PERCENT, throttled
-from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, group_processes, http_json
+from vllm_fleet.devtools.launched import LaunchedInstance as Run
+from vllm_fleet.devtools.launched import engine_environment, launch
+from vllm_fleet.devtools.testing import engine_argv, free_port, group_processes, http_json
 from vllm_fleet.host.launcher import EXIT_CONFIG
-from vllm_fleet.host.notify import NotifyListener
 
 # engine loads take 0.5–8 min on a busy 2-core machine
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -45,61 +42,6 @@ SERVICE = {
     "stall_timeout_seconds": 600,
     "starved_grace_seconds": 20,
 }
-ENV_KEYS = (
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "VLLM_NO_USAGE_STATS",
-    "DO_NOT_TRACK",
-    "VLLM_CACHE_ROOT",
-)
-
-
-@dataclass
-class Run:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    notify: NotifyListener
-    workdir: Path
-    log: Path
-
-    @property
-    def state_file(self) -> Path:
-        return self.workdir / "state" / f"{self.name}.json"
-
-    def state(self) -> dict[str, Any]:
-        return dict(json.loads(self.state_file.read_text()))
-
-    def engine_pid(self) -> int:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                pid = self.state().get("engine_pid")
-                if pid:
-                    return int(pid)
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("no engine_pid in the state file")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def cleanup(self) -> None:
-        pid = None
-        with contextlib.suppress(OSError, ValueError):
-            pid = self.state().get("engine_pid")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)
-        self.notify.close()
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -110,9 +52,7 @@ def group_alive(pgid: int) -> list[int]:
 def start_launcher(
     workdir: Path, model: Path | str, name: str = "tiny", service: dict[str, Any] | None = None
 ) -> Run:
-    workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = engine_env(workdir / "cache")
     cfg = {
         "name": name,
         "served_model_name": f"{name}-served",
@@ -120,23 +60,12 @@ def start_launcher(
         "listen_address": "127.0.0.1",
         "port": port,
         "command": engine_argv(Path(model), port, f"{name}-served", shutdown_timeout=40),
-        "environment": {k: env[k] for k in ENV_KEYS} | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": env["TMPDIR"]},
+        "environment": engine_environment(workdir / "cache"),
         "shutdown_timeout": 40,
         "state_dir": str(workdir / "state"),
         "service": service or SERVICE,
     }
-    (workdir / "instances").mkdir(exist_ok=True)
-    (workdir / "instances" / f"{name}.json").write_text(json.dumps(cfg))
-    sock = str(workdir / "notify.sock")
-    listener = NotifyListener(sock)
-    log = workdir / "launcher.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_fleet.host.launcher", name, "--config-dir", str(workdir)],
-        env={**os.environ, "NOTIFY_SOCKET": sock},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    return Run(name, port, proc, listener, workdir, log)
+    return launch(workdir, name, cfg)
 
 
 @pytest.fixture(scope="module")
