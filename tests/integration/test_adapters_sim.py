@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import wait_for
+from vllm_fleet.devtools.launched import LaunchedInstance, start, write_config
 from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
 from vllm_fleet.host.launcher import EXIT_CONFIG
-from vllm_fleet.host.notify import NotifyListener
 
 LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
@@ -44,20 +44,16 @@ class Instance:
         self.url = f"http://127.0.0.1:{self.port}"
         self.adapters_dir = workdir / "adapters"
         self.file = workdir / "instances" / "sim.adapters.json"
-        self.state_dir = workdir / "state"
-        (workdir / "instances").mkdir(parents=True)
-        self.write_adapters(carried, listed)
         cfg = {
             "name": "sim", "served_model_name": "sim-served", "model_path": str(model),
             "listen_address": "127.0.0.1", "port": self.port,
             "command": sim_engine_argv(model, self.port, "sim-served", LORA_FLAGS, shutdown_timeout=5),
             "environment": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_FLEET_ADAPTERS_FILE": str(self.file)},
-            "shutdown_timeout": 5, "state_dir": str(self.state_dir), "service": SIM_LAUNCHER_SERVICE,
+            "shutdown_timeout": 5, "state_dir": str(workdir / "state"), "service": SIM_LAUNCHER_SERVICE,
         }  # fmt: skip
-        (workdir / "instances" / "sim.json").write_text(json.dumps(cfg))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.notify: NotifyListener | None = None
-        self.log = workdir / "launcher.log"
+        write_config(workdir, "sim", cfg)
+        self.write_adapters(carried, listed)
+        self.run: LaunchedInstance | None = None
 
     def write_adapters(self, carried: dict[str, int], listed: dict[str, int] | None = None) -> None:
         """The adapters file as the render writes it: ``carried`` and ``listed`` (not carried) name → rank."""
@@ -68,23 +64,10 @@ class Instance:
         doc = {"schema": 1, "instance": "sim", "model": "sim-served", "adapters": rows}
         self.file.write_text(json.dumps(doc))
 
-    def launch(self) -> Instance:
-        sock = str(self.workdir / "notify.sock")
-        self.notify = NotifyListener(sock)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_fleet.host.launcher", "sim", "--config-dir", str(self.workdir)],
-            env={**os.environ, "NOTIFY_SOCKET": sock},
-            stdout=self.log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        return self
-
-    def adapters_state(self) -> dict[str, Any]:
-        return dict(json.loads((self.state_dir / "adapters" / "sim.json").read_text()))
-
-    def state(self) -> dict[str, Any]:
-        return dict(json.loads((self.state_dir / "sim.json").read_text()))
+    def launch(self) -> LaunchedInstance:
+        """The launcher on the config (its own session: ``stop`` kills its process group)."""
+        self.run = start(self.workdir, "sim", new_session=True)
+        return self.run
 
     def loaded(self) -> list[str]:
         st, doc = http_json("GET", self.url + "/v1/models")
@@ -106,11 +89,8 @@ class Instance:
         return rc, json.loads(out)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        if self.notify is not None:
-            self.notify.close()
+        if self.run is not None:
+            self.run.kill()
 
 
 @pytest.fixture
@@ -123,21 +103,20 @@ def lora(sim_model_dir: Path, tmp_path: Path) -> Iterator[Instance]:
 
 
 def test_ready_after_the_carried_adapters_then_sync_loads_unloads_and_reloads(lora: Instance) -> None:
-    lora.launch()
-    assert lora.notify is not None
-    i_ready = lora.notify.wait_for("READY", "1", timeout=60)
+    run = lora.launch()
+    i_ready = run.notify.wait_for("READY", "1", timeout=60)
     # READY=1 came after the carried adapter was loaded: the state file written before it says so
-    ready_status = lora.notify.messages[i_ready][1]["STATUS"]
+    ready_status = run.notify.messages[i_ready][1]["STATUS"]
     assert ready_status.startswith(f"Serving sim-served on 127.0.0.1:{lora.port}, adapter ad-a (ready in"), (
         ready_status
     )
-    statuses = lora.notify.values("STATUS")
+    statuses = run.notify.values("STATUS")
     assert any("loading adapters" in s for s in statuses), statuses
-    st = lora.adapters_state()
+    st = run.adapter_state()
     assert (st["instance"], st["model"], st["loaded"]) == ("sim", "sim-served", ["ad-a"])
     assert time.time() - st["updated_at"] < 60
     assert lora.loaded() == ["ad-a"]
-    assert "adapter ad-a loaded" in lora.log.read_text()
+    assert "adapter ad-a loaded" in run.output()
     # a request for the carried adapter: served, the answer names the adapter
     st_, doc = http_json(
         "POST", lora.url + "/v1/completions", {"model": "ad-a", "prompt": "x", "max_tokens": 2}
@@ -158,7 +137,7 @@ def test_ready_after_the_carried_adapters_then_sync_loads_unloads_and_reloads(lo
     assert rc == 0 and res == {"instance": "sim", "loaded": [], "unloaded": [], "reloaded": [], "changed": False,
                                "skipped": None, "error": None, "adapters": ["ad-a", "ad-c"]}  # fmt: skip
     # ad-b carried now: loaded without a restart
-    pid = lora.state()["engine_pid"]
+    pid = run.state()["engine_pid"]
     lora.write_adapters({"ad-a": 8, "ad-b": 8}, {"ad-c": 8})
     rc, res = lora.sync()
     assert (
@@ -167,14 +146,14 @@ def test_ready_after_the_carried_adapters_then_sync_loads_unloads_and_reloads(lo
         and res["changed"]
         and res["adapters"] == ["ad-a", "ad-b", "ad-c"]
     )
-    assert lora.adapters_state()["loaded"] == ["ad-a", "ad-b", "ad-c"]
+    assert run.adapter_state()["loaded"] == ["ad-a", "ad-b", "ad-c"]
     # ad-a and ad-c out of the file: unloaded; ad-b's files changed: loaded again
     lora.write_adapters({"ad-b": 8})
     rc, res = lora.sync("--reload", "ad-b", "ad-x")
     assert rc == 0, res
     assert (res["unloaded"], res["loaded"], res["reloaded"]) == (["ad-a", "ad-c"], [], ["ad-b"])
-    assert lora.loaded() == ["ad-b"] and lora.adapters_state()["loaded"] == ["ad-b"]
-    assert lora.state()["engine_pid"] == pid and lora.state()["state"] == "ready"  # never restarted
+    assert lora.loaded() == ["ad-b"] and run.adapter_state()["loaded"] == ["ad-b"]
+    assert run.state()["engine_pid"] == pid and run.state()["state"] == "ready"  # never restarted
     # show: what the file lists and what the engine has loaded
     rc, out, err = lora.cli("show", "--json")
     assert rc == 0, err
@@ -190,10 +169,9 @@ def test_ready_after_the_carried_adapters_then_sync_loads_unloads_and_reloads(lo
     rc, out, err = lora.cli("sync", "sim")
     assert rc == 1 and "FAILED" in out and "max_lora_rank 8" in err, (out, err)
     # stopped: skipped, nothing done
-    assert lora.proc is not None
-    lora.proc.send_signal(signal.SIGTERM)
-    assert lora.proc.wait(30) == 0
-    assert lora.adapters_state()["loaded"] == []  # the engine is gone: nothing loaded
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(30) == 0
+    assert run.adapter_state()["loaded"] == []  # the engine is gone: nothing loaded
     rc, res = lora.sync()
     assert rc == 0 and res["skipped"] and res["skipped"].startswith("not running"), res
     assert not res["changed"]
@@ -201,19 +179,18 @@ def test_ready_after_the_carried_adapters_then_sync_loads_unloads_and_reloads(lo
 
 def test_a_refused_carried_adapter_fails_the_start_with_the_engines_message(lora: Instance) -> None:
     lora.write_adapters({"ad-a": 8, "big": 16})
-    lora.launch()
-    assert lora.proc is not None and lora.notify is not None
-    assert lora.proc.wait(60) == EXIT_CONFIG, lora.log.read_text()[-2000:]
-    st = lora.state()
+    run = lora.launch()
+    assert run.proc.wait(60) == EXIT_CONFIG, run.output()[-2000:]
+    st = run.state()
     assert st["state"] == "failed" and st["phase"] == "configuration error", st
     why = st["failure_reason"]
     assert why.startswith("LoRA adapter big could not be loaded: ") and "HTTP 500" in why, why
     assert "LoRA rank 16 is greater than max_lora_rank 8." in why, why
-    assert why in lora.log.read_text()  # the journal
-    assert any(s.startswith("Failed: LoRA adapter big") for s in lora.notify.values("STATUS"))
-    assert "READY" not in {k for _, f in lora.notify.messages for k in f}
+    assert why in run.output()  # the journal
+    assert any(s.startswith("Failed: LoRA adapter big") for s in run.notify.values("STATUS"))
+    assert "READY" not in {k for _, f in run.notify.messages for k in f}
     assert wait_for(
-        lambda: not lora.state()["engine_pid"] or not os.path.exists(f"/proc/{st['engine_pid']}"), 10
+        lambda: not run.state()["engine_pid"] or not os.path.exists(f"/proc/{st['engine_pid']}"), 10
     )
 
 

@@ -12,25 +12,21 @@ CPU, a burst deeper than the watchdog, stop during a stream), and the launcher's
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fleet.devtools.cpu_throttle import FLOOR_PERCENT, throttled
-from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, group_processes, http_json
+from vllm_fleet.devtools.launched import LaunchedInstance, engine_environment, launch
+from vllm_fleet.devtools.testing import engine_argv, free_port, group_processes, http_json
 from vllm_fleet.host.launcher import EXIT_CONFIG
-from vllm_fleet.host.notify import NotifyListener
 
 # engine loads take 0.5–8 min on a busy 2-core machine
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -45,61 +41,6 @@ SERVICE = {
     "stall_timeout_seconds": 600,
     "starved_grace_seconds": 20,
 }
-ENV_KEYS = (
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "VLLM_NO_USAGE_STATS",
-    "DO_NOT_TRACK",
-    "VLLM_CACHE_ROOT",
-)
-
-
-@dataclass
-class Run:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    notify: NotifyListener
-    workdir: Path
-    log: Path
-
-    @property
-    def state_file(self) -> Path:
-        return self.workdir / "state" / f"{self.name}.json"
-
-    def state(self) -> dict[str, Any]:
-        return dict(json.loads(self.state_file.read_text()))
-
-    def engine_pid(self) -> int:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                pid = self.state().get("engine_pid")
-                if pid:
-                    return int(pid)
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("no engine_pid in the state file")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def cleanup(self) -> None:
-        pid = None
-        with contextlib.suppress(OSError, ValueError):
-            pid = self.state().get("engine_pid")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)
-        self.notify.close()
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -109,10 +50,8 @@ def group_alive(pgid: int) -> list[int]:
 
 def start_launcher(
     workdir: Path, model: Path | str, name: str = "tiny", service: dict[str, Any] | None = None
-) -> Run:
-    workdir.mkdir(parents=True, exist_ok=True)
+) -> LaunchedInstance:
     port = free_port()
-    env = engine_env(workdir / "cache")
     cfg = {
         "name": name,
         "served_model_name": f"{name}-served",
@@ -120,27 +59,16 @@ def start_launcher(
         "listen_address": "127.0.0.1",
         "port": port,
         "command": engine_argv(Path(model), port, f"{name}-served", shutdown_timeout=40),
-        "environment": {k: env[k] for k in ENV_KEYS} | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": env["TMPDIR"]},
+        "environment": engine_environment(workdir / "cache"),
         "shutdown_timeout": 40,
         "state_dir": str(workdir / "state"),
         "service": service or SERVICE,
     }
-    (workdir / "instances").mkdir(exist_ok=True)
-    (workdir / "instances" / f"{name}.json").write_text(json.dumps(cfg))
-    sock = str(workdir / "notify.sock")
-    listener = NotifyListener(sock)
-    log = workdir / "launcher.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_fleet.host.launcher", name, "--config-dir", str(workdir)],
-        env={**os.environ, "NOTIFY_SOCKET": sock},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    return Run(name, port, proc, listener, workdir, log)
+    return launch(workdir, name, cfg)
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedInstance]:
     r = start_launcher(tmp_path_factory.mktemp("launch"), tiny_model)
     try:
         yield r
@@ -149,7 +77,7 @@ def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.mark.extended
-def test_ready_only_after_a_completion(run: Run) -> None:
+def test_ready_only_after_a_completion(run: LaunchedInstance) -> None:
     t_start = time.monotonic()
     i_ready = run.notify.wait_for("READY", "1", timeout=1500)
     t_ready = run.notify.messages[i_ready][0]
@@ -179,7 +107,7 @@ def test_ready_only_after_a_completion(run: Run) -> None:
 
 
 @pytest.mark.extended
-def test_watchdog_pings_repeat(run: Run) -> None:
+def test_watchdog_pings_repeat(run: LaunchedInstance) -> None:
     i = run.notify.wait_for("READY", "1", timeout=1500)
     j = run.notify.wait_for("WATCHDOG", "1", since=i + 1, timeout=15)
     k = run.notify.wait_for("WATCHDOG", "1", since=j + 1, timeout=15)
@@ -189,7 +117,7 @@ def test_watchdog_pings_repeat(run: Run) -> None:
     assert s["probes_total"] >= 2 and s["last_probe_latency_seconds"] > 0
 
 
-def _sustained_completions(run: Run, n: int) -> tuple[list[threading.Thread], threading.Event]:
+def _sustained_completions(run: LaunchedInstance, n: int) -> tuple[list[threading.Thread], threading.Event]:
     """``n`` lanes of 300-token completions in the background, each sending the next as soon as one ends, until
     the event is set (the engine stays busy however fast the machine decodes: four one-shot 900-token
     completions were over on a fast CI machine before the launcher's next probe saw them)."""
@@ -210,7 +138,7 @@ def _sustained_completions(run: Run, n: int) -> tuple[list[threading.Thread], th
     return threads, stop
 
 
-def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
+def _hang_targets(run: LaunchedInstance, mode: str) -> tuple[list[int], bool]:
     """The processes ``mode`` stops, and whether the engine must be busy first."""
     pid = run.engine_pid()
     if mode == "api-server":
@@ -226,7 +154,7 @@ def _hang_targets(run: Run, mode: str) -> tuple[list[int], bool]:
 # `make test-all` (CI: the worker hung while busy under systemd, test_unit_engine_service)
 @pytest.mark.extended
 @pytest.mark.parametrize("mode", ["api-server", "all", "worker-busy"])
-def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
+def test_a_hung_engine_stops_the_watchdog_pings(run: LaunchedInstance, mode: str) -> None:
     """Three hangs (issue: busy is not hung, but hung is hung): the API server alone stopped (probes time
     out), every engine process stopped, and the worker alone stopped while requests run (``/health`` stays 200,
     the work counters stop). In each the launcher stops pinging within one probe timeout, so systemd's
@@ -277,7 +205,7 @@ def test_a_hung_engine_stops_the_watchdog_pings(run: Run, mode: str) -> None:
     )
 
 
-def _wait_status(run: Run, words: str, since: int, timeout: float) -> float:
+def _wait_status(run: LaunchedInstance, words: str, since: int, timeout: float) -> float:
     """Time of the first ``STATUS=Probe failing …`` at or after message ``since`` that holds ``words``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -290,12 +218,12 @@ def _wait_status(run: Run, words: str, since: int, timeout: float) -> float:
     )
 
 
-def _pings_between(run: Run, t0: float, t1: float) -> list[float]:
+def _pings_between(run: LaunchedInstance, t0: float, t1: float) -> list[float]:
     return [t for t, f in run.notify.messages if f.get("WATCHDOG") == "1" and t0 <= t < t1]
 
 
 @pytest.mark.extended
-def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> None:
+def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: LaunchedInstance) -> None:
     """Idle, but its CPUs taken (a CFS quota of 0.1 % of one CPU, the kernel's least, on every engine process:
     what a neighbour's burst does on a small host): the decode probe times out, the kernel shows the engine's
     threads waiting for a CPU, so the check passes as ``starved`` and the pings go on (before, the watchdog
@@ -335,7 +263,7 @@ def test_a_starved_engine_is_slow_not_hung_until_the_grace_ends(run: Run) -> Non
 
 
 @pytest.mark.extended
-def test_sigterm_drains_inflight_stream(run: Run) -> None:
+def test_sigterm_drains_inflight_stream(run: LaunchedInstance) -> None:
     run.notify.wait_for("READY", "1", timeout=1500)
     pid = run.engine_pid()
     result: dict[str, Any] = {}
@@ -428,7 +356,7 @@ def test_bad_model_path_fails_fast_with_config_exit_code(tmp_path: Path) -> None
         r.cleanup()
 
 
-def _wait_phase(r: Run, timeout: float = 600) -> None:
+def _wait_phase(r: LaunchedInstance, timeout: float = 600) -> None:
     """Until the engine printed its arguments: vLLM has its signal handlers, the engine is loading."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

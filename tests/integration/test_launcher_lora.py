@@ -8,9 +8,7 @@ with a refused adapter: test_adapters_sim.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,8 +23,8 @@ import pytest
 from lora_fixtures import lora_engine_env, write_adapters_file  # type: ignore[import-not-found]
 
 from vllm_fleet.devtools.gateway_testing import wait_for
-from vllm_fleet.devtools.testing import engine_argv, engine_env, free_port, http_json
-from vllm_fleet.host.notify import NotifyListener
+from vllm_fleet.devtools.launched import LaunchedInstance, engine_environment, launch
+from vllm_fleet.devtools.testing import engine_argv, free_port, http_json
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -41,37 +39,27 @@ SERVICE = {
     "stall_timeout_seconds": 600,
     "starved_grace_seconds": 120,
 }
-ENV_KEYS = (
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "VLLM_NO_USAGE_STATS",
-    "DO_NOT_TRACK",
-    "VLLM_CACHE_ROOT",
-)
 LORA_FLAGS = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
+
+
+def write_carry(file: Path, adapters: dict[str, Path], carried: list[str], listed: list[str]) -> None:
+    """The adapters file of ``tiny``: ``carried`` and ``listed`` (not carried), each from ``adapters``."""
+    rows = {n: (adapters[n], n in carried) for n in [*carried, *listed]}
+    write_adapters_file(file, "tiny", MODEL, rows)
 
 
 @dataclass
 class Lora:
-    work: Path
-    port: int
-    file: Path
-    adapters: dict[str, Path]
-    proc: subprocess.Popen[bytes]
-    notify: NotifyListener
-    log: Path
+    run: LaunchedInstance  # the launcher of the instance ``tiny``
+    file: Path  # its adapters file
+    adapters: dict[str, Path]  # the adapter folders the file may name
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.run.url
 
     def carry(self, carried: list[str], listed: list[str]) -> None:
-        rows = {n: (self.adapters[n], n in carried) for n in [*carried, *listed]}
-        write_adapters_file(self.file, "tiny", MODEL, rows)
-
-    def state(self, adapters: bool = False) -> dict[str, Any]:
-        path = self.work / "state" / ("adapters/tiny.json" if adapters else "tiny.json")
-        return dict(json.loads(path.read_text()))
+        write_carry(self.file, self.adapters, carried, listed)
 
     def loaded(self) -> list[str]:
         st, doc = http_json("GET", self.url + "/v1/models")
@@ -83,7 +71,7 @@ class Lora:
                               timeout=120)  # fmt: skip
 
     def sync(self) -> dict[str, Any]:
-        r = self.vllm_fleet("adapters", "sync", "tiny", "--config-dir", str(self.work), "--json")
+        r = self.vllm_fleet("adapters", "sync", "tiny", "--config-dir", str(self.run.workdir), "--json")
         assert r.returncode == 0, (r.stdout, r.stderr)
         return dict(json.loads(r.stdout))
 
@@ -95,43 +83,19 @@ def lora(
     work = tmp_path_factory.mktemp("launch-lora")
     (work / "instances").mkdir()
     port, file = free_port(), work / "instances" / "tiny.adapters.json"
-    env = engine_env(work / "cache")
     cfg = {
         "name": "tiny", "served_model_name": MODEL, "model_path": str(tiny_model), "listen_address": "127.0.0.1",
         "port": port, "command": engine_argv(tiny_model, port, MODEL, LORA_FLAGS, shutdown_timeout=30),
-        "environment": {k: env[k] for k in ENV_KEYS} | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": env["TMPDIR"]}
-                       | lora_engine_env(file, work),
+        "environment": engine_environment(work / "cache") | lora_engine_env(file, work),
         "shutdown_timeout": 30, "state_dir": str(work / "state"), "service": SERVICE,
     }  # fmt: skip
-    (work / "instances" / "tiny.json").write_text(json.dumps(cfg))
-    sock = str(work / "notify.sock")
-    listener = NotifyListener(sock)
-    log = work / "launcher.log"
-    r = Lora(work, port, file, tiny_adapters, None, listener, log)  # type: ignore[arg-type]
-    r.carry(["ad-a"], ["ad-c"])  # ad-a carried; ad-c listed (the resolver's); ad-b not yet
-    r.proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_fleet.host.launcher", "tiny", "--config-dir", str(work)],
-        env={**os.environ, "NOTIFY_SOCKET": sock},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    # ad-a carried; ad-c listed (the resolver's); ad-b not yet
+    write_carry(file, tiny_adapters, ["ad-a"], ["ad-c"])
+    r = Lora(launch(work, "tiny", cfg), file, tiny_adapters)
     try:
         yield r
     finally:
-        pid = None
-        with contextlib.suppress(OSError, ValueError):
-            pid = r.state().get("engine_pid")
-        if r.proc.poll() is None:
-            r.proc.send_signal(signal.SIGTERM)
-            try:
-                r.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait(10)
-        if pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)
-        listener.close()
+        r.run.cleanup(wait=60)
 
 
 @dataclass
@@ -169,33 +133,33 @@ class Traffic:
 
 
 def test_ready_only_after_the_carried_adapter_is_loaded(lora: Lora) -> None:
-    i_ready = lora.notify.wait_for("READY", "1", timeout=900)
-    before = [f.get("STATUS", "") for _, f in lora.notify.messages[:i_ready]]
+    i_ready = lora.run.notify.wait_for("READY", "1", timeout=900)
+    before = [f.get("STATUS", "") for _, f in lora.run.notify.messages[:i_ready]]
     assert any("loading adapters" in s for s in before), before
-    status = lora.notify.messages[i_ready][1]["STATUS"]
-    assert status.startswith(f"Serving {MODEL} on 127.0.0.1:{lora.port}, adapter ad-a (ready in"), status
+    status = lora.run.notify.messages[i_ready][1]["STATUS"]
+    assert status.startswith(f"Serving {MODEL} on 127.0.0.1:{lora.run.port}, adapter ad-a (ready in"), status
     # the engine loaded it (its own log line, relayed) before the launcher said ready (logged right after READY=1)
-    assert wait_for(lambda: "ready after" in lora.log.read_text(errors="replace"), 10)
-    out = lora.log.read_text(errors="replace")
+    assert wait_for(lambda: "ready after" in lora.run.output(), 10)
+    out = lora.run.output()
     loaded_at = out.find("Loaded new LoRA adapter: name 'ad-a'")
     assert 0 <= loaded_at < out.find("adapter ad-a loaded") < out.find("ready after"), out[-3000:]
-    st = lora.state(adapters=True)
+    st = lora.run.adapter_state()
     assert (st["instance"], st["model"], st["loaded"]) == ("tiny", MODEL, ["ad-a"])
-    assert lora.loaded() == ["ad-a"] and lora.state()["state"] == "ready"
+    assert lora.loaded() == ["ad-a"] and lora.run.state()["state"] == "ready"
 
 
 def test_sync_loads_and_unloads_under_steady_traffic(lora: Lora) -> None:
     """ad-b added to the file: sync loads it; removed: sync unloads it; meanwhile the base model and ad-a are
     asked one request after another and every one is answered 200; the engine is the same throughout."""
-    lora.notify.wait_for("READY", "1", timeout=900)
-    pid = lora.state()["engine_pid"]
+    lora.run.notify.wait_for("READY", "1", timeout=900)
+    pid = lora.run.state()["engine_pid"]
     traffic = Traffic(lora.url, [MODEL, "ad-a"]).start()
     try:
         time.sleep(2)
         lora.carry(["ad-a", "ad-b"], ["ad-c"])
         res = lora.sync()
         assert (res["loaded"], res["unloaded"], res["changed"]) == (["ad-b"], [], True), res
-        assert "ad-b" in lora.loaded() and "ad-b" in lora.state(adapters=True)["loaded"]
+        assert "ad-b" in lora.loaded() and "ad-b" in lora.run.adapter_state()["loaded"]
         st, doc = http_json(
             "POST", lora.url + "/v1/completions", {"model": "ad-b", "prompt": "x", "max_tokens": 2}
         )
@@ -204,7 +168,7 @@ def test_sync_loads_and_unloads_under_steady_traffic(lora: Lora) -> None:
         lora.carry(["ad-a"], ["ad-c"])
         res = lora.sync()
         assert (res["loaded"], res["unloaded"], res["changed"]) == ([], ["ad-b"], True), res
-        assert "ad-b" not in lora.loaded() and lora.state(adapters=True)["loaded"] == ["ad-a"]
+        assert "ad-b" not in lora.loaded() and lora.run.adapter_state()["loaded"] == ["ad-a"]
         st, doc = http_json(
             "POST", lora.url + "/v1/completions", {"model": "ad-b", "prompt": "x", "max_tokens": 2}
         )
@@ -218,23 +182,24 @@ def test_sync_loads_and_unloads_under_steady_traffic(lora: Lora) -> None:
         f"steady traffic during the syncs: { ({m: len(v) for m, v in seen.items()}) } requests, failed {failed}"
     )
     assert failed == {MODEL: [], "ad-a": []}, failed
-    assert lora.state()["engine_pid"] == pid and lora.state()["state"] == "ready"
+    assert lora.run.state()["engine_pid"] == pid and lora.run.state()["state"] == "ready"
     assert lora.sync()["changed"] is False
 
 
 def test_a_listed_adapter_is_served_through_the_resolver(lora: Lora) -> None:
     """ad-c is in the adapters file but not carried: the engine loads it on its first request (vllm-fleet's
     resolver) and serves it; the exporter reports the carried adapter (ad-a) loaded, and only it."""
-    lora.notify.wait_for("READY", "1", timeout=900)
+    lora.run.notify.wait_for("READY", "1", timeout=900)
     assert "ad-c" not in lora.loaded()
     st, doc = http_json(
         "POST", lora.url + "/v1/completions", {"model": "ad-c", "prompt": "x", "max_tokens": 2}
     )
     assert st == 200 and doc["model"] == "ad-c", doc
     assert "ad-c" in lora.loaded()
-    assert "Resolved and loaded LoRA adapter 'ad-c'" in lora.log.read_text(errors="replace")
-    r = lora.vllm_fleet("exporter", "--once", "--no-nvml", "--state-dir", str(lora.work / "state"),
-                        "--config-dir", str(lora.work / "instances"), "--worker-config-dir", "", "--access-log", "",
+    assert "Resolved and loaded LoRA adapter 'ad-c'" in lora.run.output()
+    work = lora.run.workdir
+    r = lora.vllm_fleet("exporter", "--once", "--no-nvml", "--state-dir", str(lora.run.state_dir),
+                        "--config-dir", str(work / "instances"), "--worker-config-dir", "", "--access-log", "",
                         "--drain-state", "", "--manifest", "")  # fmt: skip
     assert r.returncode == 0, r.stderr
     got = [line for line in r.stdout.splitlines() if line.startswith("vllm_fleet_instance_adapter_loaded{")]
@@ -242,6 +207,6 @@ def test_a_listed_adapter_is_served_through_the_resolver(lora: Lora) -> None:
         'vllm_fleet_instance_adapter_loaded{adapter="ad-a",instance="tiny",model="tiny-qwen3"} 1.0'
     ], got
     # a stop: the adapter state file says nothing is loaded any more
-    lora.proc.send_signal(signal.SIGTERM)
-    assert lora.proc.wait(90) == 0, lora.log.read_text(errors="replace")[-3000:]
-    assert lora.state(adapters=True)["loaded"] == []
+    lora.run.proc.send_signal(signal.SIGTERM)
+    assert lora.run.proc.wait(90) == 0, lora.run.output()[-3000:]
+    assert lora.run.adapter_state()["loaded"] == []

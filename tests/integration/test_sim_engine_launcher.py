@@ -4,12 +4,8 @@ stalled (the probe says so from the work counters), and SIGTERM drains to exit 0
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,52 +14,28 @@ from typing import Any
 import pytest
 
 from vllm_fleet.devtools.gateway_testing import wait_for
+from vllm_fleet.devtools.launched import LaunchedInstance, launch
 from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
 from vllm_fleet.host import probe
-from vllm_fleet.host.notify import NotifyListener
-
-
-class Launched:
-    def __init__(self, workdir: Path, model: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {
-            "name": "sim", "served_model_name": "sim-served", "model_path": str(model),
-            "listen_address": "127.0.0.1", "port": self.port,
-            "command": sim_engine_argv(model, self.port, "sim-served", shutdown_timeout=10, load_seconds=3),
-            "shutdown_timeout": 10, "state_dir": str(workdir / "state"), "service": SIM_LAUNCHER_SERVICE,
-        }  # fmt: skip
-        (workdir / "instances").mkdir(parents=True)
-        (workdir / "instances" / "sim.json").write_text(json.dumps(cfg))
-        sock = str(workdir / "notify.sock")
-        self.notify = NotifyListener(sock)
-        self.log = workdir / "launcher.log"
-        self.state_file = workdir / "state" / "sim.json"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_fleet.host.launcher", "sim", "--config-dir", str(workdir)],
-            env={**os.environ, "NOTIFY_SOCKET": sock},
-            stdout=self.log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.notify.close()
 
 
 @pytest.fixture
-def launched(sim_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
-    r = Launched(tmp_path, sim_model_dir)
+def launched(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
+    port = free_port()
+    cfg = {
+        "name": "sim", "served_model_name": "sim-served", "model_path": str(sim_model_dir),
+        "listen_address": "127.0.0.1", "port": port,
+        "command": sim_engine_argv(sim_model_dir, port, "sim-served", shutdown_timeout=10, load_seconds=3),
+        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SIM_LAUNCHER_SERVICE,
+    }  # fmt: skip
+    r = launch(tmp_path, "sim", cfg, new_session=True)
     try:
         yield r
     finally:
-        r.stop()
+        r.kill()
 
 
-def test_launcher_runs_the_sim_engine(launched: Launched) -> None:
+def test_launcher_runs_the_sim_engine(launched: LaunchedInstance) -> None:
     r = launched
     i_ready = r.notify.wait_for("READY", "1", timeout=60)
     statuses = [f["STATUS"] for _, f in r.notify.messages[:i_ready] if "STATUS" in f]
@@ -91,7 +63,7 @@ def test_launcher_runs_the_sim_engine(launched: Launched) -> None:
     r.proc.send_signal(signal.SIGTERM)
     for t in lanes:
         t.join(30)
-    assert r.proc.wait(40) == 0, r.log.read_text()[-2000:]
+    assert r.proc.wait(40) == 0, r.output()[-2000:]
     assert "STOPPING" in {key for _, f in r.notify.messages for key in f}
 
 
