@@ -95,13 +95,12 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], first
     return b"".join(parts)
 
 
-async def one_request(host: str, port: int, path: str, body: bytes, key: str | None) -> dict[str, Any]:
-    t0 = time.monotonic()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-    except (OSError, TimeoutError) as exc:
-        rec = classify(None, "", error=f"connect: {type(exc).__name__}: {exc}")
-        return {**rec, "seconds": round(time.monotonic() - t0, 3)}
+async def exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int, path: str, body: bytes,
+    key: str | None,
+) -> tuple[int | None, dict[str, str], str, str | None, list[float]]:  # fmt: skip
+    """One POST on an open connection, which it closes: (status, headers, body text — what came before a
+    failure —, the failure or None, [monotonic time of the body's first byte] or [])."""
     status: int | None = None
     headers: dict[str, str] = {}
     first: list[float] = []
@@ -124,6 +123,17 @@ async def one_request(host: str, port: int, path: str, body: bytes, key: str | N
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
+    return status, headers, text, error, first
+
+
+async def one_request(host: str, port: int, path: str, body: bytes, key: str | None) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        rec = classify(None, "", error=f"connect: {type(exc).__name__}: {exc}")
+        return {**rec, "seconds": round(time.monotonic() - t0, 3)}
+    status, headers, text, error, first = await exchange(reader, writer, host, port, path, body, key)
     rec = classify(
         status,
         text,

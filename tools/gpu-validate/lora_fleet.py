@@ -74,7 +74,7 @@ for p in (REPO, HERE, REPO / "tools"):
 # the siblings: churn.py's raw-socket client pieces and watchdog report, lora.py's adapters (make_adapters) and
 # prompt words, measure.py's lab (render flags, gateway, launcher stop), sandbox_burst.py's outcome classification
 import lora  # noqa: E402
-from churn import CONNECT_TIMEOUT_S, read_body, request_bytes, watchdog_report  # noqa: E402
+from churn import CONNECT_TIMEOUT_S, exchange, watchdog_report  # noqa: E402
 from measure import LAB, LabGateway, kv_lines, kv_tokens, raise_nofile, stop_launcher, vf_cli  # noqa: E402
 from sandbox_burst import classify  # noqa: E402
 
@@ -330,28 +330,9 @@ async def one_request(
     except (OSError, TimeoutError) as exc:
         rec = outcome(None, "", "", None, f"connect: {type(exc).__name__}: {exc}", stream, model)
         return {**base, **rec, "seconds": round(time.monotonic() - t0, 3)}
-    status: int | None = None
-    headers: dict[str, str] = {}
-    first: list[float] = []
-    text, error = "", None
-    try:
-        writer.write(request_bytes(host, port, "/v1/completions", body, key))
-        await writer.drain()
-        line = await reader.readline()
-        if not line:
-            raise ConnectionResetError("closed before a status line")
-        status = int(line.split()[1])
-        while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            k, _, v = h.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        text = (await read_body(reader, headers, first)).decode(errors="replace")
-    except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        text = getattr(exc, "partial_body", b"").decode(errors="replace")
-    finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+    status, headers, text, error, first = await exchange(
+        reader, writer, host, port, "/v1/completions", body, key
+    )
     rec = outcome(
         status, text, headers.get("content-type", ""), headers.get("retry-after"), error, stream, model
     )
