@@ -4,7 +4,6 @@ instance's adapters file, and the environment an engine needs for vllm-fleet's L
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -12,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from vllm_fleet.contracts import ADAPTERS_FILE_ENV, RUNTIME_LORA_ENV
+from vllm_fleet.devtools.testing import resolver_pythonpath
 from vllm_fleet.devtools.tinymodel import build_tiny_adapter
-
-RESOLVER_ENTRY = "vllm_fleet.host.lora_resolver:register"
 
 
 @pytest.fixture(scope="session")
@@ -51,17 +49,8 @@ def lora_engine_env(adapters_file: Path, workdir: Path) -> dict[str, str]:
     vllm-fleet does not declare the resolver's entry point yet (an editable install older than it), a
     distribution of its own on ``PYTHONPATH`` that declares it, so vLLM finds vllm-fleet's resolver."""
     env = {RUNTIME_LORA_ENV: "1", ADAPTERS_FILE_ENV: str(adapters_file)}
-    found = importlib.metadata.entry_points(group="vllm.general_plugins")
-    if any(e.value == RESOLVER_ENTRY for e in found):
-        return env
-    dist = workdir / "entry-points" / "vllm_fleet_lora_resolver_shim-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-fleet-lora-resolver-shim\nVersion: 0.0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\nvllm_fleet_adapters = {RESOLVER_ENTRY}\n"
-    )
-    extra = os.environ.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = str(dist.parent) + (os.pathsep + extra if extra else "")
+    shim, _ = resolver_pythonpath(workdir)
+    if shim is not None:
+        extra = os.environ.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = shim + (os.pathsep + extra if extra else "")
     return env

@@ -78,6 +78,8 @@ from churn import CONNECT_TIMEOUT_S, exchange, watchdog_report  # noqa: E402
 from measure import LAB, LabGateway, kv_lines, kv_tokens, raise_nofile, stop_launcher, vf_cli  # noqa: E402
 from sandbox_burst import classify  # noqa: E402
 
+from vllm_fleet.devtools.testing import resolver_pythonpath  # noqa: E402
+
 SPEC = HERE / "h200-lora.yml"
 VF = Path("/root/vf")
 NAME = "qwen3-8b"  # the instance and its served model
@@ -88,7 +90,6 @@ RANK = lora.RANK  # 16
 NARROW_CLIENT = "narrow"
 # vllm-fleet's LoRA resolver is a vllm.general_plugins entry point (pyproject.toml); the device runs vllm-fleet
 # from the repository (PYTHONPATH), with no installed distribution to declare it: a shim distribution does
-RESOLVER_ENTRY = "vllm_fleet.host.lora_resolver:register"
 
 
 # ---- the lab's layout: the device's /root/vf, or a temporary folder for --local
@@ -546,25 +547,6 @@ def sha256s(folder: Path) -> dict[str, str]:
     from vllm_fleet.host.fetch import hash_tree
 
     return {k: v["sha256"] for k, v in hash_tree(folder).items()}
-
-
-def resolver_pythonpath(root: Path) -> tuple[str | None, str]:
-    """A folder to put on the engine's PYTHONPATH whose shim distribution declares vllm-fleet's resolver entry
-    point (None when an installed vllm-fleet declares it already), and what was found."""
-    import importlib.metadata
-
-    found = importlib.metadata.entry_points(group="vllm.general_plugins")
-    if any(e.value == RESOLVER_ENTRY for e in found):
-        return None, "declared by the installed vllm-fleet"
-    dist = root / "entry-points" / "vllm_fleet_lora_resolver_shim-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-fleet-lora-resolver-shim\nVersion: 0.0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\nvllm_fleet_adapters = {RESOLVER_ENTRY}\n"
-    )
-    return str(dist.parent), f"shim distribution {dist}"
 
 
 class RunStop(Exception):

@@ -270,3 +270,28 @@ class SimEngineProcess(EngineProcess):
             if settings.get("hang"):
                 return 0, None
             raise
+
+
+# vllm-fleet's LoRA resolver as pyproject.toml declares it (entry point group vllm.general_plugins)
+LORA_RESOLVER_ENTRY = "vllm_fleet.host.lora_resolver:register"
+
+
+def resolver_pythonpath(root: Path) -> tuple[str | None, str]:
+    """A folder to put on a LoRA engine's PYTHONPATH whose shim distribution declares vllm-fleet's resolver
+    entry point, so vLLM loads the resolver from a checkout that is not installed (an editable install older
+    than the entry point, the H200's bare repository); None when the installed vllm-fleet declares it. And
+    what was found."""
+    import importlib.metadata
+
+    found = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if any(e.value == LORA_RESOLVER_ENTRY for e in found):
+        return None, "declared by the installed vllm-fleet"
+    dist = root / "entry-points" / "vllm_fleet_lora_resolver_shim-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-fleet-lora-resolver-shim\nVersion: 0.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\nvllm_fleet_adapters = {LORA_RESOLVER_ENTRY}\n"
+    )
+    return str(dist.parent), f"shim distribution {dist}"
