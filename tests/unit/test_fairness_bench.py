@@ -5,27 +5,22 @@ histogram's quantiles between two scrapes, refusals by reason, the summary of a 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from vllm_fleet.devtools.testing import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def fb() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fairness_bench", REPO / "tools" / "fairness_bench.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(REPO / "tools" / "fairness_bench.py", "fairness_bench")
 
 
 def buckets(key: str, counts: dict[str, float]) -> dict[str, float]:

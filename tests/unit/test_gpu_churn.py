@@ -4,25 +4,20 @@ words, and how one request on a new connection is read and classified (against a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from vllm_fleet.devtools.testing import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def churn() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_churn", REPO / "tools" / "gpu-validate" / "churn.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_churn"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(REPO / "tools" / "gpu-validate" / "churn.py", "gpu_churn")
 
 
 def test_gaps_run_from_the_last_ping_before_the_phase_to_its_end(churn: ModuleType) -> None:

@@ -4,29 +4,22 @@ ratios, the access log's classes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from vllm_fleet.devtools.testing import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def cl() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gpu_classes", REPO / "tools" / "gpu-validate" / "classes.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_classes"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(REPO / "tools" / "gpu-validate" / "classes.py", "gpu_classes")
 
 
 def test_the_two_renders_differ_only_in_the_engines_priority_and_the_gateways_header(

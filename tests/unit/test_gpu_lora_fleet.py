@@ -5,9 +5,7 @@ without a JSON body and Retry-After) with the burst's verdict over them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_fleet.devtools.testing import load_tool
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import parse_spec
 
@@ -23,14 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def lf() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gpu_lora_fleet", REPO / "tools" / "gpu-validate" / "lora_fleet.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_lora_fleet"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(REPO / "tools" / "gpu-validate" / "lora_fleet.py", "gpu_lora_fleet")
 
 
 def strings(x: Any) -> list[str]:

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from vllm_fleet.host.cpu_wait import proc_stat
@@ -295,3 +296,16 @@ def resolver_pythonpath(root: Path) -> tuple[str | None, str]:
         f"[vllm.general_plugins]\nvllm_fleet_adapters = {LORA_RESOLVER_ENTRY}\n"
     )
     return str(dist.parent), f"shim distribution {dist}"
+
+
+def load_tool(path: Path, name: str) -> ModuleType:
+    """A script that is not a package module (tools/…, tools/gpu-validate/…) imported as module ``name`` (in
+    sys.modules: its dataclasses look their module up), for a test of its pure parts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader, path
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
