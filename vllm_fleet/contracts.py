@@ -152,6 +152,57 @@ def _mapping(v: Any, source: str, key: str) -> dict[str, Any]:
     return v
 
 
+# ------------------------------------------------------------------------- sleep mode (issue 33, docs/sleep.md)
+# An instance whose model has ``sleep`` runs vLLM with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
+# (the only way vLLM serves /sleep and /wake_up), and the sleep guard in front of its API server
+# (``--middleware SLEEP_GUARD``): every development path answers a JSON 404 unless the request carries the
+# instance's admin token (a random one per start, made by the launcher and given to the engine alone in its
+# environment), and a request arriving while the engine sleeps is held until it is awake (the guard asks the
+# launcher to wake it: SIGUSR1), or answered 503 JSON with Retry-After when the wake fails or takes longer than
+# the wait. The launcher owns sleep and wake: it puts an idle engine to sleep and wakes it on the guard's signal,
+# taking a slot of the instance's swap group first (host-local flock slots; a peer asked to yield: SIGUSR2).
+SLEEP_GUARD = "vllm_fleet.host.sleep_guard.SleepGuard"
+SLEEP_LEVELS = (1, 2)  # 1: weights to host memory, KV cache dropped; 2: both dropped (wake reloads from disk)
+SLEEP_STATES = ("awake", "sleeping", "asleep", "waking")
+ADMIN_TOKEN_ENV = "VLLM_FLEET_ADMIN_TOKEN"  # the engine's environment: the token its guard accepts
+ADMIN_TOKEN_HEADER = "X-VF-Admin-Token"
+LAUNCHER_PID_ENV = "VLLM_FLEET_LAUNCHER_PID"  # whom the guard signals (SIGUSR1) for a wake
+WAKE_WAIT_ENV = "VLLM_FLEET_WAKE_WAIT_SECONDS"  # how long the guard holds a request for a wake
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# the guard's own paths on the engine's port: GET the sleep state (public, read-only JSON: state, inflight, held,
+# last_request_at); POST a failed wake (admin token; held requests get their 503 at once)
+SLEEP_STATE_PATH = "/vllm-fleet/sleep"
+WAKE_FAILED_PATH = "/vllm-fleet/wake-failed"
+# what vLLM serves only with VLLM_SERVER_DEV_MODE=1 (0.21-0.33): the guard answers them only with the token
+DEV_MODE_PATHS = (
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/server_info",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/update_weights",
+    "/init_weight_transfer",
+    "/get_world_size",
+)
+WAKE_RETRY_AFTER_SECONDS = 5  # Retry-After of a request whose wake failed or did not finish in its wait
+WAKE_WAIT_SECONDS = (
+    60.0  # models[].sleep.wake_wait_seconds default: L1 sleep of a peer (9.7 s) + wake (0.6 s)
+)
+SLEEP_TRANSITION_TIMEOUT_SECONDS = 600.0  # a sleep or wake still running this long: the engine is hung
+SWAP_SUBDIR = "swap"  # {state_dir}/swap/GROUP/slot-N.lock: one flock per engine awake (or loading) in GROUP
+# GPU memory an engine asleep keeps (CUDA context, what vLLM's allocator does not manage): 2.63 GiB measured on
+# the H200 for a Qwen3-8B shape, TP 1 (docs/perf/sleep.md); the plan reserves this per sleeper and GPU
+ASLEEP_GPU_GIB = 3.0
+
+
 @dataclass
 class ServiceConfig:
     """What the launcher uses of an instance's ``service`` settings (the systemd ones go to the unit)."""
@@ -170,6 +221,44 @@ class ServiceConfig:
         """The known keys (numbers); others (``restart_sec`` ...) are systemd's, not the launcher's."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: _number(v, source, f"service.{k}") for k, v in d.items() if k in known})
+
+
+@dataclass
+class SleepConfig:
+    """An instance's sleep mode (the model's ``sleep`` in the spec; docs/sleep.md): the level it sleeps at, after
+    how long idle (None: only when a peer of its swap group needs the room), how long the guard holds a request
+    for a wake; its swap group on this host (``""``: none), how many of the group may be awake (or loading) at
+    once, and the group's other instances on this host (whom the launcher asks to yield, least recently used
+    first)."""
+
+    level: int = 1
+    idle_seconds: float | None = None
+    wake_wait_seconds: float = WAKE_WAIT_SECONDS
+    group: str = ""
+    max_awake: int = 1
+    group_members: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "") -> SleepConfig:
+        level = _integer(d.get("level", 1), source, "sleep.level")
+        if level not in SLEEP_LEVELS:
+            raise ContractError(
+                f"{_where(source, 'sleep.level')}: expected one of {SLEEP_LEVELS}, got {level}"
+            )
+        idle = d.get("idle_seconds")
+        members = d.get("group_members") or []
+        if not isinstance(members, list):
+            raise ContractError(f"{_where(source, 'sleep.group_members')}: expected a list, got {members!r}")
+        return cls(
+            level=level,
+            idle_seconds=None if idle is None else _number(idle, source, "sleep.idle_seconds"),
+            wake_wait_seconds=_number(
+                d.get("wake_wait_seconds", WAKE_WAIT_SECONDS), source, "sleep.wake_wait_seconds"
+            ),
+            group=_string(d.get("group") or "", source, "sleep.group"),
+            max_awake=_integer(d.get("max_awake", 1), source, "sleep.max_awake"),
+            group_members=[_string(m, source, f"sleep.group_members[{i}]") for i, m in enumerate(members)],
+        )
 
 
 def _contract_json(path: str | Path) -> tuple[Any, str]:
@@ -206,6 +295,8 @@ class InstanceConfig:
     gpus: list[int] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
     cache_dir: str = ""
+    # sleep mode (None: the engine never sleeps)
+    sleep: SleepConfig | None = None
 
     @property
     def probe_host(self) -> str:
@@ -246,6 +337,9 @@ class InstanceConfig:
             gpus=[_integer(g, source, f"gpus[{i}]") for i, g in enumerate(gpus)],
             source=_mapping(d.get("source") or {}, source, "source"),
             cache_dir=_string(d.get("cache_dir", ""), source, "cache_dir"),
+            sleep=None
+            if d.get("sleep") is None
+            else SleepConfig.from_dict(_mapping(d["sleep"], source, "sleep"), source),
         )
 
     @classmethod
@@ -286,6 +380,21 @@ class StateFile(TypedDict, total=False):
     failure_signal: str | None
     updated_at: float
     stack: str  # the engine stack (venv folder name) the engine runs from: ``stack_of(command)``
+    # sleep mode (the instance config's ``sleep``; absent or null when the model does not sleep): the engine's
+    # sleep state (SLEEP_STATES), its level and swap group, when a request last ended (the guard's reading;
+    # the swap group's least recently used), since when it sleeps, and counters since the launcher started
+    sleep_state: str | None
+    sleep_level: int | None
+    swap_group: str | None
+    last_active_at: float | None
+    asleep_since: float | None
+    sleeps_total: int
+    wakes_total: int
+    failed_wakes_total: int
+    wake_seconds_total: float  # the wakes' durations summed (from the wake signal to awake)
+    last_wake_seconds: float | None
+    asleep_seconds_total: float  # completed periods asleep (the exporter adds the current one)
+    last_wake_failure: str | None
 
 
 # key → (accepted JSON types, nullable)
@@ -312,6 +421,18 @@ _STATE_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "failure_signal": ((str,), True),
     "updated_at": ((int, float), False),
     "stack": ((str,), False),
+    "sleep_state": ((str,), True),
+    "sleep_level": ((int,), True),
+    "swap_group": ((str,), True),
+    "last_active_at": ((int, float), True),
+    "asleep_since": ((int, float), True),
+    "sleeps_total": ((int,), False),
+    "wakes_total": ((int,), False),
+    "failed_wakes_total": ((int,), False),
+    "wake_seconds_total": ((int, float), False),
+    "last_wake_seconds": ((int, float), True),
+    "asleep_seconds_total": ((int, float), False),
+    "last_wake_failure": ((str,), True),
 }
 STATE_KEYS = tuple(_STATE_TYPES)
 
@@ -604,19 +725,17 @@ GATEWAY_PEER_PATH = "/vf/drained"
 GATEWAY_PEERS_SCHEMA = 1  # raised when a field changes meaning
 
 # The engines' administration paths: what changes an engine's state for every client (LoRA adapters loaded and
-# unloaded, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 also in SageMaker's /adapters form; sleep mode; RPCs; its
-# prefix cache). Only the host's own tools call them, on the engine's port (``vllm-fleet adapters sync``); the
-# gateway never forwards them in any form (PATH, PATH/..., /models/NAME/PATH, with X-Model-Name or a body's
-# model): a JSON 404 (nginx/vllm-fleet.conf.j2, nginx/router.js.j2).
+# unloaded, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 also in SageMaker's /adapters form; sleep mode, RPCs, its
+# prefix cache and vLLM's other development paths; the sleep guard's own). Only the host's own tools call them,
+# on the engine's port (``vllm-fleet adapters sync``, the launcher); the gateway never forwards them in any form
+# (PATH, PATH/..., /models/NAME/PATH, with X-Model-Name or a body's model): a JSON 404 (nginx/vllm-fleet.conf.j2,
+# nginx/router.js.j2).
 ENGINE_ADMIN_PATHS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/adapters",
-    "/sleep",
-    "/wake_up",
-    "/is_sleeping",
-    "/collective_rpc",
-    "/reset_prefix_cache",
+    *DEV_MODE_PATHS,
+    "/vllm-fleet",
 )
 # a path that is one of them or under one (case-insensitive: nothing that looks like one passes), the same
 # text for nginx's PCRE and the router's JavaScript

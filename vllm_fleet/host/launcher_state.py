@@ -631,4 +631,17 @@ def state_file(sm: Supervisor, launcher_pid: int, updated_at: float) -> StateFil
         "failure_process": (failure.process or None) if failure else None,
         "failure_signal": sig.name if failure and (sig := failure.signal) else None,
         "updated_at": updated_at,
+        # sleep mode: none configured (the sleep controller fills these in)
+        "sleep_state": None,
+        "sleep_level": None,
+        "swap_group": None,
+        "last_active_at": None,
+        "asleep_since": None,
+        "sleeps_total": 0,
+        "wakes_total": 0,
+        "failed_wakes_total": 0,
+        "wake_seconds_total": 0.0,
+        "last_wake_seconds": None,
+        "asleep_seconds_total": 0.0,
+        "last_wake_failure": None,
     }
