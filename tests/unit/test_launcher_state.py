@@ -549,8 +549,21 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
     assert modules == set()
     assert {m for m, _ in names} == {
         "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn", "vllm_fleet.host.cpu_wait",
-        "vllm_fleet.host.engine_death", "vllm_fleet.host.probe",
+        "vllm_fleet.host.engine_death", "vllm_fleet.host.probe", "vllm_fleet.host.launcher_actions",
+        "vllm_fleet.host.sleep_control",
     }  # fmt: skip
+    # the sleep controller and the actions are as pure: values, dataclasses, typing
+    import vllm_fleet.host.launcher_actions as launcher_actions
+    import vllm_fleet.host.sleep_control as sleep_control
+
+    for mod in (sleep_control, launcher_actions):
+        t = ast.parse(Path(mod.__file__).read_text())
+        assert not [a.name for n in ast.walk(t) if isinstance(n, ast.Import) for a in n.names], mod.__name__
+        froms = {n.module for n in ast.walk(t) if isinstance(n, ast.ImportFrom)}
+        assert froms <= {
+            "__future__", "collections.abc", "dataclasses", "typing", "vllm_fleet.contracts",
+            "vllm_fleet.host.launcher_actions",
+        }, (mod.__name__, froms)  # fmt: skip
     assert {a for m, a in names if m == "vllm_fleet.host.churn"} == {"Conns", "FLOOD_JUDGE_AFTER", "flooded"}
     assert {a for m, a in names if m == "vllm_fleet.host.probe"} == {"ProbeResult", "Progress", "judge"}
     assert {a for m, a in names if m == "vllm_fleet.host.cpu_wait"} == {"CpuReading", "starvation"}

@@ -37,8 +37,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import http.client
+import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -48,14 +52,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, InstanceConfig, StateFile, adapters_file_of
+from vllm_fleet.contracts import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_HEADER,
+    DEFAULT_CONFIG_DIR,
+    LAUNCHER_PID_ENV,
+    SLEEP_STATE_PATH,
+    SLEEP_TRANSITION_TIMEOUT_SECONDS,
+    WAKE_FAILED_PATH,
+    WAKE_WAIT_ENV,
+    InstanceConfig,
+    StateFile,
+    adapters_file_of,
+)
 from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host import adapters
 from vllm_fleet.host.churn import read_port, sample_or_flooded
 from vllm_fleet.host.cpu_wait import read_group
 from vllm_fleet.host.engine_death import DeathWatch
+from vllm_fleet.host.launcher_actions import AskYield, PollGuard, ReportWakeFailed, SleepEngine, WakeEngine
 from vllm_fleet.host.launcher_state import (
     EXIT_CONFIG,
+    EXIT_LOAD_TIMEOUT,
     Action,
     Check,
     Exit,
@@ -76,6 +94,8 @@ from vllm_fleet.host.launcher_state import (
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, health, inflight, probe, sample
+from vllm_fleet.host.sleep_control import YIELD_ASK_EVERY, GuardReading
+from vllm_fleet.host.swap_group import Slots, yield_candidate
 
 # (pattern, phase) in the order vLLM prints them; the last one seen is the current phase
 PHASES: list[tuple[re.Pattern[str], str]] = [
@@ -152,6 +172,26 @@ def _log(msg: str, level: int = 6) -> None:
     sys.stderr.flush()
 
 
+def admin_request(
+    host: str, port: int, method: str, path: str, token: str, body: Any = None, timeout: float = 10.0
+) -> tuple[int, str]:
+    """One request to the engine's port with the instance's admin token (the sleep guard's development paths):
+    (HTTP status, body text); (0, why) when there was no answer."""
+    data = None if body is None else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        headers = {ADMIN_TOKEN_HEADER: token, "User-Agent": "vllm-fleet-launcher"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=headers)
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")[:500]
+    except (OSError, http.client.HTTPException) as exc:
+        return 0, f"no answer: {exc}"
+    finally:
+        conn.close()
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it if the launcher dies (PR_SET_PDEATHSIG), so a launcher killed
     outside systemd leaves no engine behind. Runs before the launcher starts any thread."""
@@ -217,7 +257,12 @@ class Launcher:
         self._wake = threading.Event()
         wd_env = os.environ.get("WATCHDOG_USEC")
         wd = int(wd_env) / 1e6 if wd_env and wd_env.isdigit() else cfg.service.watchdog_seconds
-        self.sm = Supervisor(cfg, wd, time.monotonic(), time.time())
+        # sleep mode: the engine's guard accepts this token (new at every start) on its development paths
+        self.admin_token = secrets.token_urlsafe(32) if cfg.sleep else ""
+        self.slots: Slots | None = None
+        if cfg.sleep and cfg.sleep.group:
+            self.slots = Slots(cfg.state_dir, cfg.sleep.group, cfg.sleep.max_awake, cfg.name)
+        self.sm = Supervisor(cfg, wd, time.monotonic(), time.time(), self.slots)
         self._output_at = self.sm.t0
 
     def state_dict(self) -> StateFile:
@@ -244,6 +289,10 @@ class Launcher:
         # a process killed by SIGILL/SIGSEGV/SIGBUS prints "Fatal Python error: ..." and its Python stack first
         env.setdefault("PYTHONFAULTHANDLER", "1")
         env.update(self.cfg.environment)
+        if self.cfg.sleep is not None:  # the sleep guard's settings (vllm_fleet.host.sleep_guard)
+            env[ADMIN_TOKEN_ENV] = self.admin_token
+            env[LAUNCHER_PID_ENV] = str(os.getpid())
+            env[WAKE_WAIT_ENV] = f"{self.cfg.sleep.wake_wait_seconds:g}"
         return with_rank_interface(env)  # a multi-node rank 0: gloo's interface from its fleet address
 
     def spawn(self) -> None:
@@ -344,13 +393,99 @@ class Launcher:
             names = None
         return lambda now: self.sm.adapters_refreshed(now, names)
 
+    # ------------------------------------------------------------------ sleep mode (threads, but AskYield)
+    def _admin(self, method: str, path: str, body: Any = None, timeout: float = 10.0) -> tuple[int, str]:
+        cfg = self.cfg
+        return admin_request(cfg.probe_host, cfg.port, method, path, self.admin_token, body, timeout)
+
+    def _poll_guard(self) -> Callable[[float], list[Action]]:
+        code, text = self._admin("GET", SLEEP_STATE_PATH, timeout=self.sm.probe_timeout)
+        reading = None
+        if code == 200:
+            with contextlib.suppress(ValueError):
+                reading = GuardReading.parse(json.loads(text), time.time())
+        return lambda now: self.sm.guard_read(now, reading)
+
+    def _sleep_engine(self, level: int) -> Callable[[float], list[Action]]:
+        code, text = self._admin("POST", f"/sleep?level={level}", timeout=SLEEP_TRANSITION_TIMEOUT_SECONDS)
+        return lambda now: self.sm.slept(now, code, text.strip()[:200])
+
+    def _wake_engine(self, level: int) -> Callable[[float], list[Action]]:
+        """Level 1: ``/wake_up``. Level 2 (the weights were dropped): the weights' memory, then the weights read
+        again from the model's files, then the KV cache."""
+        t = SLEEP_TRANSITION_TIMEOUT_SECONDS
+        if level == 1:
+            calls: list[tuple[str, Any]] = [("/wake_up", None)]
+        else:
+            reload = {"method": "reload_weights"}
+            calls = [
+                ("/wake_up?tags=weights", None),
+                ("/collective_rpc", reload),
+                ("/wake_up?tags=kv_cache", None),
+            ]
+        for path, body in calls:
+            code, text = self._admin("POST", path, body, timeout=t)
+            if code != 200:
+                msg = f"POST {path}: {code or ''} {text.strip()[:200]}".replace("  ", " ")
+                return lambda now: self.sm.woken(now, time.time(), False, msg)
+        return lambda now: self.sm.woken(now, time.time(), True, "")
+
+    def _report_wake_failed(self, why: str, retry_after: int) -> Callable[[float], list[Action]]:
+        code, text = self._admin("POST", WAKE_FAILED_PATH, {"reason": why, "retry_after": retry_after})
+        if code != 200:
+            _log(f"could not tell the guard the wake failed ({code}): {text.strip()[:200]}", 4)
+        return lambda now: []
+
+    def ask_yield(self) -> None:
+        """SIGUSR2 to the least recently used awake member of the swap group (its launcher yields its slot)."""
+        sleep = self.cfg.sleep
+        assert sleep is not None
+        found = yield_candidate(self.cfg.state_dir, sleep.group_members)
+        if found is None:
+            return
+        name, pid = found
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except OSError as exc:
+            _log(f"cannot ask {name} (launcher pid {pid}) to yield its slot: {exc}", 4)
+
+    def wait_for_slot(self) -> int | None:
+        """Before the engine loads (it needs the GPU memory of an awake member): take a slot of the swap group,
+        asking the least recently used awake member to yield meanwhile; None once taken, or the exit code (a
+        stop request, or no slot within load_timeout_seconds)."""
+        slots, cfg = self.slots, self.cfg
+        if slots is None or slots.try_take():
+            return None
+        t0 = next_ask = time.monotonic()
+        limit = cfg.service.load_timeout_seconds
+        while not slots.try_take():
+            if any(s in (signal.SIGTERM, signal.SIGINT) for s in self._signals):
+                self.n.status("Stopped while waiting for a slot of its swap group")
+                return 0
+            now = time.monotonic()
+            if now - t0 > limit:
+                why = f"no free slot in swap group {slots.dir.name} for {limit:g}s (held by {', '.join(slots.holders())})"
+                return self._exit(self.sm.fail(EXIT_LOAD_TIMEOUT, why))
+            if now >= next_ask:
+                next_ask = now + YIELD_ASK_EVERY
+                self.ask_yield()
+                held = ", ".join(slots.holders()) or "?"
+                extend = f"EXTEND_TIMEOUT_USEC={int(max(30.0, cfg.service.start_timeout_seconds) * 1e6)}"
+                self.n.send(
+                    f"STATUS=Waiting for a slot of swap group {slots.dir.name} (awake: {held})", extend
+                )
+            self._wake.wait(0.25)
+            self._wake.clear()
+        _log(f"took slot {slots.index} of swap group {slots.dir.name} after {time.monotonic() - t0:.1f}s")
+        return None
+
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals.append(signum)  # list.append is atomic: no signal is lost
         self._wake.set()
 
     def install_signals(self) -> None:
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGABRT):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGABRT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(s, self._on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
@@ -364,6 +499,8 @@ class Launcher:
         self.install_signals()
         if self.sm.lora:
             self.save_adapters()  # none loaded yet (a file of the previous engine would say otherwise)
+        if (code := self.wait_for_slot()) is not None:
+            return code
         self.n.status(f"Starting engine for {cfg.served_model_name} on {cfg.probe_host}:{cfg.port}")
         _log(f"starting {' '.join(cfg.command)}")
         try:
@@ -386,13 +523,21 @@ class Launcher:
                     return code
 
     def _on_signals(self, now: float) -> list[Action]:
-        """SIGABRT (systemd's watchdog) before a stop request (SIGTERM/SIGINT)."""
+        """SIGABRT (systemd's watchdog) before a stop request (SIGTERM/SIGINT); then the sleep guard's wake
+        request (SIGUSR1) and a swap group peer's yield request (SIGUSR2)."""
         pending: list[int] = []
         while self._signals:
             pending.append(self._signals.pop(0))
         if signal.SIGABRT in pending:
             return self.sm.watchdog_fired(now)
-        return self.sm.stop_requested(now) if pending else []
+        out: list[Action] = []
+        if signal.SIGTERM in pending or signal.SIGINT in pending:
+            out += self.sm.stop_requested(now)
+        if signal.SIGUSR1 in pending:
+            out += self.sm.wake_requested(now)
+        if signal.SIGUSR2 in pending:
+            out += self.sm.yield_requested(now)
+        return out
 
     def _on_exit(self, now: float) -> list[Action]:
         """The engine exited (stopped, or died), or one of its workers died."""
@@ -431,6 +576,17 @@ class Launcher:
                 self._background("adapters", self._refresh_adapters)
             elif isinstance(a, SaveAdapters):
                 self.save_adapters()
+            elif isinstance(a, PollGuard):
+                self._background("guard", self._poll_guard)
+            elif isinstance(a, SleepEngine):
+                self._background("sleep", functools.partial(self._sleep_engine, a.level))
+            elif isinstance(a, WakeEngine):
+                self._background("wake", functools.partial(self._wake_engine, a.level))
+            elif isinstance(a, ReportWakeFailed):
+                report = functools.partial(self._report_wake_failed, a.reason, a.retry_after)
+                self._background("wake-failed", report)
+            elif isinstance(a, AskYield):
+                self.ask_yield()
             elif isinstance(a, Terminate):
                 self.signal_engine(signal.SIGTERM)
             elif isinstance(a, Kill):

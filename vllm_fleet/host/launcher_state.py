@@ -30,7 +30,23 @@ from vllm_fleet.contracts import (
 from vllm_fleet.host.churn import FLOOD_JUDGE_AFTER, Conns, flooded
 from vllm_fleet.host.cpu_wait import CpuReading, starvation
 from vllm_fleet.host.engine_death import Death
+from vllm_fleet.host.launcher_actions import (
+    Action,
+    Exit,
+    Kill,
+    LoadAdapters,
+    Log,
+    Notify,
+    PollInflight,
+    RefreshAdapters,
+    Save,
+    SaveAdapters,
+    StartProbe,
+    Terminate,
+    status,
+)
 from vllm_fleet.host.probe import ProbeResult, Progress, judge
+from vllm_fleet.host.sleep_control import GuardReading, SleepControl, SlotLike
 
 EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
 EXIT_ENGINE_DIED = 1
@@ -63,89 +79,6 @@ def next_check_at(started: float, done: float, interval: float) -> float:
 
 def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
-
-
-# ---------------------------------------------------------------------------------------------- actions
-@dataclass(frozen=True)
-class Notify:
-    """Send these ``KEY=VALUE`` fields to systemd as one message."""
-
-    fields: tuple[str, ...]
-
-
-def status(text: str) -> Notify:
-    return Notify((f"STATUS={text}",))
-
-
-@dataclass(frozen=True)
-class Log:
-    message: str
-    level: int = 6  # syslog priority
-
-
-@dataclass(frozen=True)
-class Save:
-    """Write the state file (``Supervisor.state_file``)."""
-
-
-@dataclass(frozen=True)
-class StartProbe:
-    """Start a probe: the readiness probe (``first``: /health, then a 1-token decode; answer with
-    ``ready_probe_done``) or a liveness check (``probe.sample`` and the CPU figures; answer with ``check_done``)."""
-
-    first: bool
-
-
-@dataclass(frozen=True)
-class PollInflight:
-    """Count the requests the engine runs or queues (``probe.inflight``; answer with ``drain_progress``)."""
-
-
-@dataclass(frozen=True)
-class LoadAdapters:
-    """Load the adapters the instance carries (``adapters.load_carried``; answer with ``adapters_loaded``)."""
-
-
-@dataclass(frozen=True)
-class RefreshAdapters:
-    """Read what the engine has loaded (``adapters.loaded``; answer with ``adapters_refreshed``)."""
-
-
-@dataclass(frozen=True)
-class SaveAdapters:
-    """Write the adapter state file from ``Supervisor.adapters`` (``adapters.write_state``)."""
-
-
-@dataclass(frozen=True)
-class Terminate:
-    """SIGTERM to the engine's API server (vLLM drains with ``--shutdown-timeout``)."""
-
-
-@dataclass(frozen=True)
-class Kill:
-    """SIGKILL to the engine's process group; ``wait``: then reap the API server."""
-
-    wait: bool
-
-
-@dataclass(frozen=True)
-class Exit:
-    code: int
-
-
-Action = (
-    Notify
-    | Log
-    | Save
-    | StartProbe
-    | PollInflight
-    | LoadAdapters
-    | RefreshAdapters
-    | SaveAdapters
-    | Terminate
-    | Kill
-    | Exit
-)
 
 
 @dataclass(frozen=True)
@@ -327,7 +260,14 @@ class Supervisor:
     """One engine's life: loading → ready → draining → stopped, or failed (``state``, as the state file
     says)."""
 
-    def __init__(self, cfg: InstanceConfig, watchdog: float, now: float, started_at: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: InstanceConfig,
+        watchdog: float,
+        now: float,
+        started_at: float = 0.0,
+        slots: SlotLike | None = None,
+    ) -> None:
         self.cfg, self.svc = cfg, cfg.service
         self.watchdog = watchdog if watchdog > 0 else 0.0
         self.probe_interval, self.probe_timeout = probe_timing(
@@ -359,6 +299,9 @@ class Supervisor:
         self.next_adapters_refresh = now
         # the decode that passed while the carried adapters load (READY=1 follows their load); None: not loading
         self.ready_probe: ProbeResult | None = None
+        # sleep mode (the config's ``sleep``): the engine sleeps when idle and wakes on request (sleep_control);
+        # ``slots``: its swap group's slot, taken before the engine was started
+        self.sleep = SleepControl(cfg.sleep, slots, now, self._serving) if cfg.sleep else None
 
     @property
     def stopping(self) -> bool:
@@ -439,13 +382,22 @@ class Supervisor:
         if self.state == "loading":
             return self._loading_tick(now)
         out: list[Action] = []
-        if self.probing and now - self.probe_started > self.probe_timeout + PROBE_STUCK_AFTER:
-            # the check is stuck beyond its own timeout: count it and keep not pinging
-            self.probes.record(now, ProbeResult(False, now - self.probe_started, "probe stuck", "decode"))
-            self.probe_started = now
-            out += [status(f"Probe failing ({self.probes.consecutive_failures}x): probe stuck"), Save()]
-        if not self.probing and now >= self.next_probe:
-            out.append(self._start_probe(now, first=False))
+        sleep = self.sleep
+        if sleep is not None:
+            if hung := sleep.hung(now):
+                return [Kill(wait=True), *self.fail(EXIT_ENGINE_DIED, f"engine hung: {hung}")]
+            out += sleep.tick(now, may_sleep=not self.probing)
+        if sleep is not None and sleep.state != "awake":
+            # asleep, or going to sleep or waking: a decode check would wake it (the guard holds it)
+            out += self._sleep_ping(now)
+        else:
+            if self.probing and now - self.probe_started > self.probe_timeout + PROBE_STUCK_AFTER:
+                # the check is stuck beyond its own timeout: count it and keep not pinging
+                self.probes.record(now, ProbeResult(False, now - self.probe_started, "probe stuck", "decode"))
+                self.probe_started = now
+                out += [status(f"Probe failing ({self.probes.consecutive_failures}x): probe stuck"), Save()]
+            if not self.probing and now >= self.next_probe:
+                out.append(self._start_probe(now, first=False))
         if self.lora and not self.adapters_refreshing and now >= self.next_adapters_refresh:
             self.adapters_refreshing = True
             out.append(RefreshAdapters())
@@ -530,6 +482,8 @@ class Supervisor:
         self.state, self.phase = "ready", "serving"
         self.ready_at = self.liveness.alive_at = now
         self.load_duration = round(now - self.t0, 3)
+        if self.sleep is not None:
+            self.sleep.next_poll = now
         self.next_probe = now + self.probe_interval
         checked = "health 200 and 1-token decode ok"
         checked += f"; {len(self.adapters)} adapter(s) loaded" if self.lora else ""
@@ -583,6 +537,59 @@ class Supervisor:
         self.last_ping = now
         return [Notify(("WATCHDOG=1",))]
 
+    # ------------------------------------------------------------------ sleep mode
+    def _sleep_ping(self, now: float) -> list[Action]:
+        """Not awake: the liveness check is the guard's answer (asleep) or the sleep or wake request running
+        (bounded by ``SleepControl.hung``): WATCHDOG=1 once per probe interval."""
+        sleep = self.sleep
+        assert sleep is not None
+        if not sleep.op:  # asleep: the guard's answers ping (guard_read)
+            return []
+        due = self.last_ping is None or now - self.last_ping >= self.probe_interval
+        return self._ping(now) if due else []
+
+    def _sleeping(self) -> SleepControl | None:
+        """The sleep controller while the engine serves (ready, not stopping)."""
+        return self.sleep if self.state == "ready" and self.stop is None else None
+
+    def guard_read(self, now: float, reading: GuardReading | None) -> list[Action]:
+        """The guard's state (``PollGuard``; None: it did not answer). Asleep, an answer is a liveness pass."""
+        if (sleep := self._sleeping()) is None:
+            if self.sleep is not None:
+                self.sleep.polling = False
+            return []
+        out = sleep.guard_read(now, reading, may_sleep=not self.probing)
+        if reading is not None and sleep.state == "asleep":
+            self.liveness.alive_at = now
+            due = self.last_ping is None or now - self.last_ping >= self.probe_interval
+            out += self._ping(now) if due else []
+        return out
+
+    def slept(self, now: float, code: int, message: str) -> list[Action]:
+        """The answer to ``SleepEngine``: the HTTP status (0: no answer) and its message."""
+        if self.sleep is None or self.state != "ready":
+            return []
+        return self.sleep.slept(now, code, message)
+
+    def woken(self, now: float, wall: float, ok: bool, message: str) -> list[Action]:
+        """The answer to ``WakeEngine``."""
+        if self.sleep is None or self.state != "ready":
+            return []
+        out = self.sleep.woken(now, wall, ok, message)
+        if ok:  # the engine answered on its own: the starved/flooded graces count from now
+            self.liveness.alive_at = now
+            self.liveness.progress = None
+            self.next_probe = max(self.next_probe, now + self.probe_interval)
+        return out
+
+    def wake_requested(self, now: float) -> list[Action]:
+        """SIGUSR1: the guard holds a request for the sleeping engine."""
+        return sleep.wake_requested(now) if (sleep := self._sleeping()) is not None else []
+
+    def yield_requested(self, now: float) -> list[Action]:
+        """SIGUSR2: a peer of the swap group needs this engine's slot."""
+        return sleep.yield_requested(now) if (sleep := self._sleeping()) is not None else []
+
     # ------------------------------------------------------------------ stop
     def stop_requested(self, now: float) -> list[Action]:
         """SIGTERM/SIGINT (``Drain``); a second one ends the drain wait."""
@@ -595,7 +602,8 @@ class Supervisor:
         self.stop = Drain(now, timeout, kill_after, loading)
         self.state = "draining"
         notify = Notify(("STOPPING=1", f"STATUS=Stopping: draining (up to {timeout:g}s)"))
-        return [notify, Save(), *self.stop.start()]
+        held = self.sleep.stopping() if self.sleep is not None else []
+        return [notify, Save(), *held, *self.stop.start()]
 
     def drain_progress(self, now: float, inflight: int | None) -> list[Action]:
         return [] if self.stop is None else self.stop.counted(now, inflight)
@@ -631,7 +639,7 @@ def state_file(sm: Supervisor, launcher_pid: int, updated_at: float) -> StateFil
         "failure_process": (failure.process or None) if failure else None,
         "failure_signal": sig.name if failure and (sig := failure.signal) else None,
         "updated_at": updated_at,
-        # sleep mode: none configured (the sleep controller fills these in)
+        # sleep mode: none configured (the sleep controller's fields replace these)
         "sleep_state": None,
         "sleep_level": None,
         "swap_group": None,
@@ -644,4 +652,5 @@ def state_file(sm: Supervisor, launcher_pid: int, updated_at: float) -> StateFil
         "last_wake_seconds": None,
         "asleep_seconds_total": 0.0,
         "last_wake_failure": None,
+        **(sm.sleep.fields(wall) if sm.sleep is not None else {}),  # type: ignore[typeddict-item]
     }
