@@ -214,11 +214,9 @@ def _models_by_host(spec: FleetSpec) -> dict[str, Placed]:
 def _host_plan(spec: FleetSpec, host: Host, on_host: Placed, layout: HostLayout) -> HostPlan:
     groups: dict[str, dict[str, Any]] = {}
     for _, m in on_host:
-        if spec.swap_group(m):
-            g = groups.setdefault(
-                spec.swap_group(m), {"members": [], "max_awake": spec.swap_groups[spec.swap_group(m)].max_awake}
-            )
-            g["members"].append(m.name)
+        if name := spec.swap_group(m):
+            groups.setdefault(name, {"members": [], "max_awake": spec.swap_groups[name].max_awake})
+            groups[name]["members"].append(m.name)
     return HostPlan(
         name=host.name,
         address=host.address,
@@ -348,9 +346,7 @@ def _plan_sleep(
         asleep = asleep_weights(spec, on_host, weights).total
         hp.asleep_weight_bytes = asleep or None
         names = {m.name for _, m in on_host}
-        cpu = sum(
-            ip.memory_budget_bytes or 0 for ip in instances if ip.name in names and ip.profile == "cpu"
-        )
+        cpu = sum(ip.memory_budget_bytes or 0 for ip in instances if ip.name in names and ip.profile == "cpu")
         found += check_sleep_host_memory(spec, h, on_host, weights, cpu)
     return found + unused_swap_groups(spec)
 

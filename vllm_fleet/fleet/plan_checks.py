@@ -200,7 +200,7 @@ def check_swap_gpus(spec: FleetSpec, host: Host, gpu_map: Mapping[int, list[str]
     those with the largest gpu_memory_utilization, and every other one asleep keeps ASLEEP_GPU_GIB of it. That
     (with any share_gpus instance beside the group, awake) must fit: vLLM starts an engine only when its
     gpu_memory_utilization of the GPU is free, and that share holds the engine's own CUDA context, so an awake
-    set alone may reach SWAP_GPU_MAX (1.0); with share_gpus instances, SHARED_GPU_MAX as they have. The asleep
+    set of one group alone may reach SWAP_GPU_MAX (1.0); beside others (share_gpus), SHARED_GPU_MAX. The asleep
     part is left out while the GPU's memory is unknown (the play plans again with the detected GPUs)."""
     found: list[Finding] = []
     mem = 0.0 if host.gpus.detect else host.gpus.memory_gib
@@ -227,8 +227,9 @@ def check_swap_gpus(spec: FleetSpec, host: Host, gpu_map: Mapping[int, list[str]
                 f"swap group {group!r} ({', '.join(x.name for x in members)}; max_awake "
                 f"{spec.swap_groups[group].max_awake}): {k} awake at gpu_memory_utilization {what}{gib}"
             )
+        total += sum(x.gpu_memory_utilization for x in others)
         parts += [f"{x.name} (share_gpus) {x.gpu_memory_utilization:g}" for x in others]
-        limit = SHARED_GPU_MAX if others else SWAP_GPU_MAX
+        limit = SWAP_GPU_MAX if len(groups) == 1 and not others else SHARED_GPU_MAX
         if total > limit + 1e-9:
             found.append(
                 _problem(
@@ -540,12 +541,15 @@ def asleep_weights(spec: FleetSpec, on_host: Placed, weights: Mapping[str, int])
     for group, members in groups.items():
         asleep = max(0, len(members) - spec.swap_groups[group].max_awake)
         level1 = sorted(
-            ((weights.get(x.name, 0), x.name) for x in members if x.sleep and x.sleep.level == 1), reverse=True
+            ((weights.get(x.name, 0), x.name) for x in members if x.sleep and x.sleep.level == 1),
+            reverse=True,
         )[:asleep]
         got = sum(w for w, _ in level1)
         if got:
             total += got
-            parts.append(f"swap group {group!r}: {asleep} of {len(members)} asleep, ≈{got / GIB:.1f} GiB at most")
+            parts.append(
+                f"swap group {group!r}: {asleep} of {len(members)} asleep, ≈{got / GIB:.1f} GiB at most"
+            )
     return AsleepWeights(total, parts)
 
 
@@ -573,7 +577,11 @@ def check_sleep_host_memory(
     if need <= host.memory_gib * GIB:
         return []
     last = max(i for i, m in on_host if m.sleep is not None and m.sleep.level == 1)
-    cpu = f" + the cpu-profile instances' ≈{cpu_bytes / GIB:.1f} GiB = ≈{need / GIB:.1f} GiB" if cpu_bytes else ""
+    cpu = (
+        f" + the cpu-profile instances' ≈{cpu_bytes / GIB:.1f} GiB = ≈{need / GIB:.1f} GiB"
+        if cpu_bytes
+        else ""
+    )
     return [
         _problem(
             f"models[{last}].sleep.level",

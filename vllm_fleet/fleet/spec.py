@@ -28,9 +28,13 @@ from pydantic import (
 )
 
 from vllm_fleet.contracts import COMMIT_RE as COMMIT_RE  # re-exported: plan.py and others import it from here
-from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, adapters_file_path, probe_timing_problems
+from vllm_fleet.contracts import (
+    DEFAULT_CONFIG_DIR,
+    WAKE_WAIT_SECONDS,
+    adapters_file_path,
+    probe_timing_problems,
+)
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
-from vllm_fleet.contracts import WAKE_WAIT_SECONDS
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 # vLLM's accepted --max-lora-rank values (vllm/config/lora.py MaxLoRARanks, the same in 0.32 and 0.33) and its
