@@ -97,7 +97,7 @@ class Host(_Model):
     private_address: str = ""
     ssh_user: str = "root"
     gpus: GpuInventory = GpuInventory()
-    # memory available for engines on the cpu profile (KV cache + weights)
+    # memory available for engines: the cpu profile's (KV cache + weights) and level-1 sleepers' weights
     memory_gib: float = Field(0, ge=0)
 
 
