@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import sysconfig
 from pathlib import Path
@@ -189,6 +190,90 @@ def write_lora_adapter(
         "modules_to_save": None,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+
+def qwen3_weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Qwen3 causal LM of config ``cfg`` (its config.json) by the names vLLM's Qwen3 loader reads
+    (Hugging Face's ``Qwen3ForCausalLM`` state dict): embeddings, per layer the q/k/v/o projections (biases when
+    ``attention_bias``), the q and k norms, the gate/up/down projections and the two layer norms, the final norm
+    and ``lm_head`` (none when ``tie_word_embeddings``). Shapes as stored: (out, in) for a projection."""
+    h, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+    heads, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    hd = int(cfg.get("head_dim") or h // heads)
+    vocab = int(cfg["vocab_size"])
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        attn = {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h)}
+        for name, shape in attn.items():
+            out[p + f"self_attn.{name}.weight"] = shape
+            if cfg.get("attention_bias"):
+                out[p + f"self_attn.{name}.bias"] = (shape[0],)
+        out[p + "self_attn.o_proj.weight"] = (h, heads * hd)
+        out[p + "self_attn.q_norm.weight"] = (hd,)
+        out[p + "self_attn.k_norm.weight"] = (hd,)
+        out[p + "mlp.gate_proj.weight"] = (inter, h)
+        out[p + "mlp.up_proj.weight"] = (inter, h)
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+    out["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = (vocab, h)
+    return out
+
+
+def weight_shards(shapes: dict[str, tuple[int, ...]], max_bytes: int, itemsize: int = 2) -> list[list[str]]:
+    """The tensors of ``shapes`` in order, cut into shards of at most ``max_bytes`` each (a tensor larger than
+    that alone in its shard), as ``save_pretrained`` shards a checkpoint."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        n = itemsize * math.prod(shape)
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_random_weights(
+    cfg: dict[str, Any], out: Path, seed: int = 0, std: float = 0.02, device: str = "cpu",
+    max_shard_bytes: int = 4 << 30,
+) -> dict[str, Any]:  # fmt: skip
+    """Write random bf16 weights of the Qwen3 model of config ``cfg`` to ``out`` as a sharded safetensors
+    checkpoint (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``), the names of
+    ``qwen3_weight_shapes``: the norms 1, every other tensor normal × ``std`` (the config's initializer range),
+    drawn from a generator on ``device`` seeded ``seed``. Real weights on disk, for what ``--load-format dummy``
+    cannot do (a level-2 sleep's wake reloads the weights from the model's files; the GPU validation writes a
+    Qwen3-8B-shaped checkpoint on the GPU: tools/gpu-validate/sleep_fleet.py). Imports torch (only when
+    called). Returns {"files", "bytes", "tensors"}."""
+    import torch
+    from safetensors.torch import save_file
+
+    shapes = qwen3_weight_shapes(cfg)
+    shards = weight_shards(shapes, max_shard_bytes)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, names in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                t = torch.randn(shapes[name], generator=gen, device=device, dtype=torch.bfloat16).mul_(std)
+            tensors[name] = t.cpu().contiguous()
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return {"files": len(shards), "bytes": total, "tensors": len(weight_map)}
 
 
 def build_tiny_adapter(
