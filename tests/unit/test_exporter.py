@@ -476,3 +476,90 @@ def test_adapter_files_missing_or_broken(tmp_path: Path) -> None:
     m = scrape(FleetCollector(st, cfg, use_systemd=False))
     assert not [k for k in m if k[0] == "vllm_fleet_instance_adapter_loaded"]
     assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+
+
+# ------------------------------------------------------------------------------- sleep mode (docs/sleep.md)
+
+SLEEPS = {
+    "sleep_state": "asleep", "sleep_level": 2, "swap_group": "pair", "last_active_at": 1795939000.0,
+    "asleep_since": 1795940000.0, "sleeps_total": 5, "wakes_total": 4, "failed_wakes_total": 1,
+    "wake_seconds_total": 62.5, "last_wake_seconds": 20.5, "asleep_seconds_total": 3000.0,
+    "last_wake_failure": "wake_up: timed out",
+}  # fmt: skip
+SLEEP_FAMILIES = {
+    "vllm_fleet_instance_sleep_state", "vllm_fleet_instance_sleep_level",
+    "vllm_fleet_instance_asleep_since_timestamp_seconds", "vllm_fleet_instance_last_active_timestamp_seconds",
+    "vllm_fleet_instance_last_wake_seconds", "vllm_fleet_instance_sleeps_total", "vllm_fleet_instance_wakes_total",
+    "vllm_fleet_instance_failed_wakes_total", "vllm_fleet_instance_wake_duration_seconds_count",
+    "vllm_fleet_instance_wake_duration_seconds_sum", "vllm_fleet_instance_asleep_seconds_total",
+}  # fmt: skip
+
+
+def _sleep_scrape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: dict[str, Any], at: float
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from vllm_fleet.host.exporter import states
+
+    monkeypatch.setattr(states, "wall_clock", lambda: at)
+    (tmp_path / "qwen3.json").write_text(json.dumps(state))
+    return scrape(FleetCollector(tmp_path, None, use_systemd=False))
+
+
+def test_an_instance_that_sleeps_exports_its_sleep_state_wakes_and_time_asleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795940060.0)
+    assert {k[0] for k in m if k[0] in SLEEP_FAMILIES} == SLEEP_FAMILIES
+    assert {s: m[("vllm_fleet_instance_sleep_state", lbl(**i, state=s))] for s in
+            ("awake", "sleeping", "asleep", "waking")} == {"awake": 0, "sleeping": 0, "asleep": 1, "waking": 0}  # fmt: skip
+    assert m[("vllm_fleet_instance_sleep_level", lbl(**i))] == 2
+    assert m[("vllm_fleet_instance_sleeps_total", lbl(**i))] == 5
+    assert m[("vllm_fleet_instance_wakes_total", lbl(**i))] == 4
+    assert m[("vllm_fleet_instance_failed_wakes_total", lbl(**i))] == 1
+    assert m[("vllm_fleet_instance_wake_duration_seconds_count", lbl(**i))] == 4
+    assert m[("vllm_fleet_instance_wake_duration_seconds_sum", lbl(**i))] == 62.5
+    assert m[("vllm_fleet_instance_last_wake_seconds", lbl(**i))] == 20.5
+    assert m[("vllm_fleet_instance_asleep_since_timestamp_seconds", lbl(**i))] == 1795940000.0
+    # the periods that ended and the current one, to the scrape's clock
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3060.0
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795940600.0)
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3600.0
+    # a clock behind the launcher's (never less than the periods that ended)
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795939000.0)
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3000.0
+
+
+def test_waking_or_awake_adds_no_current_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an engine asleep has a current period; waking (the launcher folded the period into
+    asleep_seconds_total when the wake began) adds none, whatever asleep_since says."""
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    for state in ("waking", "awake", "sleeping"):
+        m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": state}, 1795940060.0)
+        assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3000.0, state
+        assert m[("vllm_fleet_instance_sleep_state", lbl(**i, state=state))] == 1
+        assert m[("vllm_fleet_instance_sleep_state", lbl(**i, state="asleep"))] == 0
+    # a state this exporter does not know (a newer launcher): every known one 0, the counters still there
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": "dozing"}, 1795940060.0)
+    assert [v for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state"] == [0, 0, 0, 0]
+    assert m[("vllm_fleet_instance_wakes_total", lbl(**i))] == 4
+
+
+# the sleep keys of a model that does not sleep, as the launcher writes them
+NEVER_SLEEPS = {
+    "sleep_state": None, "sleep_level": None, "swap_group": None, "last_active_at": None, "asleep_since": None,
+    "sleeps_total": 0, "wakes_total": 0, "failed_wakes_total": 0, "wake_seconds_total": 0.0,
+    "last_wake_seconds": None, "asleep_seconds_total": 0.0, "last_wake_failure": None,
+}  # fmt: skip
+
+
+# STATE: an older launcher's state file, without the sleep keys
+@pytest.mark.parametrize("state", [{**STATE, **NEVER_SLEEPS}, STATE])
+def test_an_instance_that_never_sleeps_has_no_sleep_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: dict[str, Any]
+) -> None:
+    assert state.get("sleep_state") is None
+    m = _sleep_scrape(tmp_path, monkeypatch, state, 1795940060.0)
+    assert not {k[0] for k in m} & SLEEP_FAMILIES
+    assert m[("vllm_fleet_instance_state", lbl(instance="qwen3", model="qwen3-8b", state="ready"))] == 1
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
