@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_fleet.fleet.observability import SLEEP_METRICS
 from vllm_fleet.host.exporter import AccessLogTail, FleetCollector, read_instances, unit_restarts
 
 STATE = {
@@ -486,13 +487,12 @@ SLEEPS = {
     "wake_seconds_total": 62.5, "last_wake_seconds": 20.5, "asleep_seconds_total": 3000.0,
     "last_wake_failure": "wake_up: timed out",
 }  # fmt: skip
+# the sample names of the sleep families the alerts, dashboards and status read (the summary's _count and _sum)
 SLEEP_FAMILIES = {
-    "vllm_fleet_instance_sleep_state", "vllm_fleet_instance_sleep_level",
-    "vllm_fleet_instance_asleep_since_timestamp_seconds", "vllm_fleet_instance_last_active_timestamp_seconds",
-    "vllm_fleet_instance_last_wake_seconds", "vllm_fleet_instance_sleeps_total", "vllm_fleet_instance_wakes_total",
-    "vllm_fleet_instance_failed_wakes_total", "vllm_fleet_instance_wake_duration_seconds_count",
-    "vllm_fleet_instance_wake_duration_seconds_sum", "vllm_fleet_instance_asleep_seconds_total",
-}  # fmt: skip
+    n + suffix
+    for n in SLEEP_METRICS
+    for suffix in (("_count", "_sum") if n == "vllm_fleet_instance_wake_duration_seconds" else ("",))
+}
 
 
 def _sleep_scrape(

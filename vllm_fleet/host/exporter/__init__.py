@@ -39,7 +39,7 @@ from vllm_fleet.host.exporter.common import PREFIX, log
 from vllm_fleet.host.exporter.nvml import Nvml
 from vllm_fleet.host.exporter.registry import FleetCollector, build_registry
 from vllm_fleet.host.exporter.states import (
-    SLEEP_METRICS,
+    SLEEP_STATE_METRICS,
     STATE_METRICS,
     STATES,
     Deployment,
@@ -62,7 +62,7 @@ from vllm_fleet.host.exporter.vrrp import VrrpReading, VrrpState, read_vrrp
 __all__ = [
     "DURATION_BUCKETS",
     "PREFIX",
-    "SLEEP_METRICS",
+    "SLEEP_STATE_METRICS",
     "STATES",
     "STATE_METRICS",
     "SYSTEMD_LOG_EVERY",

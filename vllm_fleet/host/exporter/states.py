@@ -259,7 +259,7 @@ def instance_metrics(instances: list[Instance]) -> Iterator[Metric]:
 # sleep mode (docs/sleep.md): one series per instance whose state file has a sleep state (its model sleeps;
 # none for one that never sleeps): (kind, metric name, help, state-file key), in exposition order after
 # ``instance_sleep_state``; then the wakes' summary and the time asleep (``sleep_metrics``)
-SLEEP_METRICS = (
+SLEEP_STATE_METRICS = (
     (
         "gauge",
         "instance_sleep_level",
@@ -312,7 +312,7 @@ def asleep_seconds(st: StateFile, at: float) -> float:
 
 def sleep_metrics(instances: list[Instance], at: float | None = None) -> Iterator[Metric]:
     """The sleep-mode series of every instance whose state file has a sleep state (``sleep_state`` not null):
-    ``instance_sleep_state{state}`` 0/1 over ``SLEEP_STATES``, ``SLEEP_METRICS``, the wakes as a summary
+    ``instance_sleep_state{state}`` 0/1 over ``SLEEP_STATES``, ``SLEEP_STATE_METRICS``, the wakes as a summary
     (``_count`` the wakes, ``_sum`` their durations) and the time asleep (the current period to ``at``)."""
     at = wall_clock() if at is None else at
     lbl = ["instance", "model"]
@@ -323,7 +323,7 @@ def sleep_metrics(instances: list[Instance], at: float | None = None) -> Iterato
     )
     fams = [
         (_KINDS[kind][0](PREFIX + name, doc, labels=lbl), key, _KINDS[kind][1])
-        for kind, name, doc, key in SLEEP_METRICS
+        for kind, name, doc, key in SLEEP_STATE_METRICS
     ]
     wake = SummaryMetricFamily(
         PREFIX + "instance_wake_duration_seconds",
