@@ -530,17 +530,33 @@ def test_an_instance_that_sleeps_exports_its_sleep_state_wakes_and_time_asleep(
     assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3000.0
 
 
-def test_waking_or_awake_adds_no_current_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only an engine asleep has a current period; waking (the launcher folded the period into
-    asleep_seconds_total when the wake began) adds none, whatever asleep_since says."""
+def test_the_current_period_runs_while_asleep_since_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher (vllm_fleet.host.sleep_control) keeps asleep_since while the engine is asleep or waking and
+    folds the period into asleep_seconds_total when it is awake, in one write: the exported total never goes back
+    (a drop would read as a counter reset). A launcher that stopped ends the period at its last write."""
     i = {"instance": "qwen3", "model": "qwen3-8b"}
-    for state in ("waking", "awake", "sleeping"):
-        m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": state}, 1795940060.0)
-        assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3000.0, state
+    at = 1795940060.0
+    totals = []
+    for state, extra in (
+        ("asleep", {}),
+        ("waking", {}),  # a wake in progress: still the same period
+        ("awake", {"asleep_since": None, "asleep_seconds_total": 3060.0}),  # folded in by the launcher
+        ("sleeping", {"asleep_since": None, "asleep_seconds_total": 3060.0}),  # going to sleep: no period yet
+    ):
+        m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": state, **extra}, at)
+        totals.append(m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))])
         assert m[("vllm_fleet_instance_sleep_state", lbl(**i, state=state))] == 1
-        assert m[("vllm_fleet_instance_sleep_state", lbl(**i, state="asleep"))] == 0
+        assert sum(v for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state") == 1
+    assert totals == [3060.0, 3060.0, 3060.0, 3060.0]
+    # stopped while asleep (its last write at 1795940030): the total stays at that write's, however late the scrape
+    stopped = {**STATE, **SLEEPS, "state": "stopped", "updated_at": 1795940030.0}
+    for later in (1795940060.0, 1795950000.0):
+        m = _sleep_scrape(tmp_path, monkeypatch, stopped, later)
+        assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3030.0
     # a state this exporter does not know (a newer launcher): every known one 0, the counters still there
-    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": "dozing"}, 1795940060.0)
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": "dozing"}, at)
     assert [v for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state"] == [0, 0, 0, 0]
     assert m[("vllm_fleet_instance_wakes_total", lbl(**i))] == 4
 

@@ -269,7 +269,7 @@ SLEEP_STATE_METRICS = (
     (
         "gauge",
         "instance_asleep_since_timestamp_seconds",
-        "Time the engine fell asleep (only while asleep)",
+        "Time the engine fell asleep (while asleep or waking)",
         "asleep_since",
     ),
     (
@@ -300,13 +300,19 @@ SLEEP_STATE_METRICS = (
 )
 
 
+RUNNING = ("ready", "draining")  # launcher states while its engine runs (an engine asleep is one of these)
+
+
 def asleep_seconds(st: StateFile, at: float) -> float:
-    """Seconds asleep since the launcher started: its completed periods (``asleep_seconds_total``) and, while the
-    engine is asleep, the current one (``at - asleep_since``)."""
+    """Seconds asleep since the launcher started: its completed periods (``asleep_seconds_total``) and the current
+    one while ``asleep_since`` is set (asleep, and waking: the launcher adds the period to the total and clears
+    ``asleep_since`` in one write when the engine is awake again), up to ``at`` — or, for a launcher that no longer
+    runs its engine (stopped, failed), up to its last write (the total stays where it was)."""
     total = _number(st.get("asleep_seconds_total")) or 0.0
     since = _number(st.get("asleep_since"))
-    if st.get("sleep_state") == "asleep" and since is not None:
-        total += max(0.0, at - since)
+    if since is not None:
+        end = at if st.get("state") in RUNNING else (_number(st.get("updated_at")) or at)
+        total += max(0.0, end - since)
     return total
 
 
@@ -349,7 +355,7 @@ def sleep_metrics(instances: list[Instance], at: float | None = None) -> Iterato
                 fam.add_metric(lv, v)
         wake.add_metric(
             lv,
-            count_value=_number(st.get("wakes_total")) or 0.0,
+            count_value=int(_number(st.get("wakes_total")) or 0),
             sum_value=_number(st.get("wake_seconds_total")) or 0.0,
         )
         asleep.add_metric(lv, asleep_seconds(st, at))
