@@ -579,3 +579,59 @@ def test_an_instance_that_never_sleeps_has_no_sleep_series(
     assert not {k[0] for k in m} & SLEEP_FAMILIES
     assert m[("vllm_fleet_instance_state", lbl(instance="qwen3", model="qwen3-8b", state="ready"))] == 1
     assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+
+
+def test_the_exported_sleep_series_follow_the_launchers_sleep_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's sleep controller (vllm_fleet.host.sleep_control) through a sleep, a wake, a sleep and a failed
+    wake, its state-file keys scraped after each step: the time asleep never goes back and counts the waking
+    too, the wakes' summary and the failed wakes are the controller's."""
+    from vllm_fleet.contracts import SleepConfig
+    from vllm_fleet.host.sleep_control import GuardReading, SleepControl
+
+    wall0 = 1795940000.0
+    sc = SleepControl(SleepConfig(level=1, idle_seconds=30.0, wake_wait_seconds=20.0), None, 0.0)
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    seen: list[tuple[str, float, float, float, float]] = []
+
+    def scrape_at(t: float) -> None:
+        state = {**STATE, **sc.fields(lambda m: None if m is None else wall0 + m)}
+        m = _sleep_scrape(tmp_path, monkeypatch, state, wall0 + t)
+        current = [
+            dict(k[1])["state"] for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state" and v == 1
+        ]
+        seen.append((current[0], m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))],
+                     m[("vllm_fleet_instance_wake_duration_seconds_count", lbl(**i))],
+                     m[("vllm_fleet_instance_wake_duration_seconds_sum", lbl(**i))],
+                     m[("vllm_fleet_instance_failed_wakes_total", lbl(**i))]))  # fmt: skip
+
+    def idle(t: float) -> None:
+        sc.guard_read(t, GuardReading("awake", 0, 0, wall0, wall0 + t), may_sleep=True)
+
+    scrape_at(10)  # awake
+    idle(40)  # idle 40 s >= 30 s: going to sleep
+    scrape_at(41)
+    sc.slept(45, 200, "")  # asleep from 45
+    scrape_at(60)
+    sc.wake_requested(100)  # a request is held: waking (no swap group: at once)
+    scrape_at(101)
+    sc.woken(102.5, wall0 + 102.5, True, "")  # awake after 2.5 s; asleep 45 → 102.5
+    scrape_at(110)
+    idle(150)
+    sc.slept(151, 200, "")
+    scrape_at(160)
+    sc.wake_requested(170)
+    sc.woken(171, wall0 + 171, False, "HTTP 500")  # the wake fails: asleep again, the same period
+    scrape_at(180)
+    assert seen == [
+        ("awake", 0.0, 0, 0.0, 0),
+        ("sleeping", 0.0, 0, 0.0, 0),
+        ("asleep", 15.0, 0, 0.0, 0),
+        ("waking", 56.0, 0, 0.0, 0),
+        ("awake", 57.5, 1, 2.5, 0),
+        ("asleep", 66.5, 1, 2.5, 0),
+        ("asleep", 86.5, 1, 2.5, 1),
+    ]
+    totals = [s[1] for s in seen]
+    assert totals == sorted(totals)
