@@ -481,33 +481,28 @@ def test_the_overview_marks_canary_rollouts(out: Path) -> None:
 # ------------------------------------------------------------------------------- sleep mode (docs/sleep.md)
 
 
-def _overview(sleeping: list[str]) -> dict[str, Any]:
-    """The test fleet's overview, the instances named in ``sleeping`` given a sleep section (their context's
-    ``sleep``: what the spec's models[].sleep renders into the instance config)."""
-    from vllm_fleet.fleet.context import build_context
-    from vllm_fleet.fleet.observability.dashboards import overview_json
-
-    ctx = build_context(parse_spec(spec_data()), "h1")
-    for i in ctx["vf"]["all_instances"]:
-        if i["name"] in sleeping:
-            i["sleep"] = {"level": 1, "idle_seconds": 300, "group": "", "max_awake": 1, "group_members": []}
-    d = json.loads(overview_json(ctx))
-    assert isinstance(d, dict)
-    return d
+def _overview(tmp_path: Path, sleeping: list[int]) -> dict[str, Any]:
+    """The test fleet's overview as rendered, the models at the indexes ``sleeping`` given ``sleep`` (level 1)."""
+    data = spec_data()
+    for k in sleeping:
+        data["models"][k]["sleep"] = {"level": 1}
+    out = tmp_path / "-".join(map(str, sleeping))
+    render_monitoring(parse_spec(data), out, folders=("dashboards",))
+    return _dash(out / "h1", OVERVIEW_UID)
 
 
-def test_sleep_row_only_where_a_model_sleeps() -> None:
+def test_sleep_row_only_where_a_model_sleeps(tmp_path: Path) -> None:
     """A fleet with a sleeping instance gets the overview's "Sleep" row before "Keys": the state timeline per
     instance, wakes per hour, the mean wake duration (its line at alerts.wake_slow_seconds), failed wakes, time
     asleep; each query one of panel_queries. A fleet without one gets no row."""
     from vllm_fleet.fleet.observability.dashboards import SLEEP_ROW, SLEEP_STATE_PANEL, sleep_panels
 
-    off = _overview([])
+    off = _overview(tmp_path, [])
     assert SLEEP_ROW not in [p["title"] for p in off["panels"]]
     assert not any(
         "sleep" in t["expr"] or "wake" in t["expr"] for p in off["panels"] for t in p.get("targets", [])
     )
-    on = _overview(["tiny"])
+    on = _overview(tmp_path, [0])
     _cells(on)
     titles = [p["title"] for p in on["panels"]]
     at, keys = titles.index(SLEEP_ROW), titles.index(KEYS_ROW)
