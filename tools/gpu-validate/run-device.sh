@@ -10,6 +10,8 @@
 #                               gateway with and without classes (tools/gpu-validate/classes.py)
 #   run-device.sh lora-fleet OUT  LoRA adapters through vllm-fleet: fetch, launcher, gateway, burst, adapters sync
 #                               under traffic, exporter, stop (tools/gpu-validate/lora_fleet.py)
+#   run-device.sh sleep-fleet OUT  sleep mode through vllm-fleet: two models of one swap group taking turns on the
+#                               GPU under alternating traffic, launchers + guard + gateway (tools/gpu-validate/sleep_fleet.py)
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
@@ -55,5 +57,8 @@ classes)
 lora-fleet)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 384 client connections + the gateway's
   exec python3 tools/gpu-validate/lora_fleet.py "$2" ;;  # exec: a `timeout` TERM reaches it
-*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT" >&2; exit 2 ;;
+sleep-fleet)
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 64 client connections per round + the gateway's
+  exec python3 tools/gpu-validate/sleep_fleet.py "$2" ;;  # exec: a `timeout` TERM reaches it
+*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT | sleep-fleet OUT" >&2; exit 2 ;;
 esac
