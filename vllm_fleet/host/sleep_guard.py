@@ -48,6 +48,7 @@ from vllm_fleet.contracts import (
     ADMIN_TOKEN_HEADER,
     DEV_MODE_PATHS,
     LAUNCHER_PID_ENV,
+    PROBE_USER_AGENT,
     SLEEP_STATE_PATH,
     SLEEP_STATES,
     WAKE_FAILED_PATH,
@@ -62,8 +63,6 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 AWAKE, SLEEPING, ASLEEP, WAKING = SLEEP_STATES
-# the launcher's probes (host/probe.py sends this User-Agent): counted in flight, but they do not keep it awake
-PROBE_USER_AGENT = "vllm-fleet-probe"
 SIGNAL_INTERVAL_SECONDS = 1.0  # a wake signal for held requests is repeated at most this often
 # never held, never counted (GET and HEAD): what health checks, scrapes and discovery read
 EXEMPT_METHODS = frozenset({"GET", "HEAD"})
