@@ -73,7 +73,7 @@ def test_the_plugin_table_is_the_one_list_of_commands(capsys: pytest.CaptureFixt
     assert set(choices) == set(cli.BUILTINS) | set(cli.PLUGINS)
 
 
-@pytest.mark.parametrize("name", ["h200.yml", "h200-burst.yml", "h200-unit.yml"])
+@pytest.mark.parametrize("name", ["h200.yml", "h200-burst.yml", "h200-unit.yml", "h200-sleep.yml"])
 def test_the_gpu_lab_specs_plan_with_the_lab_flags_only(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -195,6 +195,40 @@ def test_a_swap_with_one_failed_request_fails(sf: ModuleType, bad: dict[str, Any
     assert [k for k, ok in verdict(sf, a_swap(sf, [])).items() if not ok] == ["every_request_complete_200"]
 
 
+def test_the_wake_alone_and_the_peer_s_sleep_from_the_status_lines(sf: ModuleType) -> None:
+    msgs = [
+        (9.0, {"STATUS": "Waking (level 1)"}),  # an earlier swap
+        (9.5, {"STATUS": "Serving qwen3-8b-a"}),
+        (10.0, {"STATUS": "Asleep: waiting for a slot of swap group gpu0 to wake"}),
+        (10.2, {"WATCHDOG": "1"}),
+        (11.0, {"STATUS": "Waking (level 1)"}),
+        (11.6, {"STATUS": "Serving qwen3-8b-a on 10.0.0.2:8002"}),
+    ]
+    assert sf.transition_s(msgs, 10.0, "Waking", "Serving") == 0.6
+    assert sf.transition_s(msgs, 0.0, "Waking", "Serving") == 0.5
+    assert sf.transition_s(msgs[:5], 10.0, "Waking", "Serving") is None  # not awake yet
+    peer = [(10.1, {"STATUS": "Going to sleep (level 1): a peer of swap group gpu0 needs the room"}),
+            (19.8, {"STATUS": "Asleep (level 1), 0 wake(s) so far; a request wakes it"})]  # fmt: skip
+    assert sf.transition_s(peer, 10.0, "Going to sleep", "Asleep") == 9.7
+
+
+def test_local_level_2_weights_dropped_asleep_and_back_awake(sf: ModuleType) -> None:
+    levels = {sf.A: 1, sf.B: 2}
+
+    def swap(cycle: int, target: str, b_state: str, b_weights: bool) -> dict[str, Any]:
+        return {"cycle": cycle, "target": target, "state_after": {sf.B: {"sleep_state": b_state}, sf.A: {}},
+                "sim": {sf.A: {"weights_loaded": True}, sf.B: {"weights_loaded": b_weights}}}  # fmt: skip
+
+    good = [swap(1, sf.A, "asleep", False), swap(1, sf.B, "awake", True)]
+    ok, detail = sf.sim_weights_verdict(good, levels)
+    assert ok and len(detail["seen"]) == 2  # only the level-2 instance is read
+    # awake without its weights (the wake skipped reload_weights), asleep with them (level 1's behaviour)
+    assert not sf.sim_weights_verdict([good[0], swap(1, sf.B, "awake", False)], levels)[0]
+    assert not sf.sim_weights_verdict([swap(1, sf.A, "asleep", True), good[1]], levels)[0]
+    assert not sf.sim_weights_verdict(good[1:], levels)[0]  # never seen asleep: nothing shown
+    assert not sf.sim_weights_verdict([], levels)[0]
+
+
 # ---- the exporter's series against the state files (the real exporter)
 
 

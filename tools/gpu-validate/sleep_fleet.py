@@ -244,6 +244,40 @@ def swap_verdict(
     }
 
 
+def sim_weights_verdict(swaps: list[dict[str, Any]], levels: dict[str, int]) -> tuple[bool, Any]:
+    """--local: the sim engine's own reading after each swap (``GET /sim/control``: ``weights_loaded``, which a
+    level-2 sleep clears and only ``/collective_rpc reload_weights`` sets again): a level-2 instance asleep has
+    its weights dropped, awake it has them back (the launcher's wake reloaded them)."""
+    seen, bad = [], []
+    for s in swaps:
+        for name, sim in (s.get("sim") or {}).items():
+            if levels.get(name) != 2 or not isinstance(sim, dict):
+                continue
+            state = s["state_after"][name].get("sleep_state")
+            row = (s["cycle"], s["target"], name, state, sim.get("weights_loaded"))
+            seen.append(row)
+            if sim.get("weights_loaded") is not (state == "awake"):
+                bad.append(row)
+    return bool(seen) and not bad and {r[3] for r in seen} == {"asleep", "awake"}, {"seen": seen, "bad": bad}
+
+
+def transition_s(
+    messages: list[tuple[float, dict[str, str]]], since: float, start: str, end: str
+) -> float | None:
+    """Seconds from the first STATUS starting with ``start`` at or after ``since`` to the next one starting with
+    ``end`` (a launcher's notify messages): e.g. "Waking" → "Serving", the wake alone, without the slot wait."""
+    t0 = None
+    for t, f in messages:
+        st = f.get("STATUS")
+        if t < since or st is None:
+            continue
+        if t0 is None and st.startswith(start):
+            t0 = t
+        elif t0 is not None and st.startswith(end):
+            return round(t - t0, 3)
+    return None
+
+
 def prom_series(text: str, metric: str) -> list[tuple[dict[str, str], float]]:
     """The samples of ``metric`` (exactly that name) in a Prometheus exposition: (labels, value)."""
     out = []
@@ -958,7 +992,13 @@ class Run:
             time.sleep(0.2)
         s["state_after"] = self.states()
         s["status"] = {n: self.insts[n].statuses(t_from) for n in (A, B)}
-        s["wake_seconds"] = s["state_after"][target].get("last_wake_seconds")
+        s["wake_seconds"] = s["state_after"][target].get(
+            "last_wake_seconds"
+        )  # the signal to awake, slot wait included
+        s["wake_only_s"] = transition_s(self.insts[target].lis.messages, t_from, "Waking", "Serving")
+        s["peer_sleep_s"] = transition_s(self.insts[other].lis.messages, t_from, "Going to sleep", "Asleep")
+        if self.lay.local:  # the sim's own reading of its weights (not behind the guard)
+            s["sim"] = {n: raw("GET", self.engine_url(n) + "/sim/control")[1] for n in (A, B)}
         pt = self.memory(f"cycle{cycle}_{target}_awake")
         s["memory_used_mib"] = pt.get("used_mib")
         s["verdict"] = {k: v[0] for k, v in swap_verdict(s, target, other, self.levels).items()}
@@ -968,7 +1008,8 @@ class Run:
         b = s["batch"]
         print(
             f"   cycle {cycle} → {target}: {b['requests']} requests {b['by_status']} {b['by_kind']}; first answer "
-            f"{b['first_answer_s']} s; wake {s['wake_seconds']} s; held ≤ {s['guards'][target]['max_held']}; "
+            f"{b['first_answer_s']} s; wake {s['wake_seconds']} s ({other} asleep in {s['peer_sleep_s']} s, "
+            f"wake alone {s['wake_only_s']} s); held ≤ {s['guards'][target]['max_held']}; "
             f"{other} {s['state_after'][other].get('sleep_state')}",
             flush=True,
         )
@@ -1023,11 +1064,15 @@ class Run:
             if not aw:
                 continue
             p0, p1 = before.get("probe", {}), aw["probe"]
-            self.check(
-                f"{name}_greedy_answer_same_after_the_wake",
-                p0.get("text") is not None and p0.get("text") == p1.get("text"),
-                {"before": p0, "after": p1},
-            )
+            aw["probe_same_as_before"] = p0.get("text") is not None and p0.get("text") == p1.get("text")
+            if (
+                not self.lay.local
+            ):  # the sim's text is not a function of the prompt: --local checks its weights
+                self.check(
+                    f"{name}_greedy_answer_same_after_the_wake",
+                    aw["probe_same_as_before"],
+                    {"before": p0, "after": p1},
+                )
             r0, r1 = before.get("round_before") or {}, aw["round"]
             ratio = (
                 round(r1["out_tok_per_s"] / r0["out_tok_per_s"], 3)
@@ -1042,6 +1087,9 @@ class Run:
                 and r1["requests"] > 0,
                 {"before": r0, "after": r1},
             )
+        if self.lay.local:
+            ok, detail = sim_weights_verdict(swaps, self.levels)
+            self.check("level_2_weights_dropped_asleep_reloaded_awake", ok, detail)
         self.check(
             "same_engines_through_the_swaps",
             all(self.state(n).get("engine_pid") == pid for n, pid in pids.items()),
@@ -1308,7 +1356,8 @@ def summary(res: dict[str, Any]) -> None:
         bt = s["batch"]
         print(
             f"cycle {s['cycle']} → {s['target']}: first answer {bt['first_answer_s']} s, wake "
-            f"{s['wake_seconds']} s, {bt['by_status']}, GPU {s.get('memory_used_mib')} MiB"
+            f"{s['wake_seconds']} s (peer asleep in {s.get('peer_sleep_s')} s, wake alone {s.get('wake_only_s')} s), "
+            f"{bt['by_status']}" + (f", GPU {s['memory_used_mib']} MiB" if s.get("memory_used_mib") else "")
         )
     for n, aw in (res.get("after_wake") or {}).items():
         print(
