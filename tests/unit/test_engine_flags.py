@@ -11,7 +11,7 @@ import yaml
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.engine import engine_args
 from vllm_fleet.fleet.engine_flags import APPENDED, MANAGED, check_args, option_name
-from vllm_fleet.fleet.spec import parse_spec
+from vllm_fleet.fleet.spec import SleepSettings, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 KNOWN = engine_flags.load("cpu", "0.32.0")
@@ -38,6 +38,7 @@ def _every_typed_field(example: str, version: str) -> list[str]:
             "reasoning_parser": "qwen3",
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
+            "sleep": SleepSettings(),
         }
     )
     return engine_args(spec, m)
@@ -48,6 +49,7 @@ def test_every_flag_the_engine_command_sets_is_managed(example: str) -> None:
     args = _every_typed_field(example, "0.32.0")
     emitted = {a for a in args if a.startswith("--")}
     assert "--max-num-queued-reqs" in emitted and "--enforce-eager" in emitted  # all typed fields reached
+    assert "--enable-sleep-mode" in emitted
     assert emitted - MANAGED.keys() == APPENDED == {"--middleware"}
     # and check_args refuses each of them again in extra_args, but for one vLLM appends to
     assert KNOWN is not None

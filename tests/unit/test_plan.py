@@ -43,7 +43,11 @@ def test_seed4_plan_ok() -> None:
 def test_gpu_overlap_refused() -> None:
     d = copy.deepcopy(SEED4)
     d["models"][1]["gpus"] = [1, 2]
-    assert refusals(d) == ["models[1].gpus: GPU 1 on gpu-a is already used by models[0] (r1-distill-7b)"]
+    assert refusals(d) == [
+        "models[1].gpus: GPU 1 on gpu-a is already used by models[0] (r1-distill-7b); models that take turns on a "
+        "GPU share it in one swap group (models[].sleep.group, swap_groups: docs/sleep.md), models awake together "
+        "set share_gpus on both"
+    ]
 
 
 def test_duplicate_port_refused() -> None:
@@ -223,7 +227,8 @@ def test_cli_plan_exit_codes(tmp_path: Path) -> None:
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["ok"] is False
-    assert out["problems"] == ["models[1].gpus: GPU 1 on gpu-a is already used by models[0] (r1-distill-7b)"]
+    (problem,) = out["problems"]
+    assert problem.startswith("models[1].gpus: GPU 1 on gpu-a is already used by models[0] (r1-distill-7b); ")
     bad.write_text("hosts: []\nmodels: []\nbogus: 1\n")
     r = subprocess.run(
         [sys.executable, "-m", "vllm_fleet.cli", "plan", str(bad)], capture_output=True, text=True

@@ -68,9 +68,10 @@ def test_check_gpus() -> None:
         "models[0].gpus",
     ]
     s = parse_spec(SEED4)
-    (f,) = pc.check_gpus(s, s.hosts[0], 1, s.models[1].model_copy(update={"gpus": [1, 2]}), {0: 0, 1: 0})
+    (f,) = pc.check_gpus(s, s.hosts[0], 1, s.models[1].model_copy(update={"gpus": [1, 2]}), {0: [0], 1: [0]})
     assert f.path == "models[1].gpus" and f.message.startswith("GPU 1 on gpu-a is already used by models[0]")
-    assert pc.check_gpus(s, s.hosts[0], 1, s.models[1], {0: 0, 1: 0}) == []
+    assert "swap group" in f.message  # the way to share a GPU is named
+    assert pc.check_gpus(s, s.hosts[0], 1, s.models[1], {0: [0], 1: [0]}) == []
 
 
 def test_check_cpu_devices() -> None:

@@ -30,6 +30,7 @@ CASES: dict[str, list[str]] = {
     "cpu-refusals": [str(FIX / "cpu-refusals.yml"), *LOCKS],
     "cpu-refusals-fit-after-fetch": [str(FIX / "cpu-refusals.yml"), "--fit-after-fetch"],
     "multinode-gpu": [str(FIX / "multinode-gpu.yml"), *LOCKS],
+    "sleep-refusals": [str(FIX / "sleep-refusals.yml"), *LOCKS],
     "detect-undetected": [str(FIX / "detect-h200.yml")],
     "detect-fit-after-fetch": [str(FIX / "detect-h200.yml"), "--fit-after-fetch"],
     "detect-gpus-models-dir": [
@@ -97,6 +98,16 @@ def test_the_snapshots_cover_refusals_notes_and_warnings() -> None:
     assert any(p.startswith("models[0].lora.max_lora_rank:") for p in problems)
     assert any(p.startswith("adapters[0].rank:") for p in problems)
     assert any(ip.get("lora_bytes") for g in plans.values() for ip in g["plan"]["instances"])
+    # sleep mode (docs/sleep.md): a profile and a release without it, a swap group over its GPU, level-1 weights
+    # over the host's memory, the development mode set by hand; the way to share a GPU named in an overlap
+    for path in ("models[5].sleep:", "models[6].sleep:", "swap_groups.pair:", "models[2].sleep.level:",
+                 "models[7].env.VLLM_SERVER_DEV_MODE:"):  # fmt: skip
+        assert any(p.startswith(path) for p in plans["sleep-refusals"]["plan"]["problems"]), path
+    assert all("swap group" in p for p in problems if "is already used by models[" in p)
+    warnings = plans["sleep-refusals"]["plan"]["warnings"]
+    assert any(w.startswith("hosts[1].memory_gib:") for w in warnings)
+    assert any(w.startswith("swap_groups.spare:") for w in warnings)
+    assert plans["example-gpu-sleep"]["plan"]["ok"]
     notes = [n for g in plans.values() for ip in g["plan"]["instances"] for n in ip["notes"]]
     assert any("far above the suggested" in n for n in notes) and any("not estimated" in n for n in notes)
     assert any(g["plan"]["ok"] for g in plans.values()) and not all(g["plan"]["ok"] for g in plans.values())

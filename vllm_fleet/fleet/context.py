@@ -20,6 +20,7 @@ from vllm_fleet.contracts import (
     ENGINE_HTTP_KEEPALIVE_SECONDS,
     GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
     SERVICE_DEFAULTS,
+    SleepConfig,
 )
 from vllm_fleet.fleet.admission_config import (
     admission_config,
@@ -77,6 +78,25 @@ def stack_ctx(spec: FleetSpec, m: ModelInstance, command: list[str]) -> dict[str
     }
 
 
+def sleep_config(spec: FleetSpec, m: ModelInstance) -> dict[str, Any] | None:
+    """The instance config's ``sleep`` (contracts.SleepConfig, read by the launcher; docs/sleep.md): the model's
+    ``sleep`` with its swap group's ``max_awake`` and the group's other instances on its host (sorted); None when
+    the model does not sleep."""
+    if m.sleep is None:
+        return None
+    group = spec.swap_group(m)
+    return dataclasses.asdict(
+        SleepConfig(
+            level=m.sleep.level,
+            idle_seconds=m.sleep.idle_seconds,
+            wake_wait_seconds=m.sleep.wake_wait_seconds,
+            group=group,
+            max_awake=spec.swap_groups[group].max_awake if group else 1,
+            group_members=sorted(x.name for x in spec.swap_members(group, m.host) if x.name != m.name),
+        )
+    )
+
+
 def instance_ctx(
     spec: FleetSpec,
     plan: Plan,
@@ -92,6 +112,8 @@ def instance_ctx(
     entry = m.model_dump(mode="json")
     if entry["lora"] is None:  # an instance without `lora` keeps the config it had before the field
         del entry["lora"]
+    if entry["sleep"] is None:  # nor one without `sleep`
+        del entry["sleep"]
     d.update(
         unit=f"vllm@{m.name}.service",
         # the label that sets a rollout's canary apart from the stable instances in Prometheus (docs/rollouts.md)
@@ -104,6 +126,8 @@ def instance_ctx(
         lora_on=spec.lora_on(m),
         adapters_file=spec.adapters_file(m),
         adapters=[dataclasses.asdict(a) for a in adapter_entries(spec, m)],
+        # sleep mode (the instance config's `sleep`, contracts.SleepConfig), or None
+        sleep=sleep_config(spec, m),
         model_path=model_path(spec, m),
         listen_address=listen_address(spec, m),
         host_address=host.private_address or host.address,

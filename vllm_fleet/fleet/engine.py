@@ -7,8 +7,14 @@ cannot find its package metadata (the distribution is not named ``vllm``), see v
 
 from __future__ import annotations
 
-from vllm_fleet.contracts import ADAPTERS_FILE_ENV, ENGINE_HTTP_KEEPALIVE_SECONDS, RUNTIME_LORA_ENV
-from vllm_fleet.fleet.engine_flags import LORA_CPU_FLAG, negation, release_has
+from vllm_fleet.contracts import (
+    ADAPTERS_FILE_ENV,
+    DEV_MODE_ENV,
+    ENGINE_HTTP_KEEPALIVE_SECONDS,
+    RUNTIME_LORA_ENV,
+    SLEEP_GUARD,
+)
+from vllm_fleet.fleet.engine_flags import LORA_CPU_FLAG, SLEEP_FLAG, negation, release_has
 from vllm_fleet.fleet.spec import FleetSpec, ModelInstance
 
 # gateway.classes: the middleware that writes the gateway's X-VF-Priority into the request body's priority
@@ -88,6 +94,17 @@ def lora_args(spec: FleetSpec, m: ModelInstance) -> list[str]:
     return a
 
 
+def sleep_args(m: ModelInstance) -> list[str]:
+    """The flags of a sleeping model (``models[].sleep``, else none): vLLM's sleep mode and the sleep guard
+    (contracts.SLEEP_GUARD) in front of its API server. Added after vllm-fleet's other middlewares, so it is the
+    outermost of them (Starlette wraps the last added around the others): it sees every request first, holds it
+    while the engine sleeps and keeps vLLM's development paths from anyone without the launcher's token. The plan
+    refuses a profile or release without these flags (plan_checks.check_sleep)."""
+    if m.sleep is None:
+        return []
+    return [SLEEP_FLAG, "--middleware", SLEEP_GUARD]
+
+
 def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
     """Arguments after ``serve`` (the model path first); ``rank`` > 0: a headless rank of a multi-node
     instance (same arguments, vLLM requires them to agree, plus ``--node-rank R --headless``)."""
@@ -144,6 +161,7 @@ def engine_args(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> list[str]:
             # gateway.classes: the request's class priority, set in its body from the gateway's header
             # (plan refuses classes on a release without these flags)
             a += ["--scheduling-policy", "priority", "--middleware", REQUEST_PRIORITY]
+    a += sleep_args(m)
     a += list(m.extra_args)
     return a
 
@@ -194,4 +212,8 @@ def engine_env(spec: FleetSpec, m: ModelInstance, rank: int = 0) -> dict[str, st
         env[RUNTIME_LORA_ENV] = "1"
         env[ADAPTERS_FILE_ENV] = spec.adapters_file(m)
     env.update(m.env)
+    if m.sleep is not None:
+        # vLLM serves /sleep and /wake_up only in development mode; the sleep guard answers its development
+        # paths only with the launcher's token (the plan refuses the variable in models[].env)
+        env[DEV_MODE_ENV] = "1"
     return env

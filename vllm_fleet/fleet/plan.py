@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_fleet.contracts import parse_nvidia_smi
+from vllm_fleet.contracts import ASLEEP_GPU_GIB, parse_nvidia_smi
 from vllm_fleet.fleet.modelinfo import ModelFacts, facts_for, facts_from_config
 from vllm_fleet.fleet.multinode import check_multi_node
 from vllm_fleet.fleet.plan_checks import (
@@ -24,6 +24,7 @@ from vllm_fleet.fleet.plan_checks import (
     HostLayout,
     MemoryPlan,
     Placed,
+    asleep_weights,
     check_alerts,
     check_class_pools,
     check_dtypes,
@@ -35,6 +36,8 @@ from vllm_fleet.fleet.plan_checks import (
     check_primaries,
     check_request_classes,
     check_revision,
+    check_sleep,
+    check_sleep_host_memory,
     check_worker_connections,
     host_layout,
     load_flag_tables,
@@ -44,6 +47,7 @@ from vllm_fleet.fleet.plan_checks import (
     serving_capacity,
     start_order,
     suggest_max_num_seqs,
+    unused_swap_groups,
 )
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance
 
@@ -143,6 +147,9 @@ class InstancePlan:
     # estimated); both left out of the plan's JSON when LoRA is off
     lora: dict[str, int | None] | None = None
     lora_bytes: int | None = None
+    # sleep mode (docs/sleep.md): models[].sleep ({level, idle_seconds, wake_wait_seconds, group}); left out of
+    # the plan's JSON when the model does not sleep
+    sleep: dict[str, Any] | None = None
 
 
 @dataclass
@@ -155,6 +162,11 @@ class HostPlan:
     instances: list[str]
     gpu_map: dict[int, list[str]]
     ports: dict[int, str]
+    # swap groups with models here (docs/sleep.md): name → {members, max_awake}; and what the level-1 sleepers
+    # keep in host memory at worst (bytes; None: no level-1 sleeper of known size). Both left out of the plan's
+    # JSON when there is none
+    swap_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    asleep_weight_bytes: int | None = None
 
 
 @dataclass
@@ -183,6 +195,11 @@ class Plan:
         for ip in d["instances"]:
             if ip["lora"] is None:  # a plan without LoRA reads as it did before it
                 del ip["lora"], ip["lora_bytes"]
+            if ip["sleep"] is None:  # nor one without sleep mode
+                del ip["sleep"]
+        for hp in d["hosts"]:
+            if not hp["swap_groups"] and hp["asleep_weight_bytes"] is None:
+                del hp["swap_groups"], hp["asleep_weight_bytes"]
         return d
 
 
@@ -194,7 +211,12 @@ def _models_by_host(spec: FleetSpec) -> dict[str, Placed]:
     return by_host
 
 
-def _host_plan(host: Host, on_host: Placed, layout: HostLayout) -> HostPlan:
+def _host_plan(spec: FleetSpec, host: Host, on_host: Placed, layout: HostLayout) -> HostPlan:
+    groups: dict[str, dict[str, Any]] = {}
+    for _, m in on_host:
+        if name := spec.swap_group(m):
+            groups.setdefault(name, {"members": [], "max_awake": spec.swap_groups[name].max_awake})
+            groups[name]["members"].append(m.name)
     return HostPlan(
         name=host.name,
         address=host.address,
@@ -204,6 +226,7 @@ def _host_plan(host: Host, on_host: Placed, layout: HostLayout) -> HostPlan:
         instances=[m.name for _, m in on_host],
         gpu_map=layout.gpu_map,
         ports=layout.ports,
+        swap_groups=groups,
     )
 
 
@@ -267,6 +290,7 @@ def _instance_plan(
         notes=notes,
         lora=None if lora is None else lora.model_dump(),
         lora_bytes=mem.lora_bytes,
+        sleep=None if m.sleep is None else m.sleep.model_dump(),
     )
 
 
@@ -278,7 +302,7 @@ def _plan_instance(
     spec, seen, host = x.spec, x.detected.get(m.host, {}), x.host_of[m.host]
     facts = facts_for(m, x.search_dirs, _fetched_facts(seen, m))
     found = check_revision(i, m) + check_engine_keepalive(i, m) + check_request_classes(spec, i, m)
-    found += check_lora(spec, i, m)
+    found += check_lora(spec, i, m) + check_sleep(spec, i, m)
     if spec.stack_of(m).profile == "gpu":  # the gpu profile's rules for gpu-profile instances only
         found += check_dtypes(host, i, m, facts, bool(seen.get("gpus")))
     on_host = x.by_host[m.host]
@@ -304,6 +328,29 @@ def _plan_instances(x: _Inputs) -> tuple[list[InstancePlan], list[Finding]]:
     return instances, found
 
 
+def _plan_sleep(
+    spec: FleetSpec,
+    effective: list[Host],
+    by_host: dict[str, Placed],
+    hosts: list[HostPlan],
+    instances: list[InstancePlan],
+) -> list[Finding]:
+    """Sleep mode per host (docs/sleep.md): what the level-1 sleepers keep in host memory at worst (into each
+    ``HostPlan``) and whether it fits beside the cpu-profile instances; swap groups no model is in."""
+    if not any(m.sleep is not None for m in spec.models):
+        return unused_swap_groups(spec)
+    weights = {ip.name: ip.weight_bytes for ip in instances if ip.weight_bytes is not None}
+    found: list[Finding] = []
+    for h, hp in zip(effective, hosts, strict=True):
+        on_host = by_host[h.name]
+        asleep = asleep_weights(spec, on_host, weights).total
+        hp.asleep_weight_bytes = asleep or None
+        names = {m.name for _, m in on_host}
+        cpu = sum(ip.memory_budget_bytes or 0 for ip in instances if ip.name in names and ip.profile == "cpu")
+        found += check_sleep_host_memory(spec, h, on_host, weights, cpu)
+    return found + unused_swap_groups(spec)
+
+
 def make_plan(
     spec: FleetSpec,
     search_dirs: list[Path] | None = None,
@@ -323,7 +370,7 @@ def make_plan(
     by_host = _models_by_host(spec)
     effective = [apply_detected(h, detected.get(h.name)) for h in spec.hosts]
     layouts = [(h, host_layout(spec, h, by_host[h.name])) for h in effective]
-    hosts = [_host_plan(h, by_host[h.name], layout) for h, layout in layouts]
+    hosts = [_host_plan(spec, h, by_host[h.name], layout) for h, layout in layouts]
     found = [f for _, layout in layouts for f in layout.findings]
     found += [Finding(p, r) for p, r in check_multi_node(spec, {h.name: h.ports for h in hosts})]
     stacks = plan_stacks(spec, lock_dir)
@@ -341,6 +388,7 @@ def make_plan(
     )
     instances, per_instance = _plan_instances(inputs)
     found += stacks.findings + flags.findings + per_instance
+    found += _plan_sleep(spec, effective, by_host, hosts, instances)
     found += check_alerts(spec) + check_primaries(spec) + check_gateway_auth(spec) + check_class_pools(spec)
     found += check_gateway_ha(spec)
     found += check_worker_connections(spec, serving_capacity(spec, instances))
@@ -371,6 +419,32 @@ def _lora_line(ip: InstancePlan) -> str:
     return f"{head}: lora_bytes {ip.lora_bytes} ({_gib(ip.lora_bytes)} GiB, {where})"
 
 
+def _swap_lines(h: HostPlan) -> list[str]:
+    """A host's swap groups and what its level-1 sleepers keep in its memory at worst (docs/sleep.md)."""
+    out = []
+    for name, g in h.swap_groups.items():
+        n, k = len(g["members"]), g["max_awake"]
+        out.append(
+            f"  swap group {name} on {h.name}: {n} model{'s' if n != 1 else ''} ({', '.join(g['members'])}), "
+            f"{min(k, n)} awake at a time; asleep each keeps ≈{ASLEEP_GPU_GIB:g} GiB of its GPUs"
+        )
+    if h.asleep_weight_bytes:
+        out.append(f"  level-1 sleepers' weights in host memory at worst: {_gib(h.asleep_weight_bytes)} GiB")
+    return out
+
+
+def _sleep_line(sleep: dict[str, Any]) -> str:
+    """An instance's sleep line: level, when it sleeps, how long a request waits for its wake, its group."""
+    idle = sleep["idle_seconds"]
+    when = f"after {idle} s idle" if idle is not None else "only when its swap group needs the room"
+    what = "weights to host memory" if sleep["level"] == 1 else "weights dropped, reloaded at wake"
+    group = f", swap group {sleep['group']}" if sleep.get("group") else ""
+    return (
+        f"sleep: level {sleep['level']} ({what}) {when}{group}; a request waits up to "
+        f"{sleep['wake_wait_seconds']:g} s for the wake"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     out: list[str] = [f"fleet {plan.fleet}: profile {plan.profile}, vLLM {plan.vllm_version}"]
     if set(plan.stacks) - {DEFAULT_STACK}:
@@ -385,6 +459,7 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  GPU {g}: {', '.join(names)}")
         for port, owner in h.ports.items():
             out.append(f"  port {port}: {owner}")
+        out += _swap_lines(h)
     header = (
         f"{'instance':<16} {'host':<10} {'port':>5} {'gpus':<8} {'role':<8} {'stack':<14} {'params':>8} {'weights':>8} "
         f"{'KV/tok':>9} {'KV GiB':>7} {'KV tokens':>10} {'max_len':>7} {'seqs@max':>8} {'suggest':>7} {'set':>5} "
@@ -408,6 +483,8 @@ def format_plan(plan: Plan) -> str:
         )
         if ip.lora is not None:
             out.append(f"    {_lora_line(ip)}")
+        if ip.sleep is not None:
+            out.append(f"    {_sleep_line(ip.sleep)}")
         for n in ip.notes:
             out.append(f"    note: {n}")
         if ip.start_after:

@@ -5,12 +5,17 @@ them and builds the ``Plan`` once."""
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from vllm_fleet.contracts import ENGINE_HTTP_KEEPALIVE_SECONDS, GATEWAY_UPSTREAM_KEEPALIVE_SECONDS
+from vllm_fleet.contracts import (
+    ASLEEP_GPU_GIB,
+    DEV_MODE_ENV,
+    ENGINE_HTTP_KEEPALIVE_SECONDS,
+    GATEWAY_UPSTREAM_KEEPALIVE_SECONDS,
+)
 from vllm_fleet.fleet import engine_flags
 from vllm_fleet.fleet.modelinfo import (
     ModelFacts,
@@ -29,6 +34,11 @@ OVERHEAD_EAGER_PER_GPU_BYTES = int(1.25 * GIB)
 # on the cpu profile, vLLM's own process overhead besides weights and KV (API server + engine core)
 CPU_OVERHEAD_BYTES = int(2.0 * GIB)
 MAX_SUGGESTED_SEQS = 512
+# the most of a GPU's memory instances awake together on it may ask for (gpu_memory_utilization summed): with
+# share_gpus (a margin for what each engine holds besides its share), and for a swap group's awake set with
+# its sleepers' ASLEEP_GPU_GIB each (vLLM's own start check: its share of the GPU must be free)
+SHARED_GPU_MAX = 0.95
+SWAP_GPU_MAX = 1.0
 FP8_MIN_CC = (8, 9)
 BF16_MIN_CC = (8, 0)
 
@@ -106,11 +116,19 @@ def check_port(host: Host, path: str, port: int, ports: Mapping[int, str]) -> li
     return []
 
 
+def may_share_gpus(spec: FleetSpec, a: ModelInstance, b: ModelInstance) -> bool:
+    """Whether two instances of a host may use the same GPU: both in one swap group (they take turns, the
+    others asleep: docs/sleep.md), or both set ``share_gpus`` (awake together, memory shares added up)."""
+    group = spec.swap_group(a)
+    return bool(group and group == spec.swap_group(b)) or (a.share_gpus and b.share_gpus)
+
+
 def check_gpus(
-    spec: FleetSpec, host: Host, i: int, m: ModelInstance, gpu_owner: Mapping[int, int]
+    spec: FleetSpec, host: Host, i: int, m: ModelInstance, gpu_users: Mapping[int, Sequence[int]]
 ) -> list[Finding]:
     """One instance on the gpu profile: tensor parallel size = its GPUs, the GPUs exist and are its own
-    (unless both share them). ``gpu_owner``: GPU → index of the first instance on it so far."""
+    (unless it may share them with each instance already there: ``may_share_gpus``). ``gpu_users``: GPU →
+    indices of the instances on it so far."""
     path = f"models[{i}]"
     found: list[Finding] = []
     if m.tensor_parallel_size != len(m.gpus):
@@ -126,11 +144,16 @@ def check_gpus(
             _problem(f"{path}.gpus", f"GPU {bad[0]} does not exist on {host.name} ({host.gpus.count} GPUs)")
         )
     for g in m.gpus:
-        j = gpu_owner.get(g)
-        if j is not None and not (m.share_gpus and spec.models[j].share_gpus):
+        j = next((j for j in gpu_users.get(g, ()) if not may_share_gpus(spec, m, spec.models[j])), None)
+        if j is not None:
             other = spec.models[j].name
             found.append(
-                _problem(f"{path}.gpus", f"GPU {g} on {host.name} is already used by models[{j}] ({other})")
+                _problem(
+                    f"{path}.gpus",
+                    f"GPU {g} on {host.name} is already used by models[{j}] ({other}); models that take turns "
+                    "on a GPU share it in one swap group (models[].sleep.group, swap_groups: docs/sleep.md), "
+                    "models awake together set share_gpus on both",
+                )
             )
     return found
 
@@ -154,19 +177,67 @@ def check_cpu_devices(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding
 
 
 def check_shared_gpus(spec: FleetSpec, host: Host, gpu_map: Mapping[int, list[str]]) -> list[Finding]:
-    """Instances sharing a GPU: their gpu_memory_utilization must add up to 0.95 at most."""
+    """Instances sharing a GPU with ``share_gpus`` (awake together): their gpu_memory_utilization must add up to
+    SHARED_GPU_MAX at most. A GPU with a swap group's models: ``check_swap_gpus``."""
     found: list[Finding] = []
     for g, names in gpu_map.items():
-        if len(names) > 1 and all(spec.model(n).share_gpus for n in names):
-            total = sum(spec.model(n).gpu_memory_utilization for n in names)
-            if total > 0.95:
+        models = [spec.model(n) for n in names]
+        if len(names) > 1 and all(x.share_gpus for x in models) and not any(map(spec.swap_group, models)):
+            total = sum(x.gpu_memory_utilization for x in models)
+            if total > SHARED_GPU_MAX:
                 found.append(
                     _problem(
                         f"models[{spec.models.index(spec.model(names[-1]))}].gpu_memory_utilization",
                         f"instances sharing GPU {g} on {host.name} ({', '.join(names)}) ask for "
-                        f"{total:.2f} of its memory in total (max 0.95)",
+                        f"{total:.2f} of its memory in total (max {SHARED_GPU_MAX:g})",
                     )
                 )
+    return found
+
+
+def check_swap_gpus(spec: FleetSpec, host: Host, gpu_map: Mapping[int, list[str]]) -> list[Finding]:
+    """A GPU shared by a swap group (docs/sleep.md): at worst ``max_awake`` of the group's models on it are awake,
+    those with the largest gpu_memory_utilization, and every other one asleep keeps ASLEEP_GPU_GIB of it. That
+    (with any share_gpus instance beside the group, awake) must fit: vLLM starts an engine only when its
+    gpu_memory_utilization of the GPU is free, and that share holds the engine's own CUDA context, so an awake
+    set of one group alone may reach SWAP_GPU_MAX (1.0); beside others (share_gpus), SHARED_GPU_MAX. The asleep
+    part is left out while the GPU's memory is unknown (the play plans again with the detected GPUs)."""
+    found: list[Finding] = []
+    mem = 0.0 if host.gpus.detect else host.gpus.memory_gib
+    for g, names in gpu_map.items():
+        users = [spec.model(n) for n in names]
+        groups: dict[str, list[ModelInstance]] = {}
+        others: list[ModelInstance] = []
+        for x in users:
+            (groups.setdefault(spec.swap_group(x), []) if spec.swap_group(x) else others).append(x)
+        if not groups or len(users) < 2:
+            continue
+        if not all(may_share_gpus(spec, a, b) for a in users for b in users if a is not b):
+            continue  # refused by check_gpus
+        parts: list[str] = []
+        total = 0.0
+        for group, members in groups.items():
+            k = min(spec.swap_groups[group].max_awake, len(members))
+            awake = sorted((x.gpu_memory_utilization for x in members), reverse=True)[:k]
+            asleep = len(members) - k
+            total += sum(awake) + (asleep * ASLEEP_GPU_GIB / mem if mem else 0.0)
+            what = " + ".join(f"{u:g}" for u in awake)
+            gib = f" + {asleep} asleep × {ASLEEP_GPU_GIB:g} GiB / {mem:g} GiB" if asleep and mem else ""
+            parts.append(
+                f"swap group {group!r} ({', '.join(x.name for x in members)}; max_awake "
+                f"{spec.swap_groups[group].max_awake}): {k} awake at gpu_memory_utilization {what}{gib}"
+            )
+        total += sum(x.gpu_memory_utilization for x in others)
+        parts += [f"{x.name} (share_gpus) {x.gpu_memory_utilization:g}" for x in others]
+        limit = SWAP_GPU_MAX if len(groups) == 1 and not others else SHARED_GPU_MAX
+        if total > limit + 1e-9:
+            found.append(
+                _problem(
+                    f"swap_groups.{next(iter(groups))}",
+                    f"GPU {g} on {host.name} at worst: {'; '.join(parts)} = {total:.3f} of its memory (max "
+                    f"{limit:g}): lower the models' gpu_memory_utilization or the group's max_awake",
+                )
+            )
     return found
 
 
@@ -179,7 +250,7 @@ def host_layout(spec: FleetSpec, host: Host, on_host: Placed) -> HostLayout:
         found += taken
         ports.setdefault(port, owner)
     gpu_map: dict[int, list[str]] = {}
-    gpu_owner: dict[int, int] = {}
+    gpu_users: dict[int, list[int]] = {}
     for i, m in on_host:
         taken = check_port(host, f"models[{i}].port", m.port, ports)
         found += taken
@@ -189,11 +260,12 @@ def host_layout(spec: FleetSpec, host: Host, on_host: Placed) -> HostLayout:
         if spec.stack_of(m).profile != "gpu":
             found += check_cpu_devices(spec, i, m)
             continue
-        found += check_gpus(spec, host, i, m, gpu_owner)
+        found += check_gpus(spec, host, i, m, gpu_users)
         for g in m.gpus:
-            gpu_owner.setdefault(g, i)
+            gpu_users.setdefault(g, []).append(i)
             gpu_map.setdefault(g, []).append(m.name)
     found += check_shared_gpus(spec, host, gpu_map)
+    found += check_swap_gpus(spec, host, gpu_map)
     return HostLayout(dict(sorted(ports.items())), dict(sorted(gpu_map.items())), found)
 
 
@@ -395,6 +467,139 @@ def check_lora(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
                 )
             )
     return found
+
+
+def check_sleep(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
+    """A sleeping model (``models[].sleep``; docs/sleep.md) needs vLLM's sleep mode, which is CUDA/ROCm only
+    (vLLM-CPU has none: the cpu profile is refused even though its argument list names the flag), a release with
+    ``--enable-sleep-mode`` and ``--middleware`` (the sleep guard), and one host (the swap slots and the
+    launcher's control are per host). ``models[].env`` never sets VLLM_SERVER_DEV_MODE: it opens vLLM's
+    development paths without authentication; vllm-fleet sets it for a sleeping model, behind the guard."""
+    found: list[Finding] = []
+    if DEV_MODE_ENV in m.env:
+        found.append(
+            _problem(
+                f"models[{i}].env.{DEV_MODE_ENV}",
+                f"{DEV_MODE_ENV} opens vLLM's development endpoints (/sleep, /collective_rpc, …) without "
+                "authentication: vllm-fleet sets it for a model with `sleep`, behind the sleep guard; remove it",
+            )
+        )
+    if m.sleep is None:
+        return found
+    path = f"models[{i}].sleep"
+    stack = spec.stack_of(m)
+    version = f"{stack_path(spec.stack_name(m))}.vllm_version"
+    if stack.profile != "gpu":
+        found.append(
+            _problem(
+                path,
+                f"the {stack.profile} profile cannot sleep (stack {spec.stack_name(m)!r}): vLLM's sleep mode is "
+                "CUDA/ROCm only, vLLM-CPU has none",
+            )
+        )
+    else:
+        missing = [
+            f
+            for f in (engine_flags.SLEEP_FLAG, "--middleware")
+            if not engine_flags.release_has(f, stack.profile, stack.vllm_version)
+        ]
+        if missing:
+            found.append(
+                _problem(
+                    path,
+                    f"sleep mode needs {' / '.join(missing)}, which {stack.profile} vLLM {stack.vllm_version} "
+                    f"({version}) does not have: pin a release that has {'them' if len(missing) > 1 else 'it'}",
+                )
+            )
+    if m.multi_node:
+        found.append(
+            _problem(path, "an instance over several hosts (placement) cannot sleep: swap slots are per host")
+        )
+    return found
+
+
+class AsleepWeights(NamedTuple):
+    total: int  # at worst, the level-1 sleepers' weights in host memory at once
+    parts: list[str]  # where they come from, for the plan's lines
+
+
+def asleep_weights(spec: FleetSpec, on_host: Placed, weights: Mapping[str, int]) -> AsleepWeights:
+    """What level-1 sleep puts in a host's memory at worst (vLLM backs the weights up there; level 2 drops them):
+    every level-1 sleeper outside a swap group (all may be asleep at once), and per swap group its members beyond
+    ``max_awake``, the largest first. ``weights``: instance → weight bytes (unknown ones count 0)."""
+    total = 0
+    parts: list[str] = []
+    groups: dict[str, list[ModelInstance]] = {}
+    for _, m in on_host:
+        if m.sleep is None:
+            continue
+        if spec.swap_group(m):
+            groups.setdefault(spec.swap_group(m), []).append(m)
+        elif m.sleep.level == 1 and weights.get(m.name):
+            total += weights[m.name]
+            parts.append(f"{m.name} ≈{weights[m.name] / GIB:.1f} GiB")
+    for group, members in groups.items():
+        asleep = max(0, len(members) - spec.swap_groups[group].max_awake)
+        level1 = sorted(
+            ((weights.get(x.name, 0), x.name) for x in members if x.sleep and x.sleep.level == 1),
+            reverse=True,
+        )[:asleep]
+        got = sum(w for w, _ in level1)
+        if got:
+            total += got
+            parts.append(
+                f"swap group {group!r}: {asleep} of {len(members)} asleep, ≈{got / GIB:.1f} GiB at most"
+            )
+    return AsleepWeights(total, parts)
+
+
+def check_sleep_host_memory(
+    spec: FleetSpec, host: Host, on_host: Placed, weights: Mapping[str, int], cpu_bytes: int
+) -> list[Finding]:
+    """The level-1 sleepers' weights at worst (``asleep_weights``) and the cpu-profile instances' memory
+    (``cpu_bytes``: weights, KV cache, overhead) must fit the host's memory (``memory_gib``, or what the play
+    detected); unknown: a warning, as the play's second plan knows it."""
+    asleep = asleep_weights(spec, on_host, weights)
+    if not asleep.total:
+        return []
+    k = spec.host_position(host.name)
+    what = "; ".join(asleep.parts)
+    if not host.memory_gib:
+        return [
+            _warning(
+                f"hosts[{k}].memory_gib",
+                f"hosts[{k}].memory_gib: memory of {host.name} unknown: its level-1 sleepers keep up to "
+                f"≈{asleep.total / GIB:.1f} GiB of weights in it ({what}), not checked (give hosts[{k}].memory_gib; "
+                "the play's second plan reads the host's)",
+            )
+        ]
+    need = asleep.total + cpu_bytes
+    if need <= host.memory_gib * GIB:
+        return []
+    last = max(i for i, m in on_host if m.sleep is not None and m.sleep.level == 1)
+    cpu = (
+        f" + the cpu-profile instances' ≈{cpu_bytes / GIB:.1f} GiB = ≈{need / GIB:.1f} GiB"
+        if cpu_bytes
+        else ""
+    )
+    return [
+        _problem(
+            f"models[{last}].sleep.level",
+            f"level-1 sleepers on {host.name} keep their weights in host memory: ≈{asleep.total / GIB:.1f} GiB "
+            f"at worst ({what}){cpu}, the host has {host.memory_gib:g} GiB: sleep at level 2 (the wake reloads "
+            "the weights from disk), or place fewer sleepers on it",
+        )
+    ]
+
+
+def unused_swap_groups(spec: FleetSpec) -> list[Finding]:
+    """A swap group no model is in (models[].sleep.group) is likely a typo: a warning."""
+    used = {spec.swap_group(m) for m in spec.models}
+    return [
+        _warning(f"swap_groups.{n}", f"swap_groups.{n}: no model is in it (models[].sleep.group)")
+        for n in spec.swap_groups
+        if n not in used
+    ]
 
 
 class QueuePlan(NamedTuple):

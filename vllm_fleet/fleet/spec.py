@@ -28,7 +28,12 @@ from pydantic import (
 )
 
 from vllm_fleet.contracts import COMMIT_RE as COMMIT_RE  # re-exported: plan.py and others import it from here
-from vllm_fleet.contracts import DEFAULT_CONFIG_DIR, adapters_file_path, probe_timing_problems
+from vllm_fleet.contracts import (
+    DEFAULT_CONFIG_DIR,
+    WAKE_WAIT_SECONDS,
+    adapters_file_path,
+    probe_timing_problems,
+)
 from vllm_fleet.contracts import SERVICE_DEFAULTS as _SD
 
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -92,7 +97,7 @@ class Host(_Model):
     private_address: str = ""
     ssh_user: str = "root"
     gpus: GpuInventory = GpuInventory()
-    # memory available for engines on the cpu profile (KV cache + weights)
+    # memory available for engines: the cpu profile's (KV cache + weights) and level-1 sleepers' weights
     memory_gib: float = Field(0, ge=0)
 
 
@@ -271,6 +276,35 @@ class LoraSettings(_Model):
         return self
 
 
+# how long a sleeping model idles before it sleeps, unless its spec says (models[].sleep.idle_seconds)
+DEFAULT_IDLE_SECONDS = 300
+
+
+class SleepSettings(_Model):
+    """An instance's sleep mode (``models[].sleep``; docs/sleep.md): vLLM's ``--enable-sleep-mode`` behind the
+    sleep guard. The launcher puts the idle engine to sleep and wakes it for the first request; a model of a swap
+    group shares its GPUs with the group's other models on its host, ``swap_groups.NAME.max_awake`` of them awake
+    at once."""
+
+    # 1: weights to host memory, KV cache dropped (wake ≈0.6 s on the H200); 2: both dropped (the wake reloads
+    # the weights from disk)
+    level: Literal[1, 2] = 1
+    # sleep after this long without a request; None: only when a peer of its swap group needs the room
+    idle_seconds: int | None = Field(DEFAULT_IDLE_SECONDS, ge=10)
+    # how long the sleep guard holds a request while the engine wakes, before it answers 503 with Retry-After
+    wake_wait_seconds: float = Field(WAKE_WAIT_SECONDS, gt=0)
+    # a name of the top-level ``swap_groups``; None: the model sleeps on its own GPUs
+    group: str | None = None
+
+
+class SwapGroup(_Model):
+    """Models that take turns on GPUs (``swap_groups.NAME``): on each host, at most ``max_awake`` of the group's
+    models there are awake (or loading) at once; the others sleep, keeping ``contracts.ASLEEP_GPU_GIB`` each of
+    their GPUs."""
+
+    max_awake: int = Field(1, ge=1)
+
+
 class ModelInstance(_Model):
     """One engine instance: ``vllm@NAME.service`` on ``host``; with ``placement`` over several hosts, ``host``
     is rank 0 and every other rank runs ``vllm-worker@NAME.service`` (docs/multi-node.md)."""
@@ -318,6 +352,8 @@ class ModelInstance(_Model):
     routing: Routing | None = None
     # LoRA settings; None: vLLM's defaults when its served model has adapters, else LoRA off
     lora: LoraSettings | None = None
+    # sleep mode (docs/sleep.md); None: the engine never sleeps
+    sleep: SleepSettings | None = None
     shape: ModelShape = ModelShape()
     alerts: ModelAlerts = ModelAlerts()
     service: ServiceSettings = ServiceSettings()
@@ -898,6 +934,8 @@ class FleetSpec(_Model):
     rollouts: list[Rollout] = []
     # LoRA adapters of served models (docs/lora.md)
     adapters: list[Adapter] = []
+    # models that take turns on shared GPUs (models[].sleep.group; docs/sleep.md), by name
+    swap_groups: dict[str, SwapGroup] = {}
     _index: _HostIndex | None = PrivateAttr(default=None)
 
     @field_validator("slack", mode="before")
@@ -920,6 +958,14 @@ class FleetSpec(_Model):
                 raise ValueError(f"{name!r} names the fleet's own `stack`: pick another name")
             if not re.fullmatch(NAME_RE, name):
                 raise ValueError(f"stack name {name!r} must match {NAME_RE}")
+        return v
+
+    @field_validator("swap_groups")
+    @classmethod
+    def _swap_group_names(cls, v: dict[str, SwapGroup]) -> dict[str, SwapGroup]:
+        for name in v:  # a folder on the hosts: {state_dir}/swap/NAME/
+            if not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"swap group name {name!r} must match {NAME_RE}")
         return v
 
     # ------------------------------------------------------------------ helpers
@@ -1080,6 +1126,15 @@ class FleetSpec(_Model):
         """``m``'s adapters file on its host (vllm_fleet.contracts.AdaptersFile)."""
         return adapters_file_path(self.paths.config_dir, m.name)
 
+    # ------------------------------------------------------------------ sleep mode (docs/sleep.md)
+    def swap_group(self, m: ModelInstance) -> str:
+        """The swap group ``m`` is in (``models[].sleep.group``), "" when none."""
+        return (m.sleep.group or "") if m.sleep is not None else ""
+
+    def swap_members(self, group: str, host: str) -> list[ModelInstance]:
+        """The instances of swap group ``group`` on ``host``, in spec order (they share its slots)."""
+        return [m for m in self.models_on(host) if group and self.swap_group(m) == group]
+
     def model(self, name: str) -> ModelInstance:
         for m in self.models:
             if m.name == name:
@@ -1208,6 +1263,10 @@ def _cross_checks(spec: FleetSpec) -> list[tuple[str, str]]:
             problems.append((f"models[{i}].stack", f"unknown stack {m.stack!r} (stacks: {known})"))
         elif spec.stack_of(m).profile == "gpu" and not m.gpus and not m.placement:
             problems.append((f"models[{i}].gpus", "the gpu profile needs at least one GPU index"))
+        group = m.sleep.group if m.sleep is not None else None
+        if group is not None and group not in spec.swap_groups:
+            known = ", ".join(spec.swap_groups) or "none: define it under swap_groups"
+            problems.append((f"models[{i}].sleep.group", f"unknown swap group {group!r} (known: {known})"))
         problems += _placement_checks(i, m, host_names)
     for field, val in (("gateway.host", spec.gateway.host), ("monitoring.host", spec.monitoring.host)):
         if val and val not in host_names:
@@ -1490,6 +1549,10 @@ def spec_hash(spec: FleetSpec) -> str:
             del m["stack"]
         if m["lora"] is None:
             del m["lora"]
+        if m["sleep"] is None:  # nor one without sleep mode (issue 33)
+            del m["sleep"]
+    if not d["swap_groups"]:
+        del d["swap_groups"]
     # nor one that names no second gateway or monitoring host (their fields, and their alerts' durations, at
     # their defaults)
     for section, model in (("gateway", Gateway), ("monitoring", Monitoring), ("alerts", AlertThresholds)):
