@@ -259,7 +259,7 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_state_file"] = drained_set_file(spec)
     # models that sleep (models[].sleep): the sleep watch's config and unit on every gateway host, the file the
     # router reads (None: no routed model sleeps, nothing rendered, nothing read; fleet/sleepwatch_plan.py)
-    vf["gateway_sleepwatch"] = sleepwatch_plan(spec.name, vf["upstreams"])
+    vf["gateway_sleepwatch"] = sleepwatch_plan(spec.name, vf["gateway_routes"])
     vf["gateway_sleepwatch_on"] = vf["gateway_sleepwatch"] is not None
     # a served model has a `rollouts` entry: the preflight reads its running instances' configs and plans them
     # as they run (docs/rollouts.md)

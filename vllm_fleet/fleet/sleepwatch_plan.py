@@ -1,7 +1,8 @@
 """What a gateway host needs for models that sleep (issue 33; docs/sleep.md "Gateway"): the sleep watch's config
 (``contracts.SleepwatchConfig``, rendered to ``contracts.SLEEPWATCH_CONFIG_FILE`` by nginx/sleepwatch.json.j2)
-and its unit's settings, or None when no model the gateway routes to sleeps (then nothing of it is rendered,
-and routes.json names no asleep file: the router never reads one).
+and its unit's settings, or None when no route of the gateway sleeps (no model sleeps, or each that does has one
+instance: nothing to choose); then nothing of it is rendered, and routes.json names no asleep file: the router
+never reads one.
 
 The gateway needs none of it to be correct (a request that meets a sleeping engine is held by its guard until
 the engine is awake); it is what lets the router prefer an awake replica of a model over waking a sleeping one.
@@ -32,15 +33,18 @@ def split_address(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
-def sleepwatch_plan(fleet: str, upstreams: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """``vf.gateway_sleepwatch`` from ``vf.upstreams`` (context.upstreams: each server's ``sleeps`` says its
-    model has ``sleep``): the config (every sleep-capable instance the gateway routes to, once, where nginx
-    reaches it), where it is rendered, the file the watch writes and the router reads, the unit's
-    RuntimeDirectory= and user; None when no server sleeps."""
+def sleepwatch_plan(fleet: str, routes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``vf.gateway_sleepwatch`` from ``vf.gateway_routes`` (routes.py: a route ``sleeps`` when an upstream of
+    two or more servers holds one that sleeps, each server's ``sleeps`` says its model has ``sleep``): the config
+    (every sleep-capable instance of such a route, once, where nginx reaches it), where it is rendered, the file
+    the watch writes and the router reads, the unit's RuntimeDirectory= and user; None when no route sleeps (no
+    model sleeps, or each one that does has a single instance: the router has nothing to choose)."""
     seen: dict[str, SleepwatchInstance] = {}
-    for up in upstreams:
-        for s in up["servers"]:
-            if s.get("sleeps") and s["instance"] not in seen:
+    for rt in routes:
+        if not rt["sleeps"]:
+            continue
+        for s in (s for u in rt["upstreams"] for s in u["servers"]):
+            if s["sleeps"] and s["instance"] not in seen:
                 host, port = split_address(str(s["address"]))
                 seen[s["instance"]] = SleepwatchInstance(instance=s["instance"], address=host, port=port)
     if not seen:
