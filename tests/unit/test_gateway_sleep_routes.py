@@ -6,6 +6,7 @@ a routed model sleeps, and the gateway role starts or stops the watch accordingl
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,13 @@ def test_the_role_starts_the_watch_only_when_a_routed_model_sleeps() -> None:
     restart = configure["Restart the sleep watch when its configuration or unit changed"]
     assert restart["notify"] == "Restart vllm-fleet-sleepwatch"
     reload = configure["Reload nginx when its configuration changed"]["when"]
-    assert "sleepwatch" in reload
+    assert "reject('search', vllm_fleet_gateway_no_reload)" in reload
+    no_reload = yaml.safe_load((REPO / "ansible/roles/gateway/vars/main.yml").read_text())[
+        "vllm_fleet_gateway_no_reload"
+    ]
+    dests = [SLEEPWATCH_CONFIG_FILE, "/etc/systemd/system/vllm-fleet-sleepwatch.service"]
+    assert all(re.search(no_reload, d) for d in dests)
+    assert not re.search(no_reload, "/etc/nginx/vllm-fleet/routes.json")
     handlers = {
         h["name"] for h in yaml.safe_load((REPO / "ansible/roles/gateway/handlers/main.yml").read_text())
     }
