@@ -45,6 +45,7 @@ ENGINES = [
     "test_launcher_lora.py",
     "test_unit_devices.py",
     "test_unit_engine_service.py",
+    "test_unit_sleep.py",
 ]
 # phase 2, with the machine to themselves
 ALONE = [

@@ -172,6 +172,9 @@ ADMIN_TOKEN_HEADER = "X-VF-Admin-Token"
 LAUNCHER_PID_ENV = "VLLM_FLEET_LAUNCHER_PID"  # whom the guard signals (SIGUSR1) for a wake
 WAKE_WAIT_ENV = "VLLM_FLEET_WAKE_WAIT_SECONDS"  # how long the guard holds a request for a wake
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# the User-Agent of the launcher's probes (host/probe.py): the guard counts them in flight, but they do not keep
+# an idle engine awake
+PROBE_USER_AGENT = "vllm-fleet-probe"
 # the guard's own paths on the engine's port: GET the sleep state (public, read-only JSON: state, inflight, held,
 # last_request_at); POST a failed wake (admin token; held requests get their 503 at once)
 SLEEP_STATE_PATH = "/vllm-fleet/sleep"

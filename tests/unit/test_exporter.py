@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_fleet.fleet.observability import SLEEP_METRICS
 from vllm_fleet.host.exporter import AccessLogTail, FleetCollector, read_instances, unit_restarts
 
 STATE = {
@@ -476,3 +477,161 @@ def test_adapter_files_missing_or_broken(tmp_path: Path) -> None:
     m = scrape(FleetCollector(st, cfg, use_systemd=False))
     assert not [k for k in m if k[0] == "vllm_fleet_instance_adapter_loaded"]
     assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+
+
+# ------------------------------------------------------------------------------- sleep mode (docs/sleep.md)
+
+SLEEPS = {
+    "sleep_state": "asleep", "sleep_level": 2, "swap_group": "pair", "last_active_at": 1795939000.0,
+    "asleep_since": 1795940000.0, "sleeps_total": 5, "wakes_total": 4, "failed_wakes_total": 1,
+    "wake_seconds_total": 62.5, "last_wake_seconds": 20.5, "asleep_seconds_total": 3000.0,
+    "last_wake_failure": "wake_up: timed out",
+}  # fmt: skip
+# the sample names of the sleep families the alerts, dashboards and status read (the summary's _count and _sum)
+SLEEP_FAMILIES = {
+    n + suffix
+    for n in SLEEP_METRICS
+    for suffix in (("_count", "_sum") if n == "vllm_fleet_instance_wake_duration_seconds" else ("",))
+}
+
+
+def _sleep_scrape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: dict[str, Any], at: float
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from vllm_fleet.host.exporter import states
+
+    monkeypatch.setattr(states, "wall_clock", lambda: at)
+    (tmp_path / "qwen3.json").write_text(json.dumps(state))
+    return scrape(FleetCollector(tmp_path, None, use_systemd=False))
+
+
+def test_an_instance_that_sleeps_exports_its_sleep_state_wakes_and_time_asleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795940060.0)
+    assert {k[0] for k in m if k[0] in SLEEP_FAMILIES} == SLEEP_FAMILIES
+    assert {s: m[("vllm_fleet_instance_sleep_state", lbl(**i, state=s))] for s in
+            ("awake", "sleeping", "asleep", "waking")} == {"awake": 0, "sleeping": 0, "asleep": 1, "waking": 0}  # fmt: skip
+    assert m[("vllm_fleet_instance_sleep_level", lbl(**i))] == 2
+    assert m[("vllm_fleet_instance_sleeps_total", lbl(**i))] == 5
+    assert m[("vllm_fleet_instance_wakes_total", lbl(**i))] == 4
+    assert m[("vllm_fleet_instance_failed_wakes_total", lbl(**i))] == 1
+    assert m[("vllm_fleet_instance_wake_duration_seconds_count", lbl(**i))] == 4
+    assert m[("vllm_fleet_instance_wake_duration_seconds_sum", lbl(**i))] == 62.5
+    assert m[("vllm_fleet_instance_last_wake_seconds", lbl(**i))] == 20.5
+    assert m[("vllm_fleet_instance_asleep_since_timestamp_seconds", lbl(**i))] == 1795940000.0
+    # the periods that ended and the current one, to the scrape's clock
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3060.0
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795940600.0)
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3600.0
+    # a clock behind the launcher's (never less than the periods that ended)
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS}, 1795939000.0)
+    assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3000.0
+
+
+def test_the_current_period_runs_while_asleep_since_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher (vllm_fleet.host.sleep_control) keeps asleep_since while the engine is asleep or waking and
+    folds the period into asleep_seconds_total when it is awake, in one write: the exported total never goes back
+    (a drop would read as a counter reset). A launcher that stopped ends the period at its last write."""
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    at = 1795940060.0
+    totals = []
+    for state, extra in (
+        ("asleep", {}),
+        ("waking", {}),  # a wake in progress: still the same period
+        ("awake", {"asleep_since": None, "asleep_seconds_total": 3060.0}),  # folded in by the launcher
+        ("sleeping", {"asleep_since": None, "asleep_seconds_total": 3060.0}),  # going to sleep: no period yet
+    ):
+        m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": state, **extra}, at)
+        totals.append(m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))])
+        assert m[("vllm_fleet_instance_sleep_state", lbl(**i, state=state))] == 1
+        assert sum(v for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state") == 1
+    assert totals == [3060.0, 3060.0, 3060.0, 3060.0]
+    # stopped while asleep (its last write at 1795940030): the total stays at that write's, however late the scrape
+    stopped = {**STATE, **SLEEPS, "state": "stopped", "updated_at": 1795940030.0}
+    for later in (1795940060.0, 1795950000.0):
+        m = _sleep_scrape(tmp_path, monkeypatch, stopped, later)
+        assert m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))] == 3030.0
+    # a state this exporter does not know (a newer launcher): every known one 0, the counters still there
+    m = _sleep_scrape(tmp_path, monkeypatch, {**STATE, **SLEEPS, "sleep_state": "dozing"}, at)
+    assert [v for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state"] == [0, 0, 0, 0]
+    assert m[("vllm_fleet_instance_wakes_total", lbl(**i))] == 4
+
+
+# the sleep keys of a model that does not sleep, as the launcher writes them
+NEVER_SLEEPS = {
+    "sleep_state": None, "sleep_level": None, "swap_group": None, "last_active_at": None, "asleep_since": None,
+    "sleeps_total": 0, "wakes_total": 0, "failed_wakes_total": 0, "wake_seconds_total": 0.0,
+    "last_wake_seconds": None, "asleep_seconds_total": 0.0, "last_wake_failure": None,
+}  # fmt: skip
+
+
+# STATE: an older launcher's state file, without the sleep keys
+@pytest.mark.parametrize("state", [{**STATE, **NEVER_SLEEPS}, STATE])
+def test_an_instance_that_never_sleeps_has_no_sleep_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: dict[str, Any]
+) -> None:
+    assert state.get("sleep_state") is None
+    m = _sleep_scrape(tmp_path, monkeypatch, state, 1795940060.0)
+    assert not {k[0] for k in m} & SLEEP_FAMILIES
+    assert m[("vllm_fleet_instance_state", lbl(instance="qwen3", model="qwen3-8b", state="ready"))] == 1
+    assert m[("vllm_fleet_exporter_read_errors_total", ())] == 0
+
+
+def test_the_exported_sleep_series_follow_the_launchers_sleep_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's sleep controller (vllm_fleet.host.sleep_control) through a sleep, a wake, a sleep and a failed
+    wake, its state-file keys scraped after each step: the time asleep never goes back and counts the waking
+    too, the wakes' summary and the failed wakes are the controller's."""
+    from vllm_fleet.contracts import SleepConfig
+    from vllm_fleet.host.sleep_control import GuardReading, SleepControl
+
+    wall0 = 1795940000.0
+    sc = SleepControl(SleepConfig(level=1, idle_seconds=30.0, wake_wait_seconds=20.0), None, 0.0)
+    i = {"instance": "qwen3", "model": "qwen3-8b"}
+    seen: list[tuple[str, float, float, float, float]] = []
+
+    def scrape_at(t: float) -> None:
+        state = {**STATE, **sc.fields(lambda m: None if m is None else wall0 + m)}
+        m = _sleep_scrape(tmp_path, monkeypatch, state, wall0 + t)
+        current = [
+            dict(k[1])["state"] for k, v in m.items() if k[0] == "vllm_fleet_instance_sleep_state" and v == 1
+        ]
+        seen.append((current[0], m[("vllm_fleet_instance_asleep_seconds_total", lbl(**i))],
+                     m[("vllm_fleet_instance_wake_duration_seconds_count", lbl(**i))],
+                     m[("vllm_fleet_instance_wake_duration_seconds_sum", lbl(**i))],
+                     m[("vllm_fleet_instance_failed_wakes_total", lbl(**i))]))  # fmt: skip
+
+    def idle(t: float) -> None:
+        sc.guard_read(t, GuardReading("awake", 0, 0, wall0, wall0 + t), may_sleep=True)
+
+    scrape_at(10)  # awake
+    idle(40)  # idle 40 s >= 30 s: going to sleep
+    scrape_at(41)
+    sc.slept(45, 200, "")  # asleep from 45
+    scrape_at(60)
+    sc.wake_requested(100)  # a request is held: waking (no swap group: at once)
+    scrape_at(101)
+    sc.woken(102.5, wall0 + 102.5, True, "")  # awake after 2.5 s; asleep 45 → 102.5
+    scrape_at(110)
+    idle(150)
+    sc.slept(151, 200, "")
+    scrape_at(160)
+    sc.wake_requested(170)
+    sc.woken(171, wall0 + 171, False, "HTTP 500")  # the wake fails: asleep again, the same period
+    scrape_at(180)
+    assert seen == [
+        ("awake", 0.0, 0, 0.0, 0),
+        ("sleeping", 0.0, 0, 0.0, 0),
+        ("asleep", 15.0, 0, 0.0, 0),
+        ("waking", 56.0, 0, 0.0, 0),
+        ("awake", 57.5, 1, 2.5, 0),
+        ("asleep", 66.5, 1, 2.5, 0),
+        ("asleep", 86.5, 1, 2.5, 1),
+    ]
+    totals = [s[1] for s in seen]
+    assert totals == sorted(totals)

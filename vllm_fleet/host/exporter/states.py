@@ -1,8 +1,10 @@
 """The state files of this host's instances and multi-node workers, and what was deployed here.
 
 * :class:`StateFiles`: the launcher's state file per instance (``{state_dir}/{name}.json``: loading / ready /
-  draining / failed / stopped, probe latency and failures, load duration; ``vllm_fleet.contracts.StateFile``)
-  and, for a multi-node instance, its group size (the instance config); per headless rank of a multi-node
+  draining / failed / stopped, probe latency and failures, load duration; ``vllm_fleet.contracts.StateFile``),
+  for an instance whose model sleeps (its state file has a ``sleep_state``) its sleep state, sleeps, wakes
+  (their durations, the failed ones) and time asleep (docs/sleep.md), and, for a multi-node instance, its group
+  size (the instance config); per headless rank of a multi-node
   instance on this host, the worker's state file (``{state_dir}/workers/{name}.json``: waiting / joined /
   rank0_gone / exited); per LoRA instance (its config names an adapters file), whether each adapter it carries
   is loaded (the adapter state file the launcher and ``vllm-fleet adapters sync`` write:
@@ -20,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from vllm_fleet.contracts import (
     ADAPTER_STATE_STALE_SECONDS,
+    SLEEP_STATES,
     WORKER_STATE_SUBDIR,
     WORKER_STATES,
     AdaptersFile,
@@ -44,6 +47,11 @@ from vllm_fleet.host.exporter.common import PREFIX, log, pid_alive
 from vllm_fleet.host.gateway_state import GatewayState, StateFileError
 
 STATES = ("loading", "ready", "draining", "failed", "stopped")
+
+
+def wall_clock() -> float:
+    """The scrape's wall clock (the one reading of it here: the golden tests fix it)."""
+    return time.time()
 
 
 @dataclass
@@ -248,6 +256,115 @@ def instance_metrics(instances: list[Instance]) -> Iterator[Metric]:
     yield from (fam for fam, _, _ in fams)
 
 
+# sleep mode (docs/sleep.md): one series per instance whose state file has a sleep state (its model sleeps;
+# none for one that never sleeps): (kind, metric name, help, state-file key), in exposition order after
+# ``instance_sleep_state``; then the wakes' summary and the time asleep (``sleep_metrics``)
+SLEEP_STATE_METRICS = (
+    (
+        "gauge",
+        "instance_sleep_level",
+        "The level the engine sleeps at (1: weights in host memory, 2: dropped)",
+        "sleep_level",
+    ),
+    (
+        "gauge",
+        "instance_asleep_since_timestamp_seconds",
+        "Time the engine fell asleep (while asleep or waking)",
+        "asleep_since",
+    ),
+    (
+        "gauge",
+        "instance_last_active_timestamp_seconds",
+        "Time a request to the engine last ended",
+        "last_active_at",
+    ),
+    (
+        "gauge",
+        "instance_last_wake_seconds",
+        "Duration of the last wake (the wake signal to awake)",
+        "last_wake_seconds",
+    ),
+    (
+        "counter",
+        "instance_sleeps",
+        "Times the launcher put the engine to sleep since it started",
+        "sleeps_total",
+    ),
+    ("counter", "instance_wakes", "Wakes completed since the launcher started", "wakes_total"),
+    (
+        "counter",
+        "instance_failed_wakes",
+        "Wakes that failed since the launcher started (the requests held for them were answered 503)",
+        "failed_wakes_total",
+    ),
+)
+
+
+RUNNING = ("ready", "draining")  # launcher states while its engine runs (an engine asleep is one of these)
+
+
+def asleep_seconds(st: StateFile, at: float) -> float:
+    """Seconds asleep since the launcher started: its completed periods (``asleep_seconds_total``) and the current
+    one while ``asleep_since`` is set (asleep, and waking: the launcher adds the period to the total and clears
+    ``asleep_since`` in one write when the engine is awake again), up to ``at`` — or, for a launcher that no longer
+    runs its engine (stopped, failed), up to its last write (the total stays where it was)."""
+    total = _number(st.get("asleep_seconds_total")) or 0.0
+    since = _number(st.get("asleep_since"))
+    if since is not None:
+        end = at if st.get("state") in RUNNING else (_number(st.get("updated_at")) or at)
+        total += max(0.0, end - since)
+    return total
+
+
+def sleep_metrics(instances: list[Instance], at: float | None = None) -> Iterator[Metric]:
+    """The sleep-mode series of every instance whose state file has a sleep state (``sleep_state`` not null):
+    ``instance_sleep_state{state}`` 0/1 over ``SLEEP_STATES``, ``SLEEP_STATE_METRICS``, the wakes as a summary
+    (``_count`` the wakes, ``_sum`` their durations) and the time asleep (the current period to ``at``)."""
+    at = wall_clock() if at is None else at
+    lbl = ["instance", "model"]
+    state = GaugeMetricFamily(
+        PREFIX + "instance_sleep_state",
+        "Sleep state of an engine that sleeps: 1 for the current state (state file)",
+        labels=[*lbl, "state"],
+    )
+    fams = [
+        (_KINDS[kind][0](PREFIX + name, doc, labels=lbl), key, _KINDS[kind][1])
+        for kind, name, doc, key in SLEEP_STATE_METRICS
+    ]
+    wake = SummaryMetricFamily(
+        PREFIX + "instance_wake_duration_seconds",
+        "Wakes completed since the launcher started (count) and their durations summed, the wake signal to awake",
+        labels=lbl,
+    )
+    asleep = CounterMetricFamily(
+        PREFIX + "instance_asleep_seconds",
+        "Time the engine spent asleep since the launcher started (the current period included)",
+        labels=lbl,
+    )
+    for i in instances:
+        st = i.state or {}
+        current = st.get("sleep_state")
+        if current is None:
+            continue
+        lv = [i.name, i.model]
+        for s in SLEEP_STATES:
+            state.add_metric([*lv, s], 1 if current == s else 0)
+        for fam, key, value in fams:
+            v = value(st.get(key))
+            if v is not None:
+                fam.add_metric(lv, v)
+        wake.add_metric(
+            lv,
+            count_value=int(_number(st.get("wakes_total")) or 0),
+            sum_value=_number(st.get("wake_seconds_total")) or 0.0,
+        )
+        asleep.add_metric(lv, asleep_seconds(st, at))
+    yield state
+    yield from (fam for fam, _, _ in fams)
+    yield wake
+    yield asleep
+
+
 def worker_metrics(workers: list[Worker]) -> Iterator[Metric]:
     """A multi-node instance's headless ranks on this host, labelled like the instance series plus
     ``rank``: their state 0/1 per state (``WORKER_STATES``), whether a state file exists, since when."""
@@ -328,9 +445,9 @@ def adapter_loaded(r: AdapterReading, now: float) -> dict[str, int]:
     return {a.name: 1 if a.name in names else 0 for a in r.file.carried}
 
 
-def adapter_metrics(readings: list[AdapterReading], now: float | None = None) -> Iterator[Metric]:
+def adapter_metrics(readings: list[AdapterReading], at: float | None = None) -> Iterator[Metric]:
     """``adapter_loaded{instance, model, adapter}`` per adapter each LoRA instance carries."""
-    now = time.time() if now is None else now
+    at = wall_clock() if at is None else at
     fam = GaugeMetricFamily(
         PREFIX + "instance_adapter_loaded",
         "1 when the engine has the LoRA adapter the instance carries loaded (adapter state file; 0 also when the"
@@ -338,7 +455,7 @@ def adapter_metrics(readings: list[AdapterReading], now: float | None = None) ->
         labels=["instance", "model", "adapter"],
     )
     for r in readings:
-        for name, v in adapter_loaded(r, now).items():
+        for name, v in adapter_loaded(r, at).items():
             fam.add_metric([r.instance.name, r.instance.model, name], v)
     yield fam
 
@@ -376,9 +493,11 @@ class StateFiles(Collector):
         return HostStates(instances, workers, errors + worker_errors + adapter_errors, adapters)
 
     def metrics(self, states: HostStates) -> Iterator[Metric]:
-        """The instance, adapter and worker series of ``states`` (without the read-error counter)."""
+        """The instance, sleep-mode, adapter and worker series of ``states`` (without the read-error counter)."""
+        at = wall_clock()
         yield from instance_metrics(states.instances)
-        yield from adapter_metrics(states.adapters)
+        yield from sleep_metrics(states.instances, at)
+        yield from adapter_metrics(states.adapters, at)
         yield from worker_metrics(states.workers)
 
     @staticmethod

@@ -1,0 +1,267 @@
+"""Sleep mode under systemd (issue 33): the hardened vllm@.service units of a gpu-profile spec with three models in
+one swap group (at most two awake) on one sandbox host, started and stopped by systemd, talking to each other
+only the way they do on a GPU host (the guard signals its launcher, a launcher signals a peer's, the slots are
+flocks under the shared runtime directory).
+
+vLLM-CPU has no sleep mode, so each instance config's engine command is swapped for the sim engine with the same
+arguments (``--enable-sleep-mode``, the sleep guard as middleware, ``VLLM_SERVER_DEV_MODE=1``: as rendered;
+tests/integration/test_sleep_guard_sim.py checks the guard in front of the sim, tools/gpu-validate/sleep_fleet.py
+the same launcher and guard in front of vLLM on the H200). The NVIDIA nodes the gpu units allow are made with
+mknod (no driver: nothing opens them). Everything else is rendered and unchanged: the user, the hardening, the
+watchdog, the drop-ins.
+
+In file order, one deployment: a and b start and serve (two slots); c's start waits for a slot and the least
+recently used awake member (b: a served a request since) yields it; a request for b (asleep) is held and served,
+and a (now the least recently used) yields; idle members sleep after idle_seconds and stay asleep past several
+watchdog periods with no restart; from the controller (another host) the development endpoints are a 404; a stop
+while asleep exits cleanly and frees the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_fleet.contracts import SLEEP_STATE_PATH
+from vllm_fleet.fleet.render import render_fleet
+from vllm_fleet.fleet.spec import load_spec
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(900)]
+
+HOST = "sleepsvc-h1"
+MODELS = "/var/lib/vllm-fleet/models"
+NODES = {"/dev/nvidia0": (195, 0), "/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (238, 0),
+         "/dev/nvidia-uvm-tools": (238, 1)}  # fmt: skip
+PORTS = {"a": 8301, "b": 8302, "c": 8303}
+IDLE = 10  # models[].sleep.idle_seconds (the spec's least)
+WATCHDOG = 6
+SIM = "/opt/vllm-fleet/venv/bin/python"
+
+
+def fleet_spec(tmp: Path, address: str) -> Path:
+    service = {"watchdog_seconds": WATCHDOG, "probe_interval_seconds": 2, "probe_timeout_seconds": 4,
+               "start_timeout_seconds": 60, "restart_sec": 1}  # fmt: skip
+    model = {
+        "source": {"path": f"{MODELS}/tiny"},
+        "host": "h1",
+        "gpus": [0],
+        "max_model_len": 1024,
+        "max_num_seqs": 4,
+        "gpu_memory_utilization": 0.3,
+        "shutdown_timeout": 10,
+        "service": service,
+        "shape": {"params_b": 0.01, "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
+                  "max_position_embeddings": 2048},
+        "sleep": {"level": 1, "idle_seconds": IDLE, "group": "g", "wake_wait_seconds": 20},
+    }  # fmt: skip
+    spec = {
+        "name": "sleepsvc",
+        "stack": {"profile": "gpu"},
+        "swap_groups": {"g": {"max_awake": 2}},
+        "hosts": [
+            {
+                "name": "h1",
+                "address": address,
+                "memory_gib": 16,
+                "gpus": {"count": 1, "model": "NVIDIA H200", "memory_gib": 140, "compute_capability": "9.0"},
+            },
+            {
+                "name": "gw",
+                "address": "10.77.0.250",
+                "memory_gib": 4,
+            },  # not deployed: h1's engines listen on h1
+        ],
+        "models": [{**model, "name": n, "served_model_name": n, "port": p} for n, p in PORTS.items()],
+        "gateway": {"host": "gw"},
+        "monitoring": {"enabled": False},
+    }
+    p = tmp / "sleepsvc.yml"
+    p.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return p
+
+
+class Remote:
+    def __init__(self, host: Any) -> None:
+        self.h = host
+        self.address = str(host.address)
+
+    def sh(self, cmd: str, timeout: float = 120, check: bool = True) -> str:
+        cp = self.h.run(cmd, timeout=timeout)
+        if check and cp.returncode != 0:
+            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
+        return str(cp.stdout)
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state(self, name: str) -> dict[str, Any]:
+        return dict(json.loads(self.sh(f"cat /run/vllm-fleet/{name}.json")))
+
+    def sleep_state(self, name: str) -> str:
+        return str(self.state(name).get("sleep_state"))
+
+    def wait(self, pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = pred()
+                if last:
+                    return last
+            except (AssertionError, ValueError, KeyError) as exc:
+                last = exc
+            time.sleep(every)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+    def request(self, name: str, stream: bool = False) -> tuple[int, str]:
+        """A completion from the controller (another host on the bridge) straight to the engine's port."""
+        body = {"model": name, "prompt": "hello", "max_tokens": 4, "stream": stream}
+        req = urllib.request.Request(
+            f"http://{self.address}:{PORTS[name]}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode()
+
+    def raw(
+        self, method: str, name: str, path: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        req = urllib.request.Request(
+            f"http://{self.address}:{PORTS[name]}{path}", b"{}" if method == "POST" else None, headers or {},
+            method=method,
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode()
+
+
+def _simulated(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rendered instance config with the engine command run by the sim engine (same arguments)."""
+    cmd = cfg["command"]
+    assert cmd[1] == "serve" and "--enable-sleep-mode" in cmd, cmd
+    assert (
+        "vllm_fleet.host.sleep_guard.SleepGuard" in cmd and cfg["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    )
+    cfg["command"] = [SIM, "-m", "vllm_fleet.devtools.sim_engine", *cmd[1:], "--sim-sleep-seconds", "0.3"]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def host(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, sandbox_factory: Any
+) -> Iterator[Remote]:
+    tmp = tmp_path_factory.mktemp("sleepsvc")
+    h = sandbox_factory(HOST, engine=True)  # the image with /opt/vllm-fleet/venv holding this checkout
+    out = tmp / "rendered"
+    render_fleet(load_spec(fleet_spec(tmp, h.address)), out)
+    r = Remote(h)
+    root = out / "h1"
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        dest = "/" + str(f.relative_to(root))
+        if dest.startswith("/etc/vllm-fleet/instances/") and dest.endswith(".json"):
+            f.write_text(json.dumps(_simulated(json.loads(f.read_text())), indent=2))
+        if dest.startswith(("/etc/systemd/", "/etc/vllm-fleet/", "/etc/sysusers.d/")):
+            h.copy_to(f, dest, mode=f.stat().st_mode & 0o777)
+    h.copy_to(tiny_model, f"{MODELS}/tiny")
+    mk = " && ".join(f"mknod -m 666 {p} c {ma} {mi}" for p, (ma, mi) in NODES.items())
+    r.sh(
+        f"rm -f {' '.join(NODES)}; {mk} && chmod -R a+rX {MODELS} && systemd-sysusers && systemctl daemon-reload"
+    )
+    try:
+        yield r
+    finally:
+        journal = h.run("journalctl --no-pager -o short-monotonic -u 'vllm@*' | tail -400", timeout=60)
+        (tmp / "journal.txt").write_text(journal.stdout)
+        print(f"journal of the sandbox host: {tmp / 'journal.txt'}")
+        h.run("systemctl stop 'vllm@*'", timeout=120)
+
+
+def test_two_members_serve_and_the_third_start_evicts_the_least_recently_used(host: Remote) -> None:
+    host.sh("systemctl start vllm@a vllm@b", timeout=120)
+    for n in ("a", "b"):
+        assert host.sleep_state(n) == "awake", host.state(n)
+    assert host.request("a")[0] == 200  # a served a request: b is now the least recently used
+    pids = {n: host.show(f"vllm@{n}", "MainPID")["MainPID"] for n in ("a", "b")}
+    host.sh("systemctl start vllm@c", timeout=120)  # returns once c serves: a slot was freed for it
+    assert host.sleep_state("c") == "awake"
+    assert host.wait(lambda: host.sleep_state("b") == "asleep", 30, "b asleep")
+    assert host.sleep_state("a") == "awake"
+    st = host.state("b")
+    assert st["sleeps_total"] == 1 and st["swap_group"] == "g"
+    journal = host.sh("journalctl --no-pager -u vllm@b -o cat")
+    assert "a peer of swap group g needs the room" in journal, journal[-2000:]
+    # the slot files: two held (a and c), by whom
+    held = host.sh("cat /run/vllm-fleet/swap/g/slot-*.lock")
+    assert sorted(line.split()[0] for line in held.splitlines() if line.strip()) == ["a", "c"], held
+    for n in ("a", "b"):  # nothing restarted
+        assert host.show(f"vllm@{n}", "MainPID")["MainPID"] == pids[n]
+
+
+def test_a_request_for_a_sleeping_member_is_held_and_served_and_the_lru_yields(host: Remote) -> None:
+    assert host.request("c")[0] == 200  # c used after a: a is the least recently used awake member
+    status, body = host.request("b", stream=True)  # b is asleep: held, woken, served
+    assert status == 200 and body.rstrip().endswith("data: [DONE]"), body[-300:]
+    assert host.sleep_state("b") == "awake"
+    assert host.wait(lambda: host.sleep_state("a") == "asleep", 30, "a asleep")
+    assert host.sleep_state("c") == "awake"
+    st = host.state("b")
+    assert st["wakes_total"] == 1 and st["failed_wakes_total"] == 0 and 0 < st["last_wake_seconds"] < 20, st
+
+
+def test_idle_members_sleep_and_stay_asleep_past_the_watchdog(host: Remote) -> None:
+    pids = {n: host.show(f"vllm@{n}", "MainPID")["MainPID"] for n in PORTS}
+    host.wait(lambda: all(host.sleep_state(n) == "asleep" for n in PORTS), IDLE + 30, "all asleep")
+    time.sleep(
+        3 * WATCHDOG
+    )  # asleep through three watchdog periods: the guard's answers keep the pings going
+    for n in PORTS:
+        show = host.show(f"vllm@{n}", "MainPID", "NRestarts", "ActiveState", "StatusText")
+        assert show["MainPID"] == pids[n] and show["NRestarts"] == "0" and show["ActiveState"] == "active", (
+            show
+        )
+        assert show["StatusText"].startswith("Asleep (level 1)"), show
+    assert host.sh("cat /run/vllm-fleet/swap/g/slot-*.lock").strip() == ""  # every slot free
+
+
+def test_development_endpoints_do_not_answer_from_another_host(host: Remote) -> None:
+    for path in (
+        "/sleep?level=1",
+        "/wake_up",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/vllm-fleet/wake-failed",
+    ):
+        for headers in ({}, {"X-VF-Admin-Token": "guess"}):
+            code, body = host.raw("POST", "a", path, headers)
+            assert (code, json.loads(body)) == (404, {"detail": "Not Found"}), (path, code, body)
+    for path in ("/is_sleeping", "/server_info"):
+        code, body = host.raw("GET", "a", path)
+        assert (code, json.loads(body)) == (404, {"detail": "Not Found"}), (path, code, body)
+    code, body = host.raw("GET", "a", SLEEP_STATE_PATH)  # the state is public (read-only)
+    assert code == 200 and json.loads(body)["state"] == "asleep", body
+    assert host.sleep_state("a") == "asleep"  # none of them woke it
+
+
+def test_a_stop_while_asleep_is_clean(host: Remote) -> None:
+    host.sh("systemctl stop vllm@a", timeout=60)
+    show = host.show("vllm@a", "ActiveState", "Result", "ExecMainStatus")
+    assert show == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, show
+    assert host.state("a")["state"] == "stopped"
+    # b wakes again on a request (a slot is free), the others untouched
+    assert host.request("b")[0] == 200
+    assert host.sleep_state("b") == "awake" and host.sleep_state("c") == "asleep"
