@@ -5,10 +5,16 @@ The replicas are stub engines that also play the sleep guard's public reading (G
 their ``sleep_state``) and record every request that reaches them; the real ``vllm-fleet sleepwatch`` runs on the
 rendered config and writes the file the rendered router reads (in a test folder: the plan's path is pointed
 there before the render). Every wait is on state (the watch's file, the access log), never a fixed sleep.
+
+End to end, with the real pieces: the launcher runs the sim engine as a sleeping model's engine runs (the sleep
+guard as middleware, development mode on), puts it to sleep after 2 s idle, and wakes it on the guard's signal
+when a request through nginx arrives; the request is held and served. A failing wake is a JSON 503 with
+Retry-After through nginx, and the development paths answer 404 through the gateway and without the token.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -18,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet.contracts import SLEEPWATCH_CONFIG_FILE
+from vllm_fleet.contracts import DEV_MODE_ENV, SLEEP_GUARD, SLEEP_STATE_PATH, SLEEPWATCH_CONFIG_FILE
 from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
 from vllm_fleet.devtools.gateway_testing import (
     OPEN_RATE_LIMIT,
@@ -29,12 +35,22 @@ from vllm_fleet.devtools.gateway_testing import (
     stub_engines,
     wait_for,
 )
-from vllm_fleet.devtools.testing import free_port, http_json
+from vllm_fleet.devtools.launched import LaunchedInstance, launch
+from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
 from vllm_fleet.fleet import sleepwatch_plan
+from vllm_fleet.host.sleepwatch import guard_state
 
 pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 SLEEP = {"level": 1, "idle_seconds": 60}
+# the launcher's liveness checks every 10 s: it puts an idle engine to sleep only between two (with a check every
+# second, as SIM_LAUNCHER_SERVICE has, one nearly always runs and the engine never sleeps)
+SERVICE = {
+    **SIM_LAUNCHER_SERVICE,
+    "watchdog_seconds": 30,
+    "probe_interval_seconds": 10,
+    "probe_timeout_seconds": 5,
+}
 
 
 class SleepyGateway:
@@ -193,3 +209,126 @@ def test_a_waking_replica_before_an_asleep_one_and_the_last_try_kept_for_a_sleep
         got = g.ask(6)
         assert all(st == 200 for st, _ in got) and {s for _, s in got} <= {"a", "b"}
         assert {e["upstream_status"] for e in g.gw.log()[-6:]} == {"502 : 502 : 200"}
+
+
+# ----------------------------------------------------------------- end to end: the real launcher, guard and sim
+
+
+@pytest.fixture
+def sleeper(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
+    """The real launcher on an instance config whose model sleeps (level 1 after 2 s idle), running the sim
+    engine as a sleeping model's engine runs (--enable-sleep-mode, the guard as --middleware,
+    VLLM_SERVER_DEV_MODE=1); READY once it served its first completion."""
+    port = free_port()
+    argv = sim_engine_argv(
+        sim_model_dir,
+        port,
+        "tiny-qwen3",
+        ["--enable-sleep-mode", "--middleware", SLEEP_GUARD],
+        shutdown_timeout=10,
+    )
+    cfg = {
+        "name": "zz", "served_model_name": "tiny-qwen3", "model_path": str(sim_model_dir),
+        "listen_address": "127.0.0.1", "port": port, "command": argv, "environment": {DEV_MODE_ENV: "1"},
+        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SERVICE,
+        "sleep": {"level": 1, "idle_seconds": 2, "wake_wait_seconds": 20},
+    }  # fmt: skip
+    r = launch(tmp_path / "launcher", "zz", cfg, new_session=True)
+    try:
+        r.notify.wait_for("READY", "1", timeout=60)
+        yield r
+    finally:
+        r.kill()
+
+
+def sleep_state(r: LaunchedInstance) -> str | None:
+    try:
+        return r.state().get("sleep_state")
+    except (OSError, ValueError):
+        return None
+
+
+def until_asleep(r: LaunchedInstance) -> None:
+    assert wait_for(lambda: sleep_state(r) == "asleep", 30, 0.1), (sleep_state(r), r.output()[-2000:])
+
+
+def test_a_sleeping_engine_behind_the_gateway_is_woken_held_and_served(
+    sleeper: LaunchedInstance, tmp_path: Path
+) -> None:
+    """After 2 s idle the launcher puts the engine to sleep; a completion and a streamed chat through nginx are
+    held by the guard while the launcher wakes it, then served (200, the stream complete); a wake that fails
+    (the sim's wake_fail) is a JSON 503 with Retry-After through nginx; the development paths answer a JSON 404
+    through the gateway and vLLM's own 404 on the engine's port without the token."""
+    r = sleeper
+    g = Gateway(
+        gateway_spec([{"name": "zz", "port": r.port, "sleep": SLEEP}], tmp_path, rate_limit=OPEN_RATE_LIMIT),
+        tmp_path,
+    ).start()
+    try:
+        until_asleep(r)
+        assert guard_state("127.0.0.1", r.port, 1) == "asleep"  # the reading the sleep watch takes
+        wakes = int(r.state()["wakes_total"])
+        st, body = http_json("POST", g.url + "/v1/completions", completion(), timeout=60)
+        assert st == 200 and body["choices"][0]["text"], body
+        assert r.state()["sleep_state"] == "awake" and int(r.state()["wakes_total"]) == wakes + 1
+        # asleep again: a streamed chat is held, then streamed to its end
+        until_asleep(r)
+        status, ctype, text = stream_chat(g.url)
+        assert status == 200 and ctype.startswith("text/event-stream"), (status, text[:300])
+        assert text.rstrip().endswith("data: [DONE]") and text.count("data: {") >= 2, text[-300:]
+        assert int(r.state()["wakes_total"]) == wakes + 2
+        # every wake fails from now on: the guard answers 503 before any byte, the gateway a JSON 503
+        assert http_json("POST", r.url + "/sim/control", {"wake_fail": True})[0] == 200
+        until_asleep(r)
+        failed = int(r.state()["failed_wakes_total"])
+        st, body, headers = post_with_headers(g.url + "/v1/completions", completion())
+        assert st == 503 and headers.get("retry-after"), (st, body, headers)
+        assert body["error"]["type"] == "server_error", body
+        assert wait_for(lambda: int(r.state()["failed_wakes_total"]) > failed, 10)
+        # the development paths: never through the gateway (its own JSON 404, in the plain form, with a model
+        # header, under /models/NAME/), never on the engine's port without the token (vLLM's own 404)
+        forms = [("", {}), ("", {"X-Model-Name": "tiny-qwen3"}), ("/models/tiny-qwen3", {})]
+        for path in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", SLEEP_STATE_PATH):
+            for prefix, headers in forms:
+                for method in ("GET", "POST"):
+                    st, body = http_json(
+                        method, g.url + prefix + path, {"model": "tiny-qwen3"}, headers=headers
+                    )
+                    assert st == 404 and set(body) == {"error"}, (method, prefix + path, headers, st, body)
+            st, body = http_json("POST", r.url + path, {})
+            assert (st, body) == (404, {"detail": "Not Found"}), (path, st, body)
+        assert http_json("GET", r.url + "/is_sleeping") == (404, {"detail": "Not Found"})
+    finally:
+        g.stop()
+
+
+def completion() -> dict[str, Any]:
+    return {"model": "tiny-qwen3", "prompt": "hello there", "max_tokens": 8}
+
+
+def stream_chat(base: str) -> tuple[int, str, str]:
+    host, _, port = base.removeprefix("http://").partition(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(chat_body(stream=True)),
+            {"Content-Type": "application/json"},
+        )
+        resp = c.getresponse()
+        return resp.status, resp.getheader("Content-Type") or "", resp.read().decode()
+    finally:
+        c.close()
+
+
+def post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+    host, _, rest = url.removeprefix("http://").partition(":")
+    port, _, path = rest.partition("/")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request("POST", "/" + path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        c.close()
