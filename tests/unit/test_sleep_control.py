@@ -140,11 +140,11 @@ def test_an_idle_engine_sleeps_after_idle_seconds_and_gives_its_slot_back() -> N
     assert r.state()["sleep_state"] == "awake" and r.state()["swap_group"] == "g"
     # polled every second; a request ended at t=5: idle for 25 s at t=30 is not enough
     assert r.tick_to(30.0).count(PollGuard()) == 1  # one poll in flight at a time
-    assert r.guard(last=5.0) == []
+    assert r.guard(last=5.0) == [Save()]  # a request ended since: the state file says when (the group's LRU)
     assert r.tick_to(30.75) == []
     got = r.tick_to(30.0 + GUARD_POLL_SECONDS)
     assert got[-1] == PollGuard()
-    got = r.guard(last=1.0)  # idle for 30 s: sleep
+    got = r.guard(last=1.0)  # idle for 30 s: sleep (the state file written with it)
     assert got == [
         Log("going to sleep (level 1): idle for 30s"),
         Notify(("STATUS=Going to sleep (level 1): idle for 30s",)),
@@ -164,7 +164,7 @@ def test_an_idle_engine_sleeps_after_idle_seconds_and_gives_its_slot_back() -> N
 def test_a_busy_engine_does_not_sleep_and_a_refused_sleep_keeps_it_awake() -> None:
     r = Run(config(idle=30.0))
     r.tick_to(40.0)
-    assert r.guard(inflight=1, last=0.0) == []  # a request runs
+    assert r.guard(inflight=1, last=0.0) == [Save()]  # a request runs
     r.tick_to(41.0)
     assert r.guard(held=1, last=0.0) == []  # (held while awake cannot happen, but it would block a sleep too)
     r.tick_to(42.0)
@@ -178,7 +178,7 @@ def test_a_busy_engine_does_not_sleep_and_a_refused_sleep_keeps_it_awake() -> No
 def test_no_idle_sleep_without_idle_seconds_but_a_peers_yield_request_sleeps_it() -> None:
     r = Run(config(idle=None))
     r.tick_to(1000.0)
-    assert r.guard(last=0.0) == []  # never idle-sleeps
+    assert r.guard(last=0.0) == [Save()]  # never idle-sleeps
     r.at(1000.2).feed(r.sm.yield_requested(1000.2))
     assert r.tick_to(1000.25) == [PollGuard()]  # polled at once
     assert r.guard(inflight=2) == []  # busy: it does not yield now...
@@ -192,7 +192,24 @@ def test_no_idle_sleep_without_idle_seconds_but_a_peers_yield_request_sleeps_it(
     r.feed(r.sm.wake_requested(1002.0))
     r.at(1002.5).feed(r.sm.woken(1002.5, WALL0 + 1002.5, True, ""))
     r.tick_to(1010.0)
-    assert r.guard(last=1002.5) == []
+    assert r.guard(last=1002.5) == []  # nothing new since the wake wrote it: nothing written
+
+
+def test_a_liveness_check_running_when_the_sleep_begins_judges_nothing() -> None:
+    """A check takes a while (the CPU figures, the decode): the guard's reading may find the engine idle meanwhile.
+    The sleep goes ahead (the guard refuses it with a 409 while the check's decode runs, and refuses a decode that
+    arrives after at once); the check's verdict, a failed decode, is dropped: no failure counted, no ping missed."""
+    r = Run(config(idle=30.0))
+    r.tick_to(29.75)  # the checks at 10 and 20 s passed
+    r.sm.probing, r.sm.probe_started = True, 29.75  # one begun now still runs
+    r.tick_to(30.0)  # (the guard's reading pending since 1 s)
+    got = r.guard(last=0.0)
+    assert got[-1] == SleepEngine(1)
+    r.at(30.5).feed(r.sm.slept(30.5, 200, ""))
+    cpu = CpuReading(at=31.0, waited=0.0, ran=0.0, pids=(77,), stopped=(), counted=True)
+    failed = Check(2.0, cpu, cpu, Progress(0, 0, 1.0, 31.0), ProbeResult(False, 2.0, "503", "decode"))
+    assert r.at(31.0).feed(r.sm.check_done(31.0, failed)) == []
+    assert r.sm.probes.failures == 0 and not r.sm.probing and len(r.checks) == 3
 
 
 def test_no_liveness_decode_while_asleep_the_guard_answering_pings() -> None:

@@ -489,6 +489,22 @@ def test_probes_count_in_flight_but_do_not_keep_it_awake() -> None:
     run(body)
 
 
+def test_a_probe_that_finds_the_engine_asleep_is_refused_at_once_and_wakes_nothing() -> None:
+    """The launcher's liveness check may start just before the engine goes to sleep: its decode must not be held,
+    nor wake the engine it just put to sleep."""
+
+    async def body() -> None:
+        guard, _engine, kills = make()
+        await put_to_sleep(guard)
+        got = await call(
+            guard, "POST", "/v1/completions", {"User-Agent": sleep_guard.PROBE_USER_AGENT}, b"{}"
+        )
+        assert got.status == 503 and json.loads(got.body)["error"]["message"] == "the engine is asleep"
+        assert kills == [] and guard.core.held == 0 and guard.core.state == "asleep"
+
+    run(body)
+
+
 @pytest.mark.parametrize("path", sorted(sleep_guard.EXEMPT_PATHS))
 def test_exempt_paths_are_never_held_nor_counted(path: str) -> None:
     async def body() -> None:

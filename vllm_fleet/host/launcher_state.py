@@ -386,7 +386,7 @@ class Supervisor:
         if sleep is not None:
             if hung := sleep.hung(now):
                 return [Kill(wait=True), *self.fail(EXIT_ENGINE_DIED, f"engine hung: {hung}")]
-            out += sleep.tick(now, may_sleep=not self.probing)
+            out += sleep.tick(now, may_sleep=True)
         if sleep is not None and sleep.state != "awake":
             # asleep, or going to sleep or waking: a decode check would wake it (the guard holds it)
             out += self._sleep_ping(now)
@@ -495,9 +495,15 @@ class Supervisor:
         ]
 
     def check_done(self, now: float, check: Check) -> list[Action]:
-        """A periodic liveness check finished: WATCHDOG=1 when it passed, none while checks fail."""
+        """A periodic liveness check finished: WATCHDOG=1 when it passed, none while checks fail. One that ran
+        while the engine went to sleep (or woke) judges nothing: asleep, the guard's answers are the check."""
         self.probing = False
         if self.state != "ready" or self.stop is not None:
+            return []
+        if self.sleep is not None and (
+            self.sleep.state != "awake" or self.sleep.op_started > self.probe_started
+        ):
+            self.next_probe = max(self.next_probe, now + self.probe_interval)
             return []
         res = self.liveness.judge(now, check)
         was_failing = self.probes.consecutive_failures > 0
@@ -558,7 +564,10 @@ class Supervisor:
             if self.sleep is not None:
                 self.sleep.polling = False
             return []
-        out = sleep.guard_read(now, reading, may_sleep=not self.probing)
+        # a liveness check may run meanwhile: its decode is counted by the guard (a 409 if it is in flight when
+        # the sleep comes), refused at once if it arrives after (never held, never a wake), and its verdict
+        # dropped (check_done)
+        out = sleep.guard_read(now, reading, may_sleep=True)
         if reading is not None and sleep.state == "asleep":
             self.liveness.alive_at = now
             due = self.last_ping is None or now - self.last_ping >= self.probe_interval

@@ -114,7 +114,7 @@ class SleepControl:
 
     # ------------------------------------------------------------------ the clock and the guard's readings
     def tick(self, now: float, may_sleep: bool) -> list[Action]:
-        """``may_sleep``: the engine is ready, not stopping, and no liveness check of the launcher runs."""
+        """``may_sleep``: the engine is ready and not stopping."""
         if self.op:
             return []
         out: list[Action] = []
@@ -134,9 +134,12 @@ class SleepControl:
         if reading is None:
             return []
         self.last_reading = reading
+        # a request ended since the last reading: the state file says so (the swap group's least recently used
+        # is read from it by a peer that needs a slot)
+        out: list[Action] = [Save()] if reading.last_request_at != self.last_active_at else []
         self.last_active_at = reading.last_request_at
         if self.state != "awake" or self.op or not may_sleep or reading.inflight or reading.held:
-            return []
+            return out
         idle = reading.wall - reading.last_request_at
         asked = now < self.yield_until
         if asked or (self.cfg.idle_seconds is not None and idle >= self.cfg.idle_seconds):
@@ -150,7 +153,7 @@ class SleepControl:
                 Save(),
                 SleepEngine(self.cfg.level),
             ]
-        return []
+        return out
 
     def hung(self, now: float) -> str:
         """Why the engine counts as hung ('' when it does not): a sleep or a wake that does not end."""

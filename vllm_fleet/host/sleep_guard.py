@@ -252,6 +252,9 @@ class SleepCore:
             if not self.authorized(headers):
                 return NOT_FOUND
             return await self._admin(method, path, query, read_body)
+        if self.state != AWAKE and headers.get("user-agent") == PROBE_USER_AGENT:
+            # the launcher's own liveness check, begun before the engine went to sleep: it must not wake it
+            return refusal(path, f"the engine is {self.state}", self.retry_after)
         if self.state != AWAKE:
             outcome = await self._hold(path, until_gone)
             if isinstance(outcome, Answer):
