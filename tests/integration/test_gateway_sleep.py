@@ -43,14 +43,6 @@ from vllm_fleet.host.sleepwatch import guard_state
 pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
 
 SLEEP = {"level": 1, "idle_seconds": 60}
-# the launcher's liveness checks every 10 s: it puts an idle engine to sleep only between two (with a check every
-# second, as SIM_LAUNCHER_SERVICE has, one nearly always runs and the engine never sleeps)
-SERVICE = {
-    **SIM_LAUNCHER_SERVICE,
-    "watchdog_seconds": 30,
-    "probe_interval_seconds": 10,
-    "probe_timeout_seconds": 5,
-}
 
 
 class SleepyGateway:
@@ -230,7 +222,7 @@ def sleeper(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
     cfg = {
         "name": "zz", "served_model_name": "tiny-qwen3", "model_path": str(sim_model_dir),
         "listen_address": "127.0.0.1", "port": port, "command": argv, "environment": {DEV_MODE_ENV: "1"},
-        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SERVICE,
+        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SIM_LAUNCHER_SERVICE,
         "sleep": {"level": 1, "idle_seconds": 2, "wake_wait_seconds": 20},
     }  # fmt: skip
     r = launch(tmp_path / "launcher", "zz", cfg, new_session=True)
