@@ -326,6 +326,11 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.devtools.sandbox:add_args",
         "real systemd hosts as systemd-nspawn containers (tests, CI, demo)",
     ),
+    "sleepwatch": Plugin(
+        "vllm_fleet.host.sleepwatch:add_args",
+        "on a gateway host: which instances of a model that sleeps are not awake, for the router "
+        "(vllm-fleet-sleepwatch.service)",
+    ),
     "tiny-model": Plugin(
         "vllm_fleet.devtools.tinymodel:add_args", "build the tiny random Qwen3 model + tokenizer offline"
     ),

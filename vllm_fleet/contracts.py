@@ -29,6 +29,9 @@ both the controller's ``fleet`` package and the hosts' ``host`` package import i
 - ``GatewayPeers``: ``GATEWAY_PEERS_FILE`` on a gateway host of two or more, rendered on the controller
   (``vllm_fleet.fleet.ha.gateway_peer_plan``), read by ``vllm-fleet drain`` (``vllm_fleet.host.drain``): the other
   gateways, told every drain and undrain.
+- ``SleepwatchConfig``: ``SLEEPWATCH_CONFIG_FILE`` on a gateway host that routes to a model that sleeps, rendered
+  on the controller (``vllm_fleet.fleet.sleepwatch_plan``), read by ``vllm-fleet sleepwatch``
+  (``vllm_fleet.host.sleepwatch``), which writes ``AsleepFile`` (``SLEEP_ASLEEP_FILE``) for the njs router.
 
 The loaders check every field's type and name the file and field of a mismatch (``ContractError``).
 """
@@ -781,6 +784,84 @@ class GatewayPeers:
 
     @classmethod
     def load(cls, path: str | Path) -> GatewayPeers:
+        """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
+        return cls.from_dict(*_contract_json(path))
+
+
+# ------------------------------------------------------------------------- the gateway's sleep watch (issue 33)
+
+# On a gateway host that routes to a model that sleeps (models[].sleep): `vllm-fleet sleepwatch --config
+# SLEEPWATCH_CONFIG_FILE` (vllm_fleet.host.sleepwatch, vllm-fleet-sleepwatch.service) asks each such instance's
+# sleep guard for its state (GET SLEEP_STATE_PATH on the address nginx reaches it at) every interval and writes
+# the instances that are not awake to SLEEP_ASLEEP_FILE (``AsleepFile``), replaced atomically, only when the set
+# changes (and once at its start); it removes the file when it stops. The njs router reads it on a request for a
+# model marked ``sleeps`` in routes.json (whose ``asleep_file`` names it) and tries an awake replica first, a
+# sleeping one last (docs/sleep.md "Gateway"). A folder of its own under /run (the unit's RuntimeDirectory,
+# kept when it stops: the router lists the folder, and a missing folder would cost it a throw per request): /run
+# is emptied at boot, so no stale set outlives the host's start. The config file is rendered next to routes.json,
+# in a folder only root writes: it says which addresses the watch asks and where it writes.
+SLEEP_ASLEEP_FILE = "/run/vllm-fleet-sleepwatch/asleep.json"
+SLEEPWATCH_CONFIG_FILE = "/etc/nginx/vllm-fleet/sleepwatch.json"
+SLEEPWATCH_SCHEMA = 1  # raised when a field changes meaning
+SLEEPWATCH_INTERVAL_SECONDS = 1.0  # how often each guard is asked
+# how long one answer may take: the guard answers from its own state (no engine work), so a slower answer is an
+# engine whose event loop is busy, i.e. awake; no answer in time reads "unknown", taken as awake
+SLEEPWATCH_TIMEOUT_SECONDS = 0.5
+
+
+class AsleepFile(TypedDict):
+    """``SLEEP_ASLEEP_FILE``: the instances whose guard answered a state other than ``awake`` (sorted names),
+    those of them ``waking`` (a request is held there and the wake is under way: the router tries them before
+    the ones still asleep), and when the set last changed (epoch seconds). An instance whose guard did not
+    answer is in neither list: never hidden on a read failure."""
+
+    asleep: list[str]
+    waking: list[str]
+    updated: float
+
+
+@dataclass(frozen=True)
+class SleepwatchInstance:
+    """An instance the watch asks: its name and where nginx reaches it (its guard answers on the engine's
+    port)."""
+
+    instance: str
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class SleepwatchConfig:
+    """``SLEEPWATCH_CONFIG_FILE``: the sleep-capable instances this gateway routes to, the file the watch writes
+    (``output``: ``SLEEP_ASLEEP_FILE``), how often it asks and how long an answer may take."""
+
+    schema: int
+    fleet: str
+    output: str
+    interval_seconds: float
+    timeout_seconds: float
+    instances: list[SleepwatchInstance]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "") -> SleepwatchConfig:
+        """Check every field (``ContractError`` names the file and the field: ``instances[1].port``)."""
+        d = _schema_checked(data, source, SLEEPWATCH_SCHEMA, "a sleep watch config")
+        cfg: SleepwatchConfig = _dataclass_from(cls, d, source, "")
+        if not cfg.output.startswith("/"):
+            raise ContractError(f"{_where(source, 'output')}: expected an absolute path, got {cfg.output!r}")
+        for key in ("interval_seconds", "timeout_seconds"):
+            if getattr(cfg, key) <= 0:
+                raise ContractError(f"{_where(source, key)}: must be > 0, got {getattr(cfg, key)!r}")
+        for i, inst in enumerate(cfg.instances):
+            if not 0 < inst.port < 65536:
+                raise ContractError(f"{_where(source, f'instances[{i}].port')}: not a port: {inst.port!r}")
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> SleepwatchConfig:
         """Read and check ``path`` (``OSError`` when unreadable, ``ContractError`` when it is not one)."""
         return cls.from_dict(*_contract_json(path))
 

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from vllm_fleet.contracts import SLEEP_STATE_PATH
 from vllm_fleet.devtools.gateway_nginx import NginxGateway
 from vllm_fleet.devtools.testing import free_port, http_json
 from vllm_fleet.fleet.admission_config import admission_config_path
@@ -216,10 +217,13 @@ class Gateway:
 class StubEngine:
     """An engine stand-in on a free loopback port: any method on any path answers ``status`` (200 by default)
     with {"served_by": NAME, "model": the body's model, "path": PATH}, after ``delay`` seconds; ``seen`` lists
-    (method, path) of every request that reached it, ``hits`` counts them."""
+    (method, path) of every request that reached it, ``hits`` counts them. With ``sleep_state`` set (one of
+    contracts.SLEEP_STATES) it also plays a sleep guard's public reading: ``GET SLEEP_STATE_PATH`` answers
+    {"state": sleep_state, ...} (not counted in ``seen``)."""
 
     def __init__(self, name: str) -> None:
         self.name, self.status, self.delay = name, 200, 0.0
+        self.sleep_state: str | None = None
         self.seen: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         stub = self
@@ -227,7 +231,21 @@ class StubEngine:
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def _guard(self) -> bool:
+                state = stub.sleep_state
+                if state is None or self.command != "GET" or self.path != SLEEP_STATE_PATH:
+                    return False
+                out = json.dumps({"state": state, "inflight": 0, "held": 0}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+                return True
+
             def _any(self) -> None:
+                if self._guard():
+                    return
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with stub.lock:
                     stub.seen.append((self.command, self.path))

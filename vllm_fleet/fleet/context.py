@@ -51,6 +51,7 @@ from vllm_fleet.fleet.network import (
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.plan_checks import worker_connections
 from vllm_fleet.fleet.routes import gateway_routes, route_index
+from vllm_fleet.fleet.sleepwatch_plan import sleepwatch_plan
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, Routing, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
@@ -202,6 +203,9 @@ def upstreams(spec: FleetSpec, all_instances: list[dict[str, Any]]) -> list[dict
                 "role": inst["role"],
                 "pool": inst["pool"],
                 "drained": inst["name"] in spec.gateway.drained,
+                # its model sleeps when idle (models[].sleep): the router tries it after the awake replicas
+                # (docs/sleep.md "Gateway")
+                "sleeps": inst.get("sleep") is not None,
                 # the cache-aware policy's bound (routing.max_conns, else the batch size); none under
                 # least_conn, so that a batch-size change there does not change the gateway's files (a reload
                 # closes the clients' idle keep-alive connections)
@@ -253,6 +257,10 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_hosts"] = spec.gateway_hosts
     vf["gateway_ha"] = gateway_ha_vars(spec, vf["upstreams"])
     vf["gateway_state_file"] = drained_set_file(spec)
+    # models that sleep (models[].sleep): the sleep watch's config and unit on every gateway host, the file the
+    # router reads (None: no routed model sleeps, nothing rendered, nothing read; fleet/sleepwatch_plan.py)
+    vf["gateway_sleepwatch"] = sleepwatch_plan(spec.name, vf["gateway_routes"])
+    vf["gateway_sleepwatch_on"] = vf["gateway_sleepwatch"] is not None
     # a served model has a `rollouts` entry: the preflight reads its running instances' configs and plans them
     # as they run (docs/rollouts.md)
     vf["rollouts_hold"] = bool(spec.rollouts)

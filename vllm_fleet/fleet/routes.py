@@ -40,6 +40,11 @@ configuration load (``js_preload_object``). Per served model:
   among the base's pools for it (its carriers do). A canary and the fallback pool are no carriers: the canary
   keeps its share of the base's requests, adapters' included, the fallback stays the last resort.
 
+- ``sleeps`` (issue 33): an instance of the model sleeps when idle (its model's ``sleep``; per server too) in an
+  upstream of two or more servers: the router then reads the sleep watch's file (routes.json ``asleep_file``: the
+  instances not awake now) and tries the chosen upstream's awake servers first, the sleeping ones last
+  (docs/sleep.md "Gateway"). A model without it (none sleeps, or one server: nothing to choose) never reads it.
+
 ``route_index`` is what a request needs before it knows whether anything is drained: per served model, its
 position in the table and its summary (``default``, ``pools``, ``fallback``, ``max_model_len``, ``canary``,
 ``adapters``); an adapter's name finds its base's position (an adapter costs a request one lookup, as a
@@ -71,6 +76,7 @@ def _server(s: dict[str, Any], backup: bool) -> dict[str, Any]:
         "role": s["role"],
         "pool": s["pool"],
         "max_conns": s.get("max_conns"),
+        "sleeps": bool(s.get("sleeps")),
     }
 
 
@@ -206,6 +212,9 @@ def gateway_routes(
                 "max_model_len": max_model_len.get(up["model"]),
                 "canary": canary,
                 "adapters": ad_map,
+                # an instance of the model sleeps when idle, in an upstream of two or more servers (where the
+                # router has a choice): it reads the sleep watch's file for the model's requests
+                "sleeps": any(len(u["servers"]) > 1 and any(s["sleeps"] for s in u["servers"]) for u in ups),
             }
         )
     return routes
@@ -222,6 +231,7 @@ SUMMARY_KEYS = (
     "ca",
     "canary",
     "adapters",
+    "sleeps",
 )
 
 

@@ -1,0 +1,326 @@
+"""Sleep mode through the real nginx gateway (issue 33, docs/sleep.md "Gateway"): requests for an awake replica of
+a model go there first, a sleeping replica is the last resort.
+
+The replicas are stub engines that also play the sleep guard's public reading (GET /vllm-fleet/sleep answers
+their ``sleep_state``) and record every request that reaches them; the real ``vllm-fleet sleepwatch`` runs on the
+rendered config and writes the file the rendered router reads (in a test folder: the plan's path is pointed
+there before the render). Every wait is on state (the watch's file, the access log), never a fixed sleep.
+
+End to end, with the real pieces: the launcher runs the sim engine as a sleeping model's engine runs (the sleep
+guard as middleware, development mode on), puts it to sleep after 2 s idle, and wakes it on the guard's signal
+when a request through nginx arrives; the request is held and served. A failing wake is a JSON 503 with
+Retry-After through nginx, and the development paths answer 404 through the gateway and without the token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fleet.contracts import DEV_MODE_ENV, SLEEP_GUARD, SLEEP_STATE_PATH, SLEEPWATCH_CONFIG_FILE
+from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX
+from vllm_fleet.devtools.gateway_testing import (
+    OPEN_RATE_LIMIT,
+    Gateway,
+    StubEngine,
+    chat_body,
+    gateway_spec,
+    stub_engines,
+    wait_for,
+)
+from vllm_fleet.devtools.launched import LaunchedInstance, launch
+from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
+from vllm_fleet.fleet import sleepwatch_plan
+from vllm_fleet.host.sleepwatch import guard_state
+
+pytestmark = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js needed")
+
+SLEEP = {"level": 1, "idle_seconds": 60}
+
+
+class SleepyGateway:
+    """A rendered spec served by nginx, with the sleep watch running on its rendered config."""
+
+    def __init__(self, tmp: Path, servers: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+        folder = tmp / "run-sleepwatch"  # the unit's RuntimeDirectory
+        folder.mkdir()
+        self.asleep_file = folder / "asleep.json"
+        monkeypatch.setattr(sleepwatch_plan, "ASLEEP_FILE", str(self.asleep_file))
+        self.gw = Gateway(gateway_spec(servers, tmp, rate_limit=OPEN_RATE_LIMIT), tmp)
+        config = self.gw.workdir / "out" / "h1" / SLEEPWATCH_CONFIG_FILE.lstrip("/")
+        self.watch = subprocess.Popen(
+            [sys.executable, "-m", "vllm_fleet.cli", "sleepwatch", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp / "sleepwatch.log").open("ab"),
+            start_new_session=True,
+        )
+        self.gw.start()
+
+    def asleep(self) -> list[str] | None:
+        try:
+            return list(json.loads(self.asleep_file.read_text())["asleep"])
+        except (OSError, ValueError):
+            return None
+
+    def waking(self) -> list[str] | None:
+        try:
+            return list(json.loads(self.asleep_file.read_text())["waking"])
+        except (OSError, ValueError):
+            return None
+
+    def until_asleep(self, *names: str, waking: tuple[str, ...] = ()) -> None:
+        """Wait until the watch has written exactly ``names`` not awake (``waking`` of them waking)."""
+        assert wait_for(
+            lambda: self.asleep() == sorted(names) and self.waking() == sorted(waking), 10, 0.05
+        ), (self.asleep(), self.waking())
+
+    def ask(self, n: int, model: str = "tiny-qwen3") -> list[tuple[int, str]]:
+        """n chat requests, one after the other; returns once the access log has them too."""
+        seen = len(self.gw.log())
+        out = []
+        for _ in range(n):
+            st, body = http_json("POST", self.gw.url + "/v1/chat/completions", chat_body(model), timeout=30)
+            out.append((st, body.get("served_by", "") if isinstance(body, dict) else ""))
+        assert wait_for(lambda: len(self.gw.log()) >= seen + n, 5)
+        return out
+
+    def stop(self) -> None:
+        self.gw.stop()
+        self.watch.terminate()
+        self.watch.wait(10)
+
+
+@pytest.fixture
+def stubs() -> Iterator[dict[str, StubEngine]]:
+    with stub_engines("a", "b", "c", "other") as s:
+        for x in s.values():
+            x.sleep_state = "awake"
+        yield s
+
+
+def _gateway(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, servers: list[dict[str, Any]]
+) -> Iterator[SleepyGateway]:
+    g = SleepyGateway(tmp, servers, monkeypatch)
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_awake_first_the_sleeping_replica_last_and_every_one_asleep(
+    stubs: dict[str, StubEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = stubs["a"], stubs["b"]
+    servers = [
+        {"name": "a", "port": a.port, "sleep": SLEEP},
+        {"name": "b", "port": b.port, "sleep": SLEEP},
+        # another model that does not sleep: its requests never look at the watch's file
+        {"name": "other", "port": stubs["other"].port, "served_model_name": "plain"},
+    ]
+    for g in _gateway(tmp_path, monkeypatch, servers):
+        routes = json.loads((g.gw.nginx.etc_nginx / "vllm-fleet" / "routes.json").read_text())
+        assert routes["asleep_file"] == str(g.asleep_file)
+        assert {m["model"]: m["sleeps"] for m in routes["models"]} == {"plain": False, "tiny-qwen3": True}
+        g.until_asleep()
+        assert {s for st, s in g.ask(8) if st == 200} == {"a", "b"}  # both awake: nginx balances
+        # b asleep: every request goes to a, none reaches b
+        b.sleep_state = "asleep"
+        g.until_asleep("b")
+        hits = b.hits
+        assert g.ask(12) == [(200, "a")] * 12
+        assert b.hits == hits
+        assert {e["upstream"] for e in g.gw.log()[-12:]} == {"m_tiny_qwen3__z__b"}
+        # a full (503 before any work): the sleeping b is the last resort, its guard holds and serves
+        a.status = 503
+        b.delay = 0.3  # held while it wakes
+        assert g.ask(2) == [(200, "b")] * 2
+        assert {e["upstream_status"] for e in g.gw.log()[-2:]} == {"503 : 200"}
+        a.status, b.delay = 200, 0.0
+        # both asleep: as if nothing slept (nginx picks one, whose guard wakes it)
+        a.sleep_state = "asleep"
+        g.until_asleep("a", "b")
+        got = g.ask(6)
+        assert all(st == 200 for st, _ in got) and {s for _, s in got} <= {"a", "b"}
+        assert {e["upstream"] for e in g.gw.log()[-6:]} == {"m_tiny_qwen3"}
+        # none awake but b waking: b, whose wake is under way, before waking a too
+        b.sleep_state = "waking"
+        g.until_asleep("a", "b", waking=("b",))
+        hits = a.hits
+        assert g.ask(4) == [(200, "b")] * 4
+        assert a.hits == hits
+        assert {e["upstream"] for e in g.gw.log()[-4:]} == {"m_tiny_qwen3__z__b__z__a"}
+        b.sleep_state = "asleep"
+        # the model that does not sleep: its instance listed as asleep by hand changes nothing for it
+        a.sleep_state = "awake"
+        g.until_asleep("b")
+        g.asleep_file.write_text(json.dumps({"asleep": ["b", "other"], "waking": [], "updated": 0}))
+        assert g.ask(3, "plain") == [(200, "other")] * 3
+        assert {e["upstream"] for e in g.gw.log()[-3:]} == {"m_plain"}
+        # a killed: the watch cannot reach its guard and counts it awake (never hides it); the request finds
+        # it refused and goes to the sleeping b
+        a.sleep_state = "asleep"
+        g.until_asleep("a", "b")
+        a.sleep_state = "awake"
+        g.until_asleep("b")
+        a.close()
+        assert g.ask(3) == [(200, "b")] * 3
+        assert {e["upstream_status"] for e in g.gw.log()[-3:]} == {"502 : 200"}
+        assert g.asleep() == ["b"]
+
+
+def test_a_waking_replica_before_an_asleep_one_and_the_last_try_kept_for_a_sleeper(
+    stubs: dict[str, StubEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three replicas awake for the watch but down (connection refused: no guard answers) and two that sleep:
+    of a request's 3 tries the first two go to awake ones, the third to a sleeper — the waking b before the
+    asleep a."""
+    a, b = stubs["a"], stubs["b"]
+    dead = [free_port() for _ in range(3)]
+    servers = [{"name": "a", "port": a.port, "sleep": SLEEP}, {"name": "b", "port": b.port, "sleep": SLEEP}]
+    servers += [{"name": f"d{i}", "port": p, "sleep": SLEEP} for i, p in enumerate(dead)]
+    for g in _gateway(tmp_path, monkeypatch, servers):
+        a.sleep_state, b.sleep_state = "asleep", "waking"
+        g.until_asleep("a", "b", waking=("b",))
+        assert g.ask(6) == [(200, "b")] * 6
+        assert a.hits == 0
+        log = g.gw.log()[-6:]
+        assert {e["upstream"] for e in log} == {"m_tiny_qwen3__z__b__z__a"}
+        assert {e["upstream_status"] for e in log} == {"502 : 502 : 200"}
+        assert all(e["upstream_addr"].split(" : ")[-1] == f"127.0.0.1:{b.port}" for e in log)
+        # both asleep: still two awake tries, then one of the sleepers
+        b.sleep_state = "asleep"
+        g.until_asleep("a", "b")
+        got = g.ask(6)
+        assert all(st == 200 for st, _ in got) and {s for _, s in got} <= {"a", "b"}
+        assert {e["upstream_status"] for e in g.gw.log()[-6:]} == {"502 : 502 : 200"}
+
+
+# ----------------------------------------------------------------- end to end: the real launcher, guard and sim
+
+
+@pytest.fixture
+def sleeper(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
+    """The real launcher on an instance config whose model sleeps (level 1 after 2 s idle), running the sim
+    engine as a sleeping model's engine runs (--enable-sleep-mode, the guard as --middleware,
+    VLLM_SERVER_DEV_MODE=1); READY once it served its first completion."""
+    port = free_port()
+    argv = sim_engine_argv(
+        sim_model_dir,
+        port,
+        "tiny-qwen3",
+        ["--enable-sleep-mode", "--middleware", SLEEP_GUARD],
+        shutdown_timeout=10,
+    )
+    cfg = {
+        "name": "zz", "served_model_name": "tiny-qwen3", "model_path": str(sim_model_dir),
+        "listen_address": "127.0.0.1", "port": port, "command": argv, "environment": {DEV_MODE_ENV: "1"},
+        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SIM_LAUNCHER_SERVICE,
+        "sleep": {"level": 1, "idle_seconds": 2, "wake_wait_seconds": 20},
+    }  # fmt: skip
+    r = launch(tmp_path / "launcher", "zz", cfg, new_session=True)
+    try:
+        r.notify.wait_for("READY", "1", timeout=60)
+        yield r
+    finally:
+        r.kill()
+
+
+def sleep_state(r: LaunchedInstance) -> str | None:
+    try:
+        return r.state().get("sleep_state")
+    except (OSError, ValueError):
+        return None
+
+
+def until_asleep(r: LaunchedInstance) -> None:
+    assert wait_for(lambda: sleep_state(r) == "asleep", 30, 0.1), (sleep_state(r), r.output()[-2000:])
+
+
+def test_a_sleeping_engine_behind_the_gateway_is_woken_held_and_served(
+    sleeper: LaunchedInstance, tmp_path: Path
+) -> None:
+    """After 2 s idle the launcher puts the engine to sleep; a completion and a streamed chat through nginx are
+    held by the guard while the launcher wakes it, then served (200, the stream complete); a wake that fails
+    (the sim's wake_fail) is a JSON 503 with Retry-After through nginx; the development paths answer a JSON 404
+    through the gateway and vLLM's own 404 on the engine's port without the token."""
+    r = sleeper
+    g = Gateway(
+        gateway_spec([{"name": "zz", "port": r.port, "sleep": SLEEP}], tmp_path, rate_limit=OPEN_RATE_LIMIT),
+        tmp_path,
+    ).start()
+    try:
+        until_asleep(r)
+        assert guard_state("127.0.0.1", r.port, 1) == "asleep"  # the reading the sleep watch takes
+        wakes = int(r.state()["wakes_total"])
+        st, body = http_json("POST", g.url + "/v1/completions", completion(), timeout=60)
+        assert st == 200 and body["choices"][0]["text"], body
+        assert r.state()["sleep_state"] == "awake" and int(r.state()["wakes_total"]) == wakes + 1
+        # asleep again: a streamed chat is held, then streamed to its end
+        until_asleep(r)
+        status, ctype, text = stream_chat(g.url)
+        assert status == 200 and ctype.startswith("text/event-stream"), (status, text[:300])
+        assert text.rstrip().endswith("data: [DONE]") and text.count("data: {") >= 2, text[-300:]
+        assert int(r.state()["wakes_total"]) == wakes + 2
+        # every wake fails from now on: the guard answers 503 before any byte, the gateway a JSON 503
+        assert http_json("POST", r.url + "/sim/control", {"wake_fail": True})[0] == 200
+        until_asleep(r)
+        failed = int(r.state()["failed_wakes_total"])
+        st, body, headers = post_with_headers(g.url + "/v1/completions", completion())
+        assert st == 503 and headers.get("retry-after"), (st, body, headers)
+        assert body["error"]["type"] == "server_error", body
+        assert wait_for(lambda: int(r.state()["failed_wakes_total"]) > failed, 10)
+        # the development paths: never through the gateway (its own JSON 404, in the plain form, with a model
+        # header, under /models/NAME/), never on the engine's port without the token (vLLM's own 404)
+        forms = [("", {}), ("", {"X-Model-Name": "tiny-qwen3"}), ("/models/tiny-qwen3", {})]
+        for path in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", SLEEP_STATE_PATH):
+            for prefix, headers in forms:
+                for method in ("GET", "POST"):
+                    st, body = http_json(
+                        method, g.url + prefix + path, {"model": "tiny-qwen3"}, headers=headers
+                    )
+                    assert st == 404 and set(body) == {"error"}, (method, prefix + path, headers, st, body)
+            st, body = http_json("POST", r.url + path, {})
+            assert (st, body) == (404, {"detail": "Not Found"}), (path, st, body)
+        assert http_json("GET", r.url + "/is_sleeping") == (404, {"detail": "Not Found"})
+    finally:
+        g.stop()
+
+
+def completion() -> dict[str, Any]:
+    return {"model": "tiny-qwen3", "prompt": "hello there", "max_tokens": 8}
+
+
+def stream_chat(base: str) -> tuple[int, str, str]:
+    host, _, port = base.removeprefix("http://").partition(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(chat_body(stream=True)),
+            {"Content-Type": "application/json"},
+        )
+        resp = c.getresponse()
+        return resp.status, resp.getheader("Content-Type") or "", resp.read().decode()
+    finally:
+        c.close()
+
+
+def post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+    host, _, rest = url.removeprefix("http://").partition(":")
+    port, _, path = rest.partition("/")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        c.request("POST", "/" + path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        c.close()
