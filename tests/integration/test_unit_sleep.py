@@ -215,7 +215,9 @@ def test_two_members_serve_and_the_third_start_evicts_the_least_recently_used(ho
 def test_a_request_for_a_sleeping_member_is_held_and_served_and_the_lru_yields(host: Remote) -> None:
     assert host.request("c")[0] == 200  # c used after a: a is the least recently used awake member
     # (each launcher writes when a request last ended to its state file: the order a peer reads)
-    host.wait(lambda: host.state("c")["last_active_at"] > host.state("a")["last_active_at"], 10, "c used last")
+    host.wait(
+        lambda: host.state("c")["last_active_at"] > host.state("a")["last_active_at"], 10, "c used last"
+    )
     status, body = host.request("b", stream=True)  # b is asleep: held, woken, served
     assert status == 200 and body.rstrip().endswith("data: [DONE]"), body[-300:]
     assert host.sleep_state("b") == "awake"
