@@ -391,3 +391,28 @@ def test_an_instance_without_sleep_has_a_null_section_and_no_spec_key() -> None:
     for name, cfg in _instance_configs(s, "gpu-a").items():
         assert cfg["sleep"] is None and "sleep" not in cfg["spec"], name
         assert InstanceConfig.from_dict(cfg, name).sleep is None
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def test_a_canary_of_a_sleeping_model_never_sleeps_and_needs_a_gpu_of_its_own() -> None:
+    """The canary is judged on its window's live traffic: it takes no turns in the model's swap group (its instance
+    has no ``sleep``, its instance config none), and on the group's GPU it is refused like any outsider."""
+    d = example()
+    d["hosts"][0]["gpus"]["count"] = 2
+    d["rollouts"] = [
+        {"model": "qwen3-8b", "canary": {"name": "canary", "host": "h1", "port": 8011, "gpus": [1]}}
+    ]
+    spec = parse_spec(d)
+    canary = spec.model("canary")
+    assert canary.role == "canary" and canary.sleep is None and spec.swap_group(canary) == ""
+    assert [m.name for m in spec.swap_members("gpu0", "h1")] == ["qwen3-8b", "qwen3-8b-base"]
+    assert make_plan(spec).problems == []
+    ctx = build_context(spec, "h1")
+    assert {i["name"]: i["sleep"] is None for i in ctx["vf"]["instances"]}["canary"] is True
+    d["rollouts"][0]["canary"]["gpus"] = [0]
+    (p,) = problems(d)
+    assert p.startswith(
+        "rollouts[0].canary.gpus (the canary of 'qwen3-8b'): GPU 0 on h1 is already used by models[0]"
+    )

@@ -1411,7 +1411,9 @@ def _adapter_checks(spec: FleetSpec) -> list[tuple[str, str]]:
 def _derive_canaries(spec: FleetSpec) -> None:
     """Append each rollout's canary to ``models``: the served model's first primary instance as the spec writes
     it (the new version) on the canary's name, host, port and GPUs, its ``env`` over the instance's, ``role:
-    canary``."""
+    canary``. A canary never sleeps (``sleep`` dropped): it is judged on the live traffic of its window, and a
+    sleeping or swapping canary would be judged on its wakes; on a GPU of the model's swap group it is refused
+    like any instance sharing a GPU outside a group."""
     for r in spec.rollouts:
         first = next(m for m in spec.models if m.served_model_name == r.model and m.role == "primary")
         c = r.canary
@@ -1424,6 +1426,7 @@ def _derive_canaries(spec: FleetSpec) -> None:
                     "gpus": list(c.gpus),
                     "env": {**first.env, **c.env},
                     "role": "canary",
+                    "sleep": None,
                 },
                 deep=True,
             )
