@@ -10,15 +10,25 @@ End to end, with the real pieces: the launcher runs the sim engine as a sleeping
 guard as middleware, development mode on), puts it to sleep after 2 s idle, and wakes it on the guard's signal
 when a request through nginx arrives; the request is held and served. A failing wake is a JSON 503 with
 Retry-After through nginx, and the development paths answer 404 through the gateway and without the token.
+Then one model with two such replicas behind nginx and the real sleep watch: both asleep; a burst wakes both
+(nginx picks as if nothing slept until the watch says "waking"), a burst once one is listed waking wakes that
+one alone; one awake and one asleep, every request goes to the awake one; the awake one killed, the next
+request fails over to the sleeper, which is woken and serves it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +46,13 @@ from vllm_fleet.devtools.gateway_testing import (
     wait_for,
 )
 from vllm_fleet.devtools.launched import LaunchedInstance, launch
-from vllm_fleet.devtools.testing import SIM_LAUNCHER_SERVICE, free_port, http_json, sim_engine_argv
+from vllm_fleet.devtools.testing import (
+    SIM_LAUNCHER_SERVICE,
+    free_port,
+    http_json,
+    requests_served,
+    sim_engine_argv,
+)
 from vllm_fleet.fleet import sleepwatch_plan
 from vllm_fleet.host.sleepwatch import guard_state
 
@@ -206,26 +222,46 @@ def test_a_waking_replica_before_an_asleep_one_and_the_last_try_kept_for_a_sleep
 # ----------------------------------------------------------------- end to end: the real launcher, guard and sim
 
 
-@pytest.fixture
-def sleeper(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
-    """The real launcher on an instance config whose model sleeps (level 1 after 2 s idle), running the sim
-    engine as a sleeping model's engine runs (--enable-sleep-mode, the guard as --middleware,
-    VLLM_SERVER_DEV_MODE=1); READY once it served its first completion."""
+IDLE_SECONDS = (
+    2  # the instance configs' sleep.idle_seconds (the spec's minimum is 10; a test's launcher may go lower)
+)
+
+
+def launch_sleeper(name: str, model_dir: Path, workdir: Path, state_dir: Path) -> LaunchedInstance:
+    """The real launcher (in a session of its own) on an instance config whose model sleeps (level 1 after
+    ``IDLE_SECONDS`` idle), running the sim engine as a sleeping model's engine runs (--enable-sleep-mode, the
+    guard as --middleware, VLLM_SERVER_DEV_MODE=1); READY once it served its first completion (not waited for)."""
     port = free_port()
     argv = sim_engine_argv(
-        sim_model_dir,
+        model_dir,
         port,
         "tiny-qwen3",
         ["--enable-sleep-mode", "--middleware", SLEEP_GUARD],
         shutdown_timeout=10,
     )
     cfg = {
-        "name": "zz", "served_model_name": "tiny-qwen3", "model_path": str(sim_model_dir),
+        "name": name, "served_model_name": "tiny-qwen3", "model_path": str(model_dir),
         "listen_address": "127.0.0.1", "port": port, "command": argv, "environment": {DEV_MODE_ENV: "1"},
-        "shutdown_timeout": 10, "state_dir": str(tmp_path / "state"), "service": SIM_LAUNCHER_SERVICE,
-        "sleep": {"level": 1, "idle_seconds": 2, "wake_wait_seconds": 20},
+        "shutdown_timeout": 10, "state_dir": str(state_dir), "service": SIM_LAUNCHER_SERVICE,
+        "sleep": {"level": 1, "idle_seconds": IDLE_SECONDS, "wake_wait_seconds": 20},
     }  # fmt: skip
-    r = launch(tmp_path / "launcher", "zz", cfg, new_session=True)
+    return launch(workdir, name, cfg, new_session=True)
+
+
+def kill_with_engine(r: LaunchedInstance) -> None:
+    """SIGKILL the launcher's process group and the engine's (its own session), as a crash of both would."""
+    pid = None
+    with contextlib.suppress(OSError, ValueError):
+        pid = r.state().get("engine_pid")
+    r.kill()
+    if pid:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(pid), signal.SIGKILL)
+
+
+@pytest.fixture
+def sleeper(sim_model_dir: Path, tmp_path: Path) -> Iterator[LaunchedInstance]:
+    r = launch_sleeper("zz", sim_model_dir, tmp_path / "launcher", tmp_path / "state")
     try:
         r.notify.wait_for("READY", "1", timeout=60)
         yield r
@@ -324,3 +360,206 @@ def post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[st
         return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.getheaders()}
     finally:
         c.close()
+
+
+# ------------------------------------------------------- end to end: two real sleeping replicas of one model
+
+REPLICAS = ("a", "b")
+BURST = 8  # requests sent at once, every other one streamed
+UPSTREAM = "m_tiny_qwen3"  # the model's upstream (its one-server ones: m_tiny_qwen3__a, __b)
+
+
+@pytest.fixture
+def two_sleepers(sim_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, LaunchedInstance]]:
+    """Two replicas of tiny-qwen3 on one host (one state folder), each its own real launcher, sleep guard and
+    sim engine; both READY."""
+    started: dict[str, LaunchedInstance] = {}
+    try:
+        for n in REPLICAS:
+            started[n] = launch_sleeper(n, sim_model_dir, tmp_path / f"launcher-{n}", tmp_path / "state")
+        for r in started.values():
+            r.notify.wait_for("READY", "1", timeout=60)
+        yield started
+    finally:
+        for r in started.values():
+            kill_with_engine(r)
+
+
+def wakes(r: LaunchedInstance) -> int:
+    return int(r.state()["wakes_total"])
+
+
+def one_request(base: str, stream: bool, ready: threading.Barrier | None = None) -> tuple[int, str]:
+    """A chat completion through ``base`` on a connection of its own (after ``ready``, when given): (status, "")
+    when the answer is whole (a body with choices; a stream to [DONE]), else (status, why)."""
+    host, _, port = base.removeprefix("http://").partition(":")
+    if ready is not None:
+        ready.wait(10)
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        body = json.dumps(chat_body(stream=stream))
+        c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        status, text = r.status, r.read().decode()
+    except (OSError, http.client.HTTPException) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+    finally:
+        c.close()
+    if status != 200:
+        return status, text[:300]
+    if stream:
+        whole = text.rstrip().endswith("data: [DONE]") and text.count("data: {") >= 2
+    else:
+        whole = bool(json.loads(text).get("choices"))
+    return status, "" if whole else text[-300:]
+
+
+def burst(base: str, n: int = BURST) -> list[tuple[int, str]]:
+    """``n`` requests released together (a barrier), every other one streamed; ``one_request``'s answers."""
+    ready = threading.Barrier(n)
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda i: one_request(base, i % 2 == 1, ready), range(n)))
+
+
+class Trickle(threading.Thread):
+    """A slow trickle of completions straight to one engine's port (not through nginx), one every
+    ``every`` seconds until ``stop()``: it keeps that replica awake (it never idles ``IDLE_SECONDS``)."""
+
+    def __init__(self, r: LaunchedInstance, every: float = 0.4) -> None:
+        super().__init__(daemon=True)
+        self.url, self.every = r.url, every
+        self.answers: list[int | str] = []  # statuses, or why a request failed
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.answers.append(
+                    http_json("POST", self.url + "/v1/completions", completion(), timeout=30)[0]
+                )
+            except OSError as exc:
+                self.answers.append(f"{type(exc).__name__}: {exc}")
+            self._halt.wait(self.every)
+
+    def stop(self) -> list[int | str]:
+        self._halt.set()
+        self.join(30)
+        return self.answers
+
+
+def test_two_sleeping_replicas_end_to_end(
+    two_sleepers: dict[str, LaunchedInstance], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One model, two replicas, each a real launcher + sleep guard + sim engine, behind the rendered gateway with
+    the real sleep watch: (1) idle, both sleep and the watch lists both; (2) a burst while both are asleep and
+    none is waking: nginx picks as if nothing slept (least_conn, which counts the held requests), so both wake,
+    each once, and every request is served; a burst once the watch lists one replica as waking goes to that one
+    alone, the other stays asleep; (3) one awake, one asleep: every request goes to the awake one, the sleeper
+    is neither reached nor woken; (4) the awake one killed (launcher and engine): the next request fails over
+    before its first byte to the sleeping one, which is woken and serves it."""
+    reps = two_sleepers
+    servers = [{"name": n, "port": r.port, "sleep": SLEEP} for n, r in reps.items()]
+    for g in _gateway(tmp_path, monkeypatch, servers):
+        trickles: list[Trickle] = []
+        try:
+            two_replicas(g, reps, trickles)
+        finally:
+            for t in trickles:
+                t.stop()
+
+
+def two_replicas(g: SleepyGateway, reps: dict[str, LaunchedInstance], trickles: list[Trickle]) -> None:
+    """The steps of test_two_sleeping_replicas_end_to_end; a trickle it starts is added to ``trickles``."""
+    addr = {f"127.0.0.1:{r.port}": n for n, r in reps.items()}
+    seen = 0  # chat completions the access log has so far
+
+    def chats() -> list[dict[str, Any]]:
+        return [e for e in g.gw.log() if e["uri"] == "/v1/chat/completions"]
+
+    def answered(n: int) -> list[dict[str, Any]]:
+        """The next ``n`` chat completions of the access log, once nginx has logged them all."""
+        nonlocal seen
+        assert wait_for(lambda: len(chats()) >= seen + n, 10), (len(chats()), seen, n)
+        got, seen = chats()[seen : seen + n], seen + n
+        assert len(chats()) == seen, "more requests through nginx than sent"
+        return got
+
+    def served_by(entries: list[dict[str, Any]]) -> Counter[str]:
+        """Per replica, the requests it answered (each entry's last try)."""
+        return Counter(addr[e["upstream_addr"].split(" : ")[-1]] for e in entries)
+
+    def all_asleep() -> None:
+        for r in reps.values():
+            until_asleep(r)
+        g.until_asleep(*REPLICAS)
+
+    # 1. both idle: both asleep (the launchers' state files), then the watch's file lists both
+    all_asleep()
+    before = {n: wakes(r) for n, r in reps.items()}
+
+    # 2a. a burst while both are asleep and none is waking: nginx picks each request's replica as if nothing
+    # slept; least_conn counts the requests held in a waking guard, so the burst spreads and both wake (the
+    # watch cannot say "waking" before its next poll, up to 1 s later; docs/sleep.md "Nothing awake",
+    # "The file lags the truth"). Each is woken once, whatever it holds; every request is answered whole.
+    for r in reps.values():  # a wake long enough for the whole burst to arrive while it lasts
+        assert http_json("POST", r.url + "/sim/control", {"wake_seconds": 1.0})[0] == 200
+    assert burst(g.gw.url) == [(200, "")] * BURST
+    log = answered(BURST)
+    assert {e["upstream"] for e in log} == {UPSTREAM}  # nothing awake nor waking: the upstream as always
+    by = served_by(log)
+    assert wait_for(lambda: all(wakes(reps[n]) == before[n] + 1 for n in by), 10), by
+    assert {n: wakes(r) - before[n] for n, r in reps.items()} == {n: int(n in by) for n in reps}
+    assert set(by) == set(REPLICAS), by  # both woke: the promise is "no request dropped", not "one wake"
+
+    # 2b. both asleep again; one request wakes one replica (slowly: 3 s), and once the watch lists it as
+    # waking, a burst goes to it alone: the waking one before the asleep one; the other is never woken
+    all_asleep()
+    before = {n: wakes(r) for n, r in reps.items()}
+    for r in reps.values():
+        assert http_json("POST", r.url + "/sim/control", {"wake_seconds": 3.0})[0] == 200
+    with ThreadPoolExecutor(1) as ex:
+        first = ex.submit(one_request, g.gw.url, False)
+        assert wait_for(lambda: len(g.waking() or []) == 1, 10, 0.05), (g.asleep(), g.waking())
+        (x,) = g.waking() or []
+        (y,) = set(REPLICAS) - {x}
+        assert g.asleep() == sorted(REPLICAS) and sleep_state(reps[x]) == "waking"
+        assert burst(g.gw.url, BURST - 1) == [(200, "")] * (BURST - 1)
+        assert first.result(30) == (200, "")
+    trickle = Trickle(reps[x])  # from now on x never idles long enough to sleep
+    trickles.append(trickle)
+    log = answered(BURST)
+    assert served_by(log) == {x: BURST}
+    assert Counter(e["upstream"] for e in log) == {UPSTREAM: 1, f"{UPSTREAM}__z__{x}__z__{y}": BURST - 1}
+    assert wait_for(lambda: wakes(reps[x]) == before[x] + 1, 10)
+    assert wakes(reps[y]) == before[y] and sleep_state(reps[y]) == "asleep"
+
+    # 3. x awake (kept busy by the trickle), y asleep: every request through nginx goes to x; y is neither
+    # reached (its engine's finished-request count stands still) nor woken
+    a, b = reps[x], reps[y]
+    for r in reps.values():
+        assert http_json("POST", r.url + "/sim/control", {"wake_seconds": 0.5})[0] == 200
+    g.until_asleep(y)
+    b_wakes, b_served, a_served = wakes(b), requests_served(b.url), requests_served(a.url)
+    assert burst(g.gw.url, 10) == [(200, "")] * 10
+    log = answered(10)
+    assert served_by(log) == {x: 10}
+    assert {e["upstream"] for e in log} == {f"{UPSTREAM}__z__{y}"}  # y taken out of the order, put last
+    assert {e["upstream_status"] for e in log} == {"200"}  # one try each
+    assert requests_served(b.url) == b_served and wakes(b) == b_wakes and sleep_state(b) == "asleep"
+    assert requests_served(a.url) >= a_served + 10
+
+    # 4. x killed, launcher and engine: the watch cannot reach its guard and counts it awake (never hides
+    # it), so the next request tries x first, is refused before any byte, and goes on to y, whose guard
+    # holds it while its launcher wakes it
+    assert set(trickle.stop()) == {200}
+    kill_with_engine(a)
+    assert wait_for(lambda: guard_state("127.0.0.1", a.port, 0.5) is None, 10)
+    assert g.asleep() == [y]
+    assert one_request(g.gw.url, False) == (200, "")
+    (entry,) = answered(1)
+    assert entry["upstream_status"] == "502 : 200", entry
+    assert entry["upstream_addr"] == f"127.0.0.1:{a.port} : 127.0.0.1:{b.port}", entry
+    # the launcher writes its state once the engine answered the wake, maybe after the answer above
+    assert wait_for(lambda: wakes(b) == b_wakes + 1 and sleep_state(b) == "awake", 10), b.state()
+    assert requests_served(b.url) == b_served + 1

@@ -4,7 +4,8 @@ plays the launcher (its pid is the engine's ``LAUNCHER_PID_ENV``; its SIGUSR1 ha
 thread, or reports the wake failed). Development paths are hidden without the token; /sleep is refused while a
 stream runs; a request sent while asleep is held, the signal comes, the wake happens, and the answer is a
 normal 200 (a stream complete to [DONE]); a failed wake, no wake, or a reported failure gives a 503 JSON with
-Retry-After. Seconds, no vLLM (tests/unit/test_sleep_guard.py has the guard's rules one by one)."""
+Retry-After; a held request whose client closed the connection is let go at once, never run. Seconds, no vLLM
+(tests/unit/test_sleep_guard.py has the guard's rules one by one)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import pytest
 
 from vllm_fleet import contracts
 from vllm_fleet.devtools.gateway_testing import wait_for
-from vllm_fleet.devtools.testing import SimEngineProcess, http_json
+from vllm_fleet.devtools.testing import SimEngineProcess, http_json, requests_served
 
 TOKEN = "test-admin-token"
 ADMIN = {contracts.ADMIN_TOKEN_HEADER: TOKEN}
@@ -267,6 +269,36 @@ def test_a_held_stream_is_complete_after_the_wake(engine: SimEngineProcess, laun
     events = [b for b in call.text.split("\n\n") if b]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     assert json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_held_request_whose_client_left_is_let_go_at_once(
+    engine: SimEngineProcess, launcher: Launcher
+) -> None:
+    """The client closes its connection while its request is held (as nginx does when its own client goes away):
+    the guard stops holding it at once, well before the wake wait would end it, so its count does not leak (the
+    engine may sleep again), and the wake that follows never runs it. (Before the reported failed wake below: for
+    its retry_after the guard refuses a request that would be held at once, with no signal.)"""
+    put_to_sleep(engine)
+    served = requests_served(engine.url)
+    launcher.reset("wake", go=False)
+    body = json.dumps(completion()).encode()
+    head = ["POST /v1/completions HTTP/1.1", "Host: sim", "Content-Type: application/json"]
+    head.append(f"Content-Length: {len(body)}")
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as sock:
+        sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+        assert launcher.signalled.wait(10), "no SIGUSR1 for the held request"
+        assert state(engine)["held"] == 1
+        left = time.monotonic()
+    assert wait_for(lambda: state(engine)["held"] == 0, WAIT / 2, 0.02), state(engine)
+    assert time.monotonic() - left < WAIT / 2  # let go, not refused when the wait ended
+    s = state(engine)
+    assert (s["state"], s["inflight"]) == ("asleep", 0)
+    launcher.go.set()  # the wake it asked for goes ahead: the engine wakes with nothing to run
+    assert launcher.done.wait(10) and launcher.answers == [("/wake_up", 200, None)]
+    assert wait_for(lambda: idle(state(engine)), 5), state(engine)
+    assert requests_served(engine.url) == served
+    assert engine.control()[1]["running"] == engine.control()[1]["waiting"] == 0
+    put_to_sleep(engine)  # nothing held nor in flight: the sleep is not refused
 
 
 def test_a_level_2_wake_reloads_the_weights(engine: SimEngineProcess, launcher: Launcher) -> None:

@@ -44,14 +44,17 @@ What it models (each checked against a real vLLM-CPU engine by tests/integration
   0.21 on the H200, docs/perf/sleep.md), requests in flight stand still; ``/health`` and ``/metrics`` still
   answer (an assumption the H200 run checks), ``vllm:engine_sleep_state`` tells the level. With ``--middleware
   vllm_fleet.host.sleep_guard.SleepGuard`` (as the launcher starts a sleeping model's engine) the guard's own
-  core (``SleepCore``, its environment read at start) is in front of every route but ``/sim/*``.
+  core (``SleepCore``, its environment read at start) is in front of every route but ``/sim/*``; a request it
+  holds is dropped when its client closes the connection (the guard's ``until_gone``, as Starlette's
+  ``http.disconnect``): never forwarded, no longer counted as held.
 
 Controls for tests (``POST /sim/control`` with a JSON object, answered with the current settings):
 ``{"token_delay": 0.05}`` slower decoding; ``{"stall": true}`` the engine core stops (no token, no step, the
 counters stand still; ``/health`` and ``/metrics`` still answer: a hung worker); ``{"hang": true}`` the API
 server hangs too (connections are accepted, nothing is answered, not even ``/sim/control``: undo with a
 restart); ``{"die": true}`` or ``{"die": 3}`` answers, then exits at once with 1 or that code; ``{"wake_fail": true}``
-every ``/wake_up`` answers vLLM's 500 (the engine stays asleep). ``kill -STOP`` works as on any process.
+every ``/wake_up`` answers vLLM's 500 (the engine stays asleep); ``{"wake_seconds": 3}`` how long a ``/wake_up``
+takes from now on (``--sim-wake-seconds``). ``kill -STOP`` works as on any process.
 
 Not modelled: real text or tokenizers (tokens are words of a fixed vocabulary, counted roughly), sampling
 parameters, logprobs, tools, multi-modal input, what an adapter's weights do to the text, ``n > 1``, KV-cache
@@ -89,6 +92,7 @@ from vllm_fleet.host.sleep_guard import Answer, SleepCore, wake_tags
 VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VERSION}-sim"
 BLOCK_SIZE = 128  # vLLM-CPU's KV block size (cache_config_info.block_size)
+GONE_POLL_SECONDS = 0.05  # a request the sleep guard holds: how often its client's connection is looked at
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 VOCAB = (
     " the", " of", "def", " return", "(", ")", ":", " self", " value", " import", " data", "_name", " in",
@@ -623,8 +627,8 @@ class SimServer:
                 resp = Response(writer, keep)
                 if self.sleep_core is None or req.path.startswith("/sim/"):
                     await self.answer(req, resp)
-                else:
-                    await self.guarded(self.sleep_core, req, resp)
+                elif not await self.guarded(self.sleep_core, req, resp, reader):
+                    break  # the client left while its request was held
                 if not keep:
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -641,24 +645,38 @@ class SimServer:
             retry = self.retry_after is not None and e.status in stream_guard.OVERLOAD
             await resp.send_json(e.status, e.body, [("retry-after", str(self.retry_after))] if retry else [])
 
-    async def guarded(self, core: SleepCore, req: HTTPRequest, resp: Response) -> None:
+    async def guarded(
+        self, core: SleepCore, req: HTTPRequest, resp: Response, reader: asyncio.StreamReader
+    ) -> bool:
         """The sleep guard's core in front of the routes, as ``SleepGuard`` is in front of vLLM's: its own
-        answer, or the route's, and the end of it told to the core (the response's last byte is written)."""
+        answer, or the route's, and the end of it told to the core (the response's last byte is written).
+        False when the client closed the connection while its request was held (nothing sent: the
+        connection is done)."""
 
         async def body() -> bytes:
             return req.body
 
-        verdict = await core.enter(req.method, req.path, req.query, req.headers, body)
+        async def until_gone() -> None:
+            # the client's end of the connection: EOF read (nginx closes its upstream connection when its own
+            # client goes away) or the connection lost; polled, as a StreamReader has no wait-for-EOF that
+            # leaves a next request's bytes unread
+            while not (reader.at_eof() or reader.exception() is not None or resp.writer.is_closing()):
+                await asyncio.sleep(GONE_POLL_SECONDS)
+
+        verdict = await core.enter(req.method, req.path, req.query, req.headers, body, until_gone)
+        if verdict is None:
+            return False
         if isinstance(verdict, Answer):
             extra = [] if verdict.retry_after is None else [("retry-after", str(verdict.retry_after))]
             await resp.send(verdict.status, verdict.body, verdict.content_type, extra)
-        elif verdict is not None:  # None: the client left while held (never here: the sim does not watch)
-            try:
-                await self.answer(req, resp)
-            except BaseException:
-                verdict.done(None)
-                raise
-            verdict.done(resp.status)
+            return True
+        try:
+            await self.answer(req, resp)
+        except BaseException:
+            verdict.done(None)
+            raise
+        verdict.done(resp.status)
+        return True
 
     async def dispatch(self, req: HTTPRequest, resp: Response) -> None:
         routes: dict[tuple[str, str], Callable[[HTTPRequest, Response], Awaitable[None]]] = {
@@ -853,6 +871,8 @@ class SimServer:
         body = self._json(req) if req.method == "POST" else {}
         if "wake_fail" in body:
             self.wake_fail = bool(body["wake_fail"])
+        if "wake_seconds" in body:
+            self.args.sim_wake_seconds = float(body["wake_seconds"])
         if "token_delay" in body:
             self.engine.token_delay = float(body["token_delay"])
         if "stall" in body:
@@ -861,7 +881,8 @@ class SimServer:
         state = {"token_delay": self.engine.token_delay, "stall": self.engine.stalled,
                  "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                  "asleep": sorted(self.asleep_tags), "sleep_level": self.sleep_level,
-                 "weights_loaded": self.weights_loaded, "wake_fail": self.wake_fail}  # fmt: skip
+                 "weights_loaded": self.weights_loaded, "wake_fail": self.wake_fail,
+                 "wake_seconds": self.args.sim_wake_seconds}  # fmt: skip
         if body.get("die"):  # answered first, then the process exits at once
             code = 1 if body["die"] is True else int(body["die"])
             log(f"sim: dying with exit code {code} (asked to)", "ERROR")

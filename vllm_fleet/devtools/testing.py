@@ -60,6 +60,21 @@ def http_json(
         return status, raw.decode(errors="replace")
 
 
+def requests_served(engine_url: str, timeout: float = 5) -> int:
+    """How many requests the engine at ``engine_url`` finished (the sum of its ``vllm:request_success_total``
+    series, every finish reason) as its ``/metrics`` says now; the sleep guard neither holds nor counts it."""
+    with urllib.request.urlopen(engine_url + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    return round(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total{")
+            or line.startswith("vllm:request_success_total ")
+        )
+    )
+
+
 def engine_env(cache_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
