@@ -705,6 +705,26 @@ def test_after_the_retry_window_a_request_is_held_and_signals_again() -> None:
     run(body)
 
 
+def test_a_wake_ends_a_failed_wakes_refusal_window() -> None:
+    """A failed wake, then a wake that succeeds (the next signal's) and a sleep again within retry_after (a swap
+    group peer asked it to yield): the next request is held and signals, not refused for the old failure."""
+
+    async def body() -> None:
+        guard, _, kills = make(interval=0.01)
+        await put_to_sleep(guard)
+        r = await call(guard, "POST", contracts.WAKE_FAILED_PATH, ADMIN, b'{"retry_after": 60}')
+        assert r.status == 200
+        assert (await call(guard, "POST", "/wake_up", ADMIN)).status == 200
+        await put_to_sleep(guard)
+        signals = len(kills)
+        held = task(call(guard, "POST", "/v1/completions", body=b"{}"))
+        await until(lambda: guard.core.held == 1 and len(kills) > signals)
+        await call(guard, "POST", "/wake_up", ADMIN)
+        assert (await held).status == 200
+
+    run(body)
+
+
 @pytest.mark.parametrize(
     "payload",
     [b"not json", b"[1]", b'{"retry_after": -1}', b'{"retry_after": "5"}', b'{"retry_after": true}'],

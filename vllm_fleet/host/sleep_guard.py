@@ -317,6 +317,7 @@ class SleepCore:
         if status == 200:
             if not tags or LEVEL2_WAKE_LAST_TAG in tags:
                 self.asleep_since = None
+                self._failed_until = -math.inf  # awake: a failed wake's refusal window is over
                 self._set(AWAKE)
         elif self.state == WAKING:
             self._set(ASLEEP)
