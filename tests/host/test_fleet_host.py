@@ -233,6 +233,16 @@ def test_gateway_config_valid(host: Any, vf: dict[str, Any]) -> None:
         )
         res = host.run("python3 -c %s %s", ask, adm["socket"])
         assert res.rc == 0 and res.stdout.startswith("HTTP/1.1 200"), (res.stdout, res.stderr)
+    watch = host.service("vllm-fleet-sleepwatch")
+    if vf["gateway_sleepwatch_on"]:
+        # models[].sleep with a choice of replicas: the sleep watch writes the instances not awake for the router
+        assert watch.is_running and watch.is_enabled, "the sleep watch is not running"
+        assert host.file(vf["gateway_sleepwatch"]["asleep_file"]).is_file, "the sleep watch wrote no file"
+    else:
+        # no routed model sleeps (any more): nothing of the watch is left to start
+        assert not watch.is_running and not watch.is_enabled
+        left = [p for p in vf["gateway_sleepwatch_files"] if host.file(p).exists]
+        assert not left, f"the sleep watch's files are left: {left}"
 
 
 def test_prometheus_config_targets_rules(host: Any, vf: dict[str, Any]) -> None:

@@ -130,6 +130,18 @@ def test_the_role_starts_the_watch_only_when_a_routed_model_sleeps() -> None:
     assert stop["when"][0].startswith("not vf.gateway_sleepwatch_on and")
     names = list(run)
     assert names.index("Enable and start the sleep watch") < names.index("Enable and start nginx")
+    # off: stopped and disabled (with its unit file), then its files removed and systemd told
+    remove = run["Remove the sleep watch's config and unit (no routed model sleeps)"]
+    assert remove["ansible.builtin.file"]["state"] == "absent"
+    assert remove["loop"] == "{{ vf.gateway_sleepwatch_files }}"
+    assert remove["when"].startswith("not vf.gateway_sleepwatch_on and")
+    forget = run["Forget the sleep watch's unit (systemctl daemon-reload)"]
+    assert forget["when"].startswith(f"{remove['register']} is changed")
+    assert (
+        names.index("Stop the sleep watch (no routed model sleeps)")
+        < names.index("Remove the sleep watch's config and unit (no routed model sleeps)")
+        < names.index("Forget the sleep watch's unit (systemctl daemon-reload)")
+    )
     configure = {t["name"]: t for t in _tasks("configure.yml")}
     read = configure["Read nginx's and the admission service's state"]["vllm_fleet_host_state"]["units"]
     assert "vllm-fleet-sleepwatch.service" in read
@@ -195,12 +207,15 @@ def test_a_sleeping_model_renders_the_watch_and_marks_routes(tmp_path: Path) -> 
         assert f"\n{line}\n" in unit, line
     assert "ReadWritePaths" not in unit
     assert context_on(spec) is True
+    assert set(build_context(spec, "h1")["vf"]["gateway_sleepwatch_files"]) <= set(files)
 
 
 def test_without_a_sleeping_model_nothing_of_the_watch_is_rendered(tmp_path: Path) -> None:
     spec = _spec(tmp_path, sleeps=False)
     files = _files(spec)
     assert SLEEPWATCH_CONFIG_FILE not in files and UNIT not in files
+    # what the role removes then: the files a sleeping model renders
+    assert build_context(spec, "h1")["vf"]["gateway_sleepwatch_files"] == [SLEEPWATCH_CONFIG_FILE, UNIT]
     routes = json.loads(files["/etc/nginx/vllm-fleet/routes.json"])
     assert routes["asleep_file"] is None and not any(m["sleeps"] for m in routes["models"])
     assert context_on(spec) is False

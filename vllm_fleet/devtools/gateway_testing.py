@@ -215,13 +215,14 @@ class Gateway:
 
 
 class StubEngine:
-    """An engine stand-in on a free loopback port: any method on any path answers ``status`` (200 by default)
+    """An engine stand-in on a free port of ``host`` (loopback by default; a sandbox host reaches one on the
+    bridge's address): any method on any path answers ``status`` (200 by default)
     with {"served_by": NAME, "model": the body's model, "path": PATH}, after ``delay`` seconds; ``seen`` lists
     (method, path) of every request that reached it, ``hits`` counts them. With ``sleep_state`` set (one of
     contracts.SLEEP_STATES) it also plays a sleep guard's public reading: ``GET SLEEP_STATE_PATH`` answers
     {"state": sleep_state, ...} (not counted in ``seen``)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
         self.name, self.status, self.delay = name, 200, 0.0
         self.sleep_state: str | None = None
         self.seen: list[tuple[str, str]] = []
@@ -267,7 +268,7 @@ class StubEngine:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server = ThreadingHTTPServer((host, 0), H)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

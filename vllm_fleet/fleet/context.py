@@ -51,7 +51,7 @@ from vllm_fleet.fleet.network import (
 from vllm_fleet.fleet.plan import InstancePlan, Plan, make_plan
 from vllm_fleet.fleet.plan_checks import worker_connections
 from vllm_fleet.fleet.routes import gateway_routes, route_index
-from vllm_fleet.fleet.sleepwatch_plan import sleepwatch_plan
+from vllm_fleet.fleet.sleepwatch_plan import sleepwatch_files, sleepwatch_plan
 from vllm_fleet.fleet.spec import DEFAULT_STACK, FleetSpec, Host, ModelInstance, Routing, spec_hash
 
 ANSIBLE_MANAGED = "Ansible managed"
@@ -261,6 +261,8 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     # router reads (None: no routed model sleeps, nothing rendered, nothing read; fleet/sleepwatch_plan.py)
     vf["gateway_sleepwatch"] = sleepwatch_plan(spec.name, vf["gateway_routes"])
     vf["gateway_sleepwatch_on"] = vf["gateway_sleepwatch"] is not None
+    # its files, also when off: the role removes them then (a stopped watch leaves nothing to start)
+    vf["gateway_sleepwatch_files"] = sleepwatch_files()
     # a served model has a `rollouts` entry: the preflight reads its running instances' configs and plans them
     # as they run (docs/rollouts.md)
     vf["rollouts_hold"] = bool(spec.rollouts)

@@ -25,6 +25,14 @@ from vllm_fleet.fleet.admission_config import NGINX_GROUP, runtime_directory
 
 # read when a plan is made, not when this module is imported: the gateway tests point it at their own folder
 ASLEEP_FILE = SLEEP_ASLEEP_FILE
+# the watch's unit (nginx/vllm-fleet-sleepwatch.service.j2)
+UNIT_FILE = "/etc/systemd/system/vllm-fleet-sleepwatch.service"
+
+
+def sleepwatch_files() -> list[str]:
+    """``vf.gateway_sleepwatch_files``: the files rendered for the watch (its config, its unit), on every gateway
+    host whether the watch runs or not: the gateway role removes them when no routed model sleeps any more."""
+    return [SLEEPWATCH_CONFIG_FILE, UNIT_FILE]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -61,6 +69,7 @@ def sleepwatch_plan(fleet: str, routes: list[dict[str, Any]]) -> dict[str, Any] 
     )
     return {
         "config_file": SLEEPWATCH_CONFIG_FILE,
+        "unit_file": UNIT_FILE,
         "config": config.to_dict(),
         "asleep_file": asleep_file,
         # its folder: made by systemd for the unit under /run (RuntimeDirectory=, kept when it stops: the router
