@@ -44,8 +44,12 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO / "tools"))
     from run_tests import streams  # the stream `make test` runs each module in (tools/run_tests.py)
 
-    lanes, phase2 = streams(REPO)  # phase 1: lanes side by side, each a list of streams run one after the other
-    stream_of = {Path(p).name: s.name for s in [*(s for lane in lanes for s in lane), *phase2] for p in s.paths}
+    lanes, phase2 = streams(
+        REPO
+    )  # phase 1: lanes side by side, each a list of streams run one after the other
+    stream_of = {
+        Path(p).name: s.name for s in [*(s for lane in lanes for s in lane), *phase2] for p in s.paths
+    }
     ci = set(collected("not extended"))
     every = collected("")
     measured = times(argv)
