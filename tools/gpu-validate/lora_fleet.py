@@ -96,10 +96,12 @@ NARROW_CLIENT = "narrow"
 
 
 @dataclass
-class Layout:
+class LabLayout:
+    """What every lab through vllm-fleet has (this one and sleep_fleet.py's): the spec's paths.prefix, local or
+    the device, the gateway's ports, nginx's files."""
+
     root: Path  # the spec's paths.prefix
     local: bool
-    engine_port: int = 8002
     gw_port: int = 8000
     stub_port: int = 8081
     admission_metrics_port: int = 9402
@@ -116,6 +118,11 @@ class Layout:
     @property
     def state_dir(self) -> Path:
         return self.root / "run"
+
+
+@dataclass
+class Layout(LabLayout):
+    engine_port: int = 8002
 
     @property
     def adapters(self) -> Path:
@@ -550,7 +557,20 @@ def sha256s(folder: Path) -> dict[str, str]:
 
 
 class RunStop(Exception):
-    """A step cannot go on (its message says why): the run stops the launcher and writes what it has."""
+    """A step cannot go on (its message says why): the run stops the launcher(s) and writes what it has."""
+
+
+def sim_engine_script(root: Path, tool: str, sim_args: str) -> None:
+    """--local: the spec's engine command ($venv/bin/vllm under ``root``) as a script that runs the sim engine with
+    the rendered arguments and ``sim_args`` (the sim's own flags)."""
+    vllm = root / "venv/bin/vllm"
+    vllm.parent.mkdir(parents=True, exist_ok=True)
+    vllm.write_text(
+        f"#!/bin/sh\n# {tool} --local: the rendered engine command runs the sim engine\n"
+        f'PYTHONPATH={REPO}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} -m vllm_fleet.devtools.sim_engine "$@" '
+        f"{sim_args}\n"
+    )
+    vllm.chmod(0o755)
 
 
 # ---- the lab: adapters, model, engine command (device: what run-device.sh install left; local: the sim)
@@ -569,14 +589,7 @@ def make_local_lab(lay: Layout, n: int, token_delay: float) -> dict[str, Any]:
                 "lora_alpha": 2 * RANK, "lora_dropout": 0.0, "bias": "none",
                 "target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]}  # fmt: skip
         (d / "adapter_config.json").write_text(json.dumps(conf, indent=2))
-    vllm = lay.root / "venv/bin/vllm"
-    vllm.parent.mkdir(parents=True, exist_ok=True)
-    vllm.write_text(
-        "#!/bin/sh\n# lora_fleet.py --local: the rendered engine command runs the sim engine\n"
-        f'PYTHONPATH={REPO}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} -m vllm_fleet.devtools.sim_engine "$@" '
-        f"--sim-token-delay {token_delay}\n"
-    )
-    vllm.chmod(0o755)
+    sim_engine_script(lay.root, "lora_fleet.py", f"--sim-token-delay {token_delay}")
     return {"adapters": n, "engine": f"sim engine, token delay {token_delay} s"}
 
 

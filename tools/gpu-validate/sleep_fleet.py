@@ -110,27 +110,9 @@ RESERVE_S = 100.0  # what a run keeps for the endpoints, the exporter and the st
 
 
 @dataclass
-class Layout:
-    root: Path  # the spec's paths.prefix
-    local: bool
-    address: str  # the GPU host's address: the engines listen there
+class Layout(lf.LabLayout):
+    address: str = "127.0.0.1"  # the GPU host's address: the engines listen there (layout() finds it)
     ports: dict[str, int] = field(default_factory=lambda: {A: 8002, B: 8003})
-    gw_port: int = 8000
-    stub_port: int = 8081
-    admission_metrics_port: int = 9402
-    nginx_root: Path | None = None  # LabGateway's (None: root/nginx, the unpacked Debian packages)
-
-    @property
-    def log(self) -> Path:
-        return self.root / "log"
-
-    @property
-    def etc(self) -> Path:
-        return self.root / "etc"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "run"
 
     @property
     def model_a(self) -> Path:
@@ -484,9 +466,7 @@ class Inst:
         ]
 
 
-class RunStop(Exception):
-    """A step cannot go on (its message says why): the run stops the launchers and writes what it has."""
-
+RunStop = lf.RunStop  # a step cannot go on: the run stops the launchers and writes what it has
 
 # ---- the lab: the models and the engine command (device: what run-device.sh install left; local: the sim)
 
@@ -497,14 +477,8 @@ def make_local_lab(lay: Layout, token_delay: float) -> dict[str, Any]:
     for d in (lay.model_a, lay.model_b):
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "vllm_fleet/data/qwen3-8b-config.json", d / "config.json")
-    vllm = lay.root / "venv/bin/vllm"
-    vllm.parent.mkdir(parents=True, exist_ok=True)
-    vllm.write_text(
-        "#!/bin/sh\n# sleep_fleet.py --local: the rendered engine command runs the sim engine\n"
-        f'PYTHONPATH={REPO}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} -m vllm_fleet.devtools.sim_engine "$@" '
-        f"--sim-token-delay {token_delay} --sim-sleep-seconds 0.3 --sim-wake-seconds 0.1\n"
-    )
-    vllm.chmod(0o755)
+    sim = f"--sim-token-delay {token_delay} --sim-sleep-seconds 0.3 --sim-wake-seconds 0.1"
+    lf.sim_engine_script(lay.root, "sleep_fleet.py", sim)
     return {"engine": f"sim engine, token delay {token_delay} s", "weights": "none (the sim reads none)"}
 
 
