@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from vllm_fleet.devtools.testing import load_tool
+from vllm_fleet.devtools.testing import strings_in as strings
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import parse_spec
 
@@ -23,16 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def lf() -> ModuleType:
     return load_tool(REPO / "tools" / "gpu-validate" / "lora_fleet.py", "gpu_lora_fleet")
-
-
-def strings(x: Any) -> list[str]:
-    if isinstance(x, str):
-        return [x]
-    if isinstance(x, dict):
-        return [s for v in x.values() for s in strings(v)]
-    if isinstance(x, list):
-        return [s for v in x for s in strings(v)]
-    return []
 
 
 def test_the_spec_moves_to_the_local_root_and_the_sync_step_changes_only_the_adapters_file(

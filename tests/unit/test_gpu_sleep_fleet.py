@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from vllm_fleet.devtools.testing import load_tool
+from vllm_fleet.devtools.testing import strings_in as strings
 from vllm_fleet.devtools.tinymodel import (
     qwen3_8b_config,
     qwen3_weight_shapes,
@@ -33,16 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def sf() -> ModuleType:
     return load_tool(REPO / "tools" / "gpu-validate" / "sleep_fleet.py", "gpu_sleep_fleet")
-
-
-def strings(x: Any) -> list[str]:
-    if isinstance(x, str):
-        return [x]
-    if isinstance(x, dict):
-        return [s for v in x.values() for s in strings(v)]
-    if isinstance(x, list):
-        return [s for v in x for s in strings(v)]
-    return []
 
 
 # ---- the spec

@@ -324,3 +324,15 @@ def load_tool(path: Path, name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def strings_in(x: Any) -> list[str]:
+    """Every string in a JSON-like value (nested dicts' values and lists), in order: what a test searches for a path
+    that should have been moved (tests/unit/test_gpu_lora_fleet.py, test_gpu_sleep_fleet.py)."""
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, dict):
+        return [s for v in x.values() for s in strings_in(v)]
+    if isinstance(x, list):
+        return [s for v in x for s in strings_in(v)]
+    return []
