@@ -607,7 +607,7 @@ def test_the_exported_sleep_series_follow_the_launchers_sleep_controller(
                      m[("vllm_fleet_instance_failed_wakes_total", lbl(**i))]))  # fmt: skip
 
     def idle(t: float) -> None:
-        sc.guard_read(t, GuardReading("awake", 0, 0, wall0, wall0 + t), may_sleep=True)
+        sc.guard_read(t, GuardReading("awake", 0, 0, wall0, wall0 + t))
 
     scrape_at(10)  # awake
     idle(40)  # idle 40 s >= 30 s: going to sleep

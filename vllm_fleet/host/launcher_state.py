@@ -386,7 +386,7 @@ class Supervisor:
         if sleep is not None:
             if hung := sleep.hung(now):
                 return [Kill(wait=True), *self.fail(EXIT_ENGINE_DIED, f"engine hung: {hung}")]
-            out += sleep.tick(now, may_sleep=True)
+            out += sleep.tick(now)
         if sleep is not None and sleep.state != "awake":
             # asleep, or going to sleep or waking: a decode check would wake it (the guard holds it)
             out += self._sleep_ping(now)
@@ -567,7 +567,7 @@ class Supervisor:
         # a liveness check may run meanwhile: its decode is counted by the guard (a 409 if it is in flight when
         # the sleep comes), refused at once if it arrives after (never held, never a wake), and its verdict
         # dropped (check_done)
-        out = sleep.guard_read(now, reading, may_sleep=True)
+        out = sleep.guard_read(now, reading)
         if reading is not None and sleep.state == "asleep":
             self.liveness.alive_at = now
             due = self.last_ping is None or now - self.last_ping >= self.probe_interval

@@ -113,8 +113,8 @@ class SleepControl:
         return self.cfg.group
 
     # ------------------------------------------------------------------ the clock and the guard's readings
-    def tick(self, now: float, may_sleep: bool) -> list[Action]:
-        """``may_sleep``: the engine is ready and not stopping."""
+    def tick(self, now: float) -> list[Action]:
+        """The engine serves (ready, not stopping: the supervisor calls this only then)."""
         if self.op:
             return []
         out: list[Action] = []
@@ -122,12 +122,12 @@ class SleepControl:
             out += self._try_wake(now)
             if self.op:
                 return out
-        if not self.polling and now >= self.next_poll and (self.state == "asleep" or may_sleep):
+        if not self.polling and now >= self.next_poll:
             self.polling = True
             out.append(PollGuard())
         return out
 
-    def guard_read(self, now: float, reading: GuardReading | None, may_sleep: bool) -> list[Action]:
+    def guard_read(self, now: float, reading: GuardReading | None) -> list[Action]:
         """The guard's state (None: it did not answer)."""
         self.polling = False
         self.next_poll = now + GUARD_POLL_SECONDS
@@ -138,7 +138,7 @@ class SleepControl:
         # is read from it by a peer that needs a slot)
         out: list[Action] = [Save()] if reading.last_request_at != self.last_active_at else []
         self.last_active_at = reading.last_request_at
-        if self.state != "awake" or self.op or not may_sleep or reading.inflight or reading.held:
+        if self.state != "awake" or self.op or reading.inflight or reading.held:
             return out
         idle = reading.wall - reading.last_request_at
         asked = now < self.yield_until
