@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 from pathlib import Path
+
+from launcher_clock import Clock
 
 from vllm_fleet.contracts import (
     SLEEP_TRANSITION_TIMEOUT_SECONDS,
@@ -68,15 +69,13 @@ def config(level: int = 1, idle: float | None = 30.0, group: str = "g", wait: fl
     )
 
 
-class Run:
-    """A ready sleeper on a fake clock: every action kept with its time."""
+class Run(Clock):
+    """A ready sleeper on a fake clock: every action kept with its time, a liveness check answered at once."""
 
     def __init__(self, cfg: InstanceConfig, slots: FakeSlots | None = None) -> None:
         self.slots = slots if slots is not None else FakeSlots()
         self.slots.try_take()  # the launcher took it before the engine started (Launcher.wait_for_slot)
-        self.sm = Supervisor(cfg, 30, 0.0, WALL0, self.slots)
-        self.now = 0.0
-        self.seen: list[tuple[float, Action]] = []
+        super().__init__(Supervisor(cfg, 30, 0.0, WALL0, self.slots), 0.0)
         self.checks: list[float] = []
         self.feed(self.sm.engine_started(0.0, 77))
         self.feed(self.sm.ready_probe_done(0.0, ProbeResult(True, 0.1, "", "decode")))
@@ -93,15 +92,6 @@ class Run:
             self.checks.append(self.now)
             return actions + self.feed(self.sm.check_done(self.now, check))
         return actions
-
-    def tick_to(self, t: float) -> list[Action]:
-        out: list[Action] = []
-        k = math.floor(self.now * 4 + 1e-9) + 1
-        while k / 4 <= t + 1e-9:
-            self.now = k / 4
-            out += self.feed(self.sm.tick(self.now))
-            k += 1
-        return out
 
     def at(self, t: float) -> Run:
         self.now = t
