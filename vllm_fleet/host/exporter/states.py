@@ -190,6 +190,22 @@ STATE_METRICS = (
 )
 
 
+Families = list[tuple[GaugeMetricFamily | CounterMetricFamily, str, Callable[[Any], float | None]]]
+
+
+def _add_row(
+    lv: list[str], st: Any, current: Any, states: tuple[str, ...], state: GaugeMetricFamily, fams: Families
+) -> None:
+    """One instance's series: its one-hot ``state`` over ``states`` (``current`` 1, the others 0), and each of
+    ``fams`` (family, state file key, conversion) whose value the state file has."""
+    for s in states:
+        state.add_metric([*lv, s], 1 if current == s else 0)
+    for fam, key, value in fams:
+        v = value(st.get(key))
+        if v is not None:
+            fam.add_metric(lv, v)
+
+
 def instance_metrics(instances: list[Instance]) -> Iterator[Metric]:
     """The launcher state files' series, one per instance (configured or with a state file)."""
     lbl = ["instance", "model"]
@@ -209,13 +225,7 @@ def instance_metrics(instances: list[Instance]) -> Iterator[Metric]:
         lv = [i.name, i.model]
         st = i.state or {}
         present.add_metric(lv, 1 if i.state is not None else 0)
-        current = st.get("state")
-        for s in STATES:
-            state.add_metric([*lv, s], 1 if current == s else 0)
-        for fam, key, value in fams:
-            v = value(st.get(key))
-            if v is not None:
-                fam.add_metric(lv, v)
+        _add_row(lv, st, st.get("state"), STATES, state, fams)
     phase = GaugeMetricFamily(
         PREFIX + "instance_phase_info",
         "The launcher's phase and failure reason (its systemd STATUS, in words)",
@@ -347,12 +357,7 @@ def sleep_metrics(instances: list[Instance], at: float | None = None) -> Iterato
         if current is None:
             continue
         lv = [i.name, i.model]
-        for s in SLEEP_STATES:
-            state.add_metric([*lv, s], 1 if current == s else 0)
-        for fam, key, value in fams:
-            v = value(st.get(key))
-            if v is not None:
-                fam.add_metric(lv, v)
+        _add_row(lv, st, current, SLEEP_STATES, state, fams)
         wake.add_metric(
             lv,
             count_value=int(_number(st.get("wakes_total")) or 0),
