@@ -616,7 +616,70 @@ def free_port() -> int:
 # ---- the run
 
 
-class Run:
+class LabRun:
+    """What a lab run through vllm-fleet does around its steps (this one's and sleep_fleet.py's ``Run``): the
+    results (``res``), a check printed and kept (``check``), and ``main``: ``prepare``, ``steps``, ``stop``, then
+    whatever happened the verdict (a run cut by a ``timeout``'s SIGTERM or an exception is a failed
+    ``run_completed``), ``close``, ``save`` and the summary; exit 0 when every check passed."""
+
+    res: dict[str, Any]
+    tstart: float
+    detail_chars: int | None = None  # how much of a failed check's detail is printed (None: all)
+
+    def check(self, name: str, ok: bool, detail: Any = None) -> bool:
+        self.res["checks"][name] = bool(ok) if detail is None else {"ok": bool(ok), "detail": detail}
+        shown = "" if detail is None or ok else f": {str(detail)[: self.detail_chars]}"
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}" + shown, flush=True)
+        return ok
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.tstart
+
+    def prepare(self) -> None:
+        raise NotImplementedError
+
+    def steps(self) -> None:
+        """The run's steps between ``prepare`` and ``stop``."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> None:
+        raise NotImplementedError
+
+    def main(self) -> int:
+        self.res["nofile"] = raise_nofile()
+        try:
+            self.prepare()
+            self.steps()
+            self.stop()
+            self.check("run_completed", True)
+        except RunStop as exc:
+            print(f"stopped: {exc}", flush=True)
+            self.check("run_completed", False, str(exc))
+        finally:
+            self.res["wall_s"] = round(self.elapsed(), 1)
+            if "run_completed" not in self.res["checks"]:  # cut (a `timeout`'s SIGTERM) or an exception
+                self.check("run_completed", False, f"cut in step {self.res.get('last_step')}")
+            self.res["failed_checks"] = [
+                k
+                for k, v in self.res["checks"].items()
+                if not (v is True or (isinstance(v, dict) and v["ok"]))
+            ]
+            self.close()
+            self.save()
+            self.summary()
+        return 1 if self.res["failed_checks"] or not self.res["checks"] else 0
+
+
+class Run(LabRun):
     def __init__(self, out: Path, a: argparse.Namespace, lay: Layout) -> None:
         self.out, self.a, self.lay = out, a, lay
         self.res: dict[str, Any] = {
@@ -633,6 +696,7 @@ class Run:
         self.t0 = 0.0
         self.gw: LabGateway | None = None
         self.narrow_key = ""
+        self.tstart = time.monotonic()
 
     # -- bookkeeping
 
@@ -642,17 +706,9 @@ class Run:
             self.res["notify"] = [{"t": round(t - self.t0, 3), **f} for t, f in self.lis.messages][-3000:]
         (self.out / "lora-fleet-results.json").write_text(json.dumps(self.res, indent=2, default=str))
 
-    def check(self, name: str, ok: bool, detail: Any = None) -> bool:
-        self.res["checks"][name] = bool(ok) if detail is None else {"ok": bool(ok), "detail": detail}
-        print(
-            f"  [{'ok' if ok else 'FAILED'}] {name}" + ("" if detail is None or ok else f": {detail}"),
-            flush=True,
-        )
-        return ok
-
     def step(self, title: str) -> None:
         self.res["last_step"] = title
-        print(f"== {title} ({time.monotonic() - self.tstart:.0f} s)", flush=True)
+        print(f"== {title} ({self.elapsed():.0f} s)", flush=True)
 
     @property
     def gw_url(self) -> str:
@@ -1167,34 +1223,14 @@ class Run:
         for tag, p in getattr(self, "spec_paths", {}).items():
             shutil.copy(p, self.out / f"spec-{tag}.yml")
 
-    def main(self) -> int:
-        self.tstart = time.monotonic()
-        self.res["nofile"] = raise_nofile()
-        try:
-            self.prepare()
-            if self.start() and self.gateway():
-                self.burst()
-                self.sync()
-                self.exporter()
-            self.stop()
-            self.check("run_completed", True)
-        except RunStop as exc:
-            print(f"stopped: {exc}", flush=True)
-            self.check("run_completed", False, str(exc))
-        finally:
-            self.res["wall_s"] = round(time.monotonic() - self.tstart, 1)
-            if "run_completed" not in self.res["checks"]:  # cut (a `timeout`'s SIGTERM) or an exception
-                self.check("run_completed", False, f"cut in step {self.res.get('last_step')}")
-            failed = [
-                k
-                for k, v in self.res["checks"].items()
-                if not (v is True or (isinstance(v, dict) and v["ok"]))
-            ]
-            self.res["failed_checks"] = failed
-            self.close()
-            self.save()
-            summary(self.res)
-        return 1 if self.res["failed_checks"] or not self.res["checks"] else 0
+    def steps(self) -> None:
+        if self.start() and self.gateway():
+            self.burst()
+            self.sync()
+            self.exporter()
+
+    def summary(self) -> None:
+        summary(self.res)
 
 
 def summary(res: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ for p in (REPO, HERE, REPO / "tools"):
 # spec moving and small helpers; churn.py's watchdog report; measure.py's lab (render flags, gateway, stop)
 import lora_fleet as lf  # noqa: E402
 from churn import watchdog_report  # noqa: E402
-from measure import LAB, LabGateway, kv_lines, kv_tokens, raise_nofile, stop_launcher, vf_cli  # noqa: E402
+from measure import LAB, LabGateway, kv_lines, kv_tokens, stop_launcher, vf_cli  # noqa: E402
 
 from vllm_fleet.contracts import (  # noqa: E402
     ADMIN_TOKEN_HEADER,
@@ -510,7 +510,9 @@ def make_real_model(src: Path, dst: Path) -> dict[str, Any]:
 # ---- the run
 
 
-class Run:
+class Run(lf.LabRun):
+    detail_chars = 600
+
     def __init__(self, out: Path, a: argparse.Namespace, lay: Layout) -> None:
         self.out, self.a, self.lay = out, a, lay
         self.res: dict[str, Any] = {
@@ -540,18 +542,6 @@ class Run:
                     {"t": round(t - i.t0, 3), **f} for t, f in i.lis.messages
                 ][-1500:]
         (self.out / "sleep-fleet-results.json").write_text(json.dumps(self.res, indent=2, default=str))
-
-    def check(self, name: str, ok: bool, detail: Any = None) -> bool:
-        self.res["checks"][name] = bool(ok) if detail is None else {"ok": bool(ok), "detail": detail}
-        print(
-            f"  [{'ok' if ok else 'FAILED'}] {name}"
-            + ("" if detail is None or ok else f": {str(detail)[:600]}"),
-            flush=True,
-        )
-        return ok
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.tstart
 
     def step(self, title: str) -> None:
         self.res["last_step"] = title
@@ -1287,32 +1277,14 @@ class Run:
         if getattr(self, "spec_path", None) and self.spec_path.exists():
             shutil.copy(self.spec_path, self.out / "spec.yml")
 
-    def main(self) -> int:
-        self.res["nofile"] = raise_nofile()
-        try:
-            self.prepare()
-            if self.start_a() and self.start_b():
-                self.cycles()
-                self.endpoints()
-                self.observe()
-            self.stop()
-            self.check("run_completed", True)
-        except RunStop as exc:
-            print(f"stopped: {exc}", flush=True)
-            self.check("run_completed", False, str(exc))
-        finally:
-            self.res["wall_s"] = round(self.elapsed(), 1)
-            if "run_completed" not in self.res["checks"]:  # cut (a `timeout`'s SIGTERM) or an exception
-                self.check("run_completed", False, f"cut in step {self.res.get('last_step')}")
-            self.res["failed_checks"] = [
-                k
-                for k, v in self.res["checks"].items()
-                if not (v is True or (isinstance(v, dict) and v["ok"]))
-            ]
-            self.close()
-            self.save()
-            summary(self.res)
-        return 1 if self.res["failed_checks"] or not self.res["checks"] else 0
+    def steps(self) -> None:
+        if self.start_a() and self.start_b():
+            self.cycles()
+            self.endpoints()
+            self.observe()
+
+    def summary(self) -> None:
+        summary(self.res)
 
 
 def summary(res: dict[str, Any]) -> None:
