@@ -227,7 +227,9 @@ IDLE_SECONDS = (
 )
 
 
-def launch_sleeper(name: str, model_dir: Path, workdir: Path, state_dir: Path) -> LaunchedInstance:
+def launch_sleeper(
+    name: str, model_dir: Path, workdir: Path, state_dir: Path, extra: tuple[str, ...] = ()
+) -> LaunchedInstance:
     """The real launcher (in a session of its own) on an instance config whose model sleeps (level 1 after
     ``IDLE_SECONDS`` idle), running the sim engine as a sleeping model's engine runs (--enable-sleep-mode, the
     guard as --middleware, VLLM_SERVER_DEV_MODE=1); READY once it served its first completion (not waited for)."""
@@ -236,7 +238,7 @@ def launch_sleeper(name: str, model_dir: Path, workdir: Path, state_dir: Path) -
         model_dir,
         port,
         "tiny-qwen3",
-        ["--enable-sleep-mode", "--middleware", SLEEP_GUARD],
+        ["--enable-sleep-mode", "--middleware", SLEEP_GUARD, *extra],
         shutdown_timeout=10,
     )
     cfg = {
@@ -360,6 +362,64 @@ def post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[st
         return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.getheaders()}
     finally:
         c.close()
+
+
+def test_a_burst_far_above_max_num_seqs_at_a_sleeping_engine(sim_model_dir: Path, tmp_path: Path) -> None:
+    """12 × max_num_seqs requests at once through nginx (half streamed) while the engine sleeps: one wake, and every
+    answer a 200 (a stream complete, no error event) or a JSON 429/503 with Retry-After (vLLM's admission, the stream
+    guard, the gateway's spill-over); none hangs, the engine and the launcher are the same after."""
+    r = launch_sleeper(
+        "zb", sim_model_dir, tmp_path / "launcher", tmp_path / "state",
+        ("--middleware", "vllm_fleet.host.stream_guard.StreamGuard", "--max-num-seqs", "4",
+         "--max-num-queued-reqs", "8"),
+    )  # fmt: skip
+    g = Gateway(
+        gateway_spec([{"name": "zb", "port": r.port, "sleep": SLEEP}], tmp_path, rate_limit=OPEN_RATE_LIMIT),
+        tmp_path,
+    ).start()
+    try:
+        r.notify.wait_for("READY", "1", timeout=60)
+        until_asleep(r)
+        engine, wakes = r.state()["engine_pid"], int(r.state()["wakes_total"])
+        outcomes: list[str] = []
+
+        def one(i: int) -> None:
+            stream = bool(i % 2)
+            path, body = (
+                ("/v1/chat/completions", chat_body(stream=True))
+                if stream
+                else ("/v1/completions", completion())
+            )
+            c = http.client.HTTPConnection("127.0.0.1", g.spec.gateway.port, timeout=60)
+            try:
+                c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                resp = c.getresponse()
+                text, retry = resp.read().decode(), resp.getheader("Retry-After")
+            finally:
+                c.close()
+            if resp.status == 200 and stream:
+                done = text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+                outcomes.append("200 stream" if done else f"BAD stream {text[-200:]}")
+            elif resp.status == 200:
+                outcomes.append("200" if json.loads(text)["choices"][0]["text"] else "BAD 200")
+            else:
+                ok = resp.status in (429, 503) and "error" in json.loads(text) and bool(retry)
+                outcomes.append(str(resp.status) if ok else f"BAD {resp.status} {retry} {text[:200]}")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        assert len(outcomes) == 48 and not [o for o in outcomes if o.startswith("BAD")], outcomes
+        assert "200" in outcomes and "200 stream" in outcomes, outcomes
+        st = r.state()
+        assert int(st["wakes_total"]) == wakes + 1 and st["failed_wakes_total"] == 0, st
+        assert st["engine_pid"] == engine and r.proc.poll() is None
+    finally:
+        g.stop()
+        r.kill()
 
 
 # ------------------------------------------------------- end to end: two real sleeping replicas of one model
