@@ -18,13 +18,13 @@ from __future__ import annotations
 import re
 import shlex
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from systemd_host import SystemdHost
 
 from vllm_fleet.devtools.sandbox import down
 from vllm_fleet.fleet.render import render_fleet
@@ -75,19 +75,8 @@ def fleet_spec(tmp: Path, address: str) -> Path:
     return p
 
 
-class Host:
-    def __init__(self, h: Any) -> None:
-        self.h = h
-
-    def sh(self, cmd: str, check: bool = True, timeout: float = 60) -> str:
-        cp = self.h.run(cmd, timeout=timeout)
-        if check and cp.returncode != 0:
-            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
-        return str(cp.stdout)
-
-    def show(self, unit: str, *props: str) -> dict[str, str]:
-        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+class Host(SystemdHost):
+    sh_timeout = 60
 
     def metrics(self) -> str:
         code = f"import urllib.request as u; print(u.urlopen({METRICS_URL!r}, timeout=5).read().decode())"
@@ -101,19 +90,6 @@ class Host:
             re.M,
         )
         return float(m.group(1)) if m else None
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = pred()
-                if last:
-                    return last
-            except (AssertionError, ValueError) as exc:
-                last = exc
-            time.sleep(0.5)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 RESTARTS = "vllm_fleet_instance_restarts_total"
@@ -130,11 +106,7 @@ def host(tmp_path_factory: pytest.TempPathFactory, sandbox_factory: Any) -> Iter
     render_fleet(load_spec(fleet_spec(tmp, h.address)), out)
     r = Host(h)
     try:
-        root = out / "h1"
-        for f in sorted(p for p in root.rglob("*") if p.is_file()):
-            dest = "/" + str(f.relative_to(root))
-            if dest.startswith(("/etc/systemd/", "/etc/vllm-fleet/", "/etc/sysusers.d/")):
-                h.copy_to(f, dest, mode=f.stat().st_mode & 0o777)
+        r.install(out / "h1")
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "99-stand-in.conf").write_text(STAND_IN)
             h.copy_to(

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from systemd_host import SystemdHost
 
 from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import load_spec
@@ -78,16 +79,7 @@ def _instances(out: Path) -> dict[str, list[int]]:
     return {(c := json.loads(p.read_text()))["name"]: c["gpus"] for p in cfgs}
 
 
-class Host:
-    def __init__(self, h: Any) -> None:
-        self.h = h
-
-    def sh(self, cmd: str, check: bool = True, timeout: float = 120) -> str:
-        cp = self.h.run(cmd, timeout=timeout)
-        if check and cp.returncode != 0:
-            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
-        return str(cp.stdout)
-
+class Host(SystemdHost):
     def opened(self, name: str) -> dict[str, str]:
         self.sh(f"rm -f /run/vllm-fleet/devtest-{name}.json; systemctl start vllm@{name}")
         return dict(json.loads(self.sh(f"cat /run/vllm-fleet/devtest-{name}.json")))

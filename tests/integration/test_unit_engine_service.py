@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from systemd_host import SystemdHost
 
 from vllm_fleet.devtools.cpu_throttle import FLOOR_PERCENT, host_pids_of_group, throttled
 from vllm_fleet.fleet.render import render_fleet
@@ -83,22 +84,9 @@ def fleet_spec(tmp: Path, address: str) -> Path:
     return p
 
 
-class Remote:
-    def __init__(self, host: Any) -> None:
-        self.h = host
-
-    def sh(self, cmd: str, timeout: float = 600, check: bool = True) -> str:
-        cp = self.h.run(cmd, timeout=timeout)
-        if check and cp.returncode != 0:
-            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
-        return str(cp.stdout)
-
-    def show(self, unit: str, *props: str) -> dict[str, str]:
-        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-    def state(self, name: str) -> dict[str, Any]:
-        return dict(json.loads(self.sh(f"cat /run/vllm-fleet/{name}.json")))
+class Remote(SystemdHost):
+    sh_timeout = 600
+    wait_every = 1.0
 
     def py(self, code: str, timeout: float = 120) -> str:
         return self.sh(f"/opt/vllm-fleet/venv/bin/python -c {shlex.quote(code)}", timeout=timeout)
@@ -114,19 +102,6 @@ class Remote:
         )
         return dict(json.loads(self.py(code)))
 
-    def wait(self, pred: Any, timeout: float, what: str, every: float = 1.0) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = pred()
-                if last:
-                    return last
-            except (AssertionError, ValueError, KeyError) as exc:
-                last = exc
-            time.sleep(every)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
 
 @pytest.fixture(scope="module")
 def host(
@@ -140,11 +115,7 @@ def host(
     render_fleet(spec, out)
     r = Remote(h)
     h.copy_to(tiny_model, f"{MODELS}/tiny")
-    root = out / "h1"
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        dest = "/" + str(f.relative_to(root))
-        if dest.startswith(("/etc/systemd/", "/etc/vllm-fleet/", "/etc/sysusers.d/")):
-            h.copy_to(f, dest, mode=f.stat().st_mode & 0o777)
+    r.install(out / "h1")
     r.sh(f"chmod -R a+rX {MODELS} && systemd-sysusers && systemctl daemon-reload")
     yield r
     journal = h.run("journalctl --no-pager -o short-monotonic -u 'vllm@*' | tail -600", timeout=60)

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
+from systemd_host import SystemdHost
 
 from vllm_fleet.contracts import SLEEP_STATE_PATH
 from vllm_fleet.fleet.render import render_fleet
@@ -88,23 +89,10 @@ def fleet_spec(tmp: Path, address: str) -> Path:
     return p
 
 
-class Remote:
+class Remote(SystemdHost):
     def __init__(self, host: Any) -> None:
-        self.h = host
+        super().__init__(host)
         self.address = str(host.address)
-
-    def sh(self, cmd: str, timeout: float = 120, check: bool = True) -> str:
-        cp = self.h.run(cmd, timeout=timeout)
-        if check and cp.returncode != 0:
-            raise AssertionError(f"{cmd!r} exited {cp.returncode}:\n{cp.stdout[-2000:]}\n{cp.stderr[-2000:]}")
-        return str(cp.stdout)
-
-    def show(self, unit: str, *props: str) -> dict[str, str]:
-        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-    def state(self, name: str) -> dict[str, Any]:
-        return dict(json.loads(self.sh(f"cat /run/vllm-fleet/{name}.json")))
 
     def sleep_state(self, name: str) -> str:
         return str(self.state(name).get("sleep_state"))
@@ -170,13 +158,12 @@ def host(
     out = tmp / "rendered"
     render_fleet(load_spec(fleet_spec(tmp, h.address)), out)
     r = Remote(h)
-    root = out / "h1"
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        dest = "/" + str(f.relative_to(root))
+
+    def simulated(f: Path, dest: str) -> None:
         if dest.startswith("/etc/vllm-fleet/instances/") and dest.endswith(".json"):
             f.write_text(json.dumps(_simulated(json.loads(f.read_text())), indent=2))
-        if dest.startswith(("/etc/systemd/", "/etc/vllm-fleet/", "/etc/sysusers.d/")):
-            h.copy_to(f, dest, mode=f.stat().st_mode & 0o777)
+
+    r.install(out / "h1", simulated)
     h.copy_to(tiny_model, f"{MODELS}/tiny")
     mk = " && ".join(f"mknod -m 666 {p} c {ma} {mi}" for p, (ma, mi) in NODES.items())
     r.sh(
