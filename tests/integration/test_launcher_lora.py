@@ -196,7 +196,10 @@ def test_a_listed_adapter_is_served_through_the_resolver(lora: Lora) -> None:
     )
     assert st == 200 and doc["model"] == "ad-c", doc
     assert "ad-c" in lora.loaded()
-    assert "Resolved and loaded LoRA adapter 'ad-c'" in lora.run.output()
+    # the engine's line reaches the launcher's log through its relay thread, which may still be behind the answer
+    assert wait_for(lambda: "Resolved and loaded LoRA adapter 'ad-c'" in lora.run.output(), 10), (
+        lora.run.output()[-2000:]
+    )
     work = lora.run.workdir
     r = lora.vllm_fleet("exporter", "--once", "--no-nvml", "--state-dir", str(lora.run.state_dir),
                         "--config-dir", str(work / "instances"), "--worker-config-dir", "", "--access-log", "",
