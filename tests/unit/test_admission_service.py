@@ -227,12 +227,17 @@ def test_a_key_at_its_in_flight_budget_waits_until_a_release_datagram(start: Cal
     r = start()
     a, b = Conn(r.cfg.socket), Conn(r.cfg.socket)
     assert a.admit("first", "chat/00000001", client="chat", cost=30)[0] == 204
+    t0 = time.monotonic()
     b.send_admit("second", "chat/00000001", client="chat", cost=20)
     assert b.no_answer_within(0.3)
+    wait_until(lambda: r.call(lambda: r.core.is_waiting("second")))
     send_log(r, "first|200|200|17")
     status, headers, _ = b.read()
+    asked = time.monotonic() - t0
     assert status == 204 and headers["x-vf-admitted"] == "1"
-    assert 0.3 <= float(headers["x-vf-waited"]) < 3
+    # the service's own reading of the wait: positive, and within what the client saw (no bound in seconds
+    # of its own: the service may read the request late on a loaded machine; ci failed on "0.3 <= waited")
+    assert 0 < float(headers["x-vf-waited"]) <= asked
     st = r.call(lambda: r.core.stats["chat/00000001"])
     assert (st.admitted, st.tokens_reserved, st.tokens_settled) == (2, 50, 17)
 
@@ -243,11 +248,11 @@ def test_a_wait_past_queue_wait_seconds_is_a_429_with_retry_after(start: Callabl
     assert a.admit("first", "k/00000001")[0] == 204
     t0 = time.monotonic()
     status, headers = b.admit("second", "k/00000001")
-    assert 0.3 <= time.monotonic() - t0 < 2  # refused by the tick after the deadline
+    asked = time.monotonic() - t0
     assert status == 403
     assert headers["x-vf-refusal"] == "429" and headers["x-vf-reason"] == "wait_timeout"
     assert headers["retry-after"] == "1" and headers["content-length"] == "0"
-    assert float(headers["x-vf-waited"]) >= 0.3
+    assert 0.3 <= float(headers["x-vf-waited"]) <= asked  # refused by a tick after the deadline
 
 
 def test_a_request_larger_than_the_tpm_budget_is_refused_without_retry_after(

@@ -525,7 +525,7 @@ def test_drain_waits_on_no_silent_peer_and_tells_none_when_refused(
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/vf/drained"
         t0 = time.monotonic()
         outcome = tell_peer(GatewayPeer("h2", url), "tiny-a", True, "127.0.0.1", timeout=0.5)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10  # its 0.5 s timeout: the peer never answers
         assert (outcome.ok, outcome.line()) == (False, f"peer h2: NOT reached ({url}: timed out)")
     finally:
         silent.close()
