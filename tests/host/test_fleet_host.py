@@ -233,6 +233,12 @@ def test_gateway_config_valid(host: Any, vf: dict[str, Any]) -> None:
         )
         res = host.run("python3 -c %s %s", ask, adm["socket"])
         assert res.rc == 0 and res.stdout.startswith("HTTP/1.1 200"), (res.stdout, res.stderr)
+    else:
+        # gateway.limits off (or turned off): nothing of the admission service is left to start
+        svc = host.service("vllm-fleet-admission")
+        assert not svc.is_running and not svc.is_enabled
+        left = [p for p in vf["gateway_admission_files"] if host.file(p).exists]
+        assert not left, f"the admission service's files are left: {left}"
     watch = host.service("vllm-fleet-sleepwatch")
     if vf["gateway_sleepwatch_on"]:
         # models[].sleep with a choice of replicas: the sleep watch writes the instances not awake for the router

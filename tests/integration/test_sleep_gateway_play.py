@@ -13,7 +13,8 @@ Deploy (only the gateway host in the recap) → the watch active and enabled, it
 render` renders them, its file written; nginx -t passes and nginx answers (a JSON 404 for /sleep) → a stub turned
 asleep is in the file and the router sends every request to the awake replica → a rerun and a --check run change
 nothing → a third sleeping replica: the role's handler restarts the watch on its new config → no model sleeps:
-the watch stopped, disabled, its unit and config gone, nginx still serving; a rerun changes nothing.
+the watch stopped, disabled, its unit and config gone (and, gateway.limits turned off in the same change, the
+admission service's), nginx still serving; a rerun changes nothing.
 `extended` (`make test-all`): one more host and four deploys beside CI's fleet; CI has the watch's rules
 (tests/unit/test_sleepwatch.py, test_gateway_sleep_routes.py) and the watch with the real nginx on loopback
 (test_gateway_sleep.py). The host is taken down when the module ends.
@@ -38,6 +39,8 @@ from vllm_fleet.contracts import SLEEP_ASLEEP_FILE, SLEEPWATCH_CONFIG_FILE
 from vllm_fleet.devtools.gateway_testing import StubEngine, chat_body, wait_for
 from vllm_fleet.devtools.sandbox_net import parse_address
 from vllm_fleet.devtools.testing import http_json
+from vllm_fleet.fleet.admission_config import ADMISSION_UNIT_FILE
+from vllm_fleet.fleet.spec import DEFAULT_CONFIG_DIR
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.extended]
 
@@ -45,6 +48,9 @@ GW = "sleepplay-gw"
 MODEL = "qwen3-8b"
 UNIT = "vllm-fleet-sleepwatch.service"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
+# gateway.limits (on by default with keys) until the last test turns it off
+ADMISSION_UNIT = Path(ADMISSION_UNIT_FILE).name
+ADMISSION_FILES = (f"{DEFAULT_CONFIG_DIR}/gateway/admission.json", ADMISSION_UNIT_FILE)
 # the engine hosts' SSH address in the inventory: TEST-NET-1 (RFC 5737), which nothing answers — the limit must
 # keep the play off them
 UNREACHABLE = "192.0.2.10"
@@ -111,7 +117,10 @@ class SleepPlay:
         return str(self.gw.run(cmd, check=True).stdout)
 
     def unit(self) -> dict[str, str]:
-        out = self.sh(f"systemctl show -p ActiveState,UnitFileState,LoadState,InvocationID,MainPID {UNIT}")
+        return self.unit_state(UNIT)
+
+    def unit_state(self, name: str) -> dict[str, str]:
+        out = self.sh(f"systemctl show -p ActiveState,UnitFileState,LoadState,InvocationID,MainPID {name}")
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def asleep_file(self) -> dict[str, Any] | None:
@@ -286,17 +295,23 @@ def test_a_new_sleeping_replica_restarts_the_watch_on_its_new_config(sp: SleepPl
 
 
 def test_no_model_sleeps_stops_the_watch_and_removes_its_files(sp: SleepPlay) -> None:
+    """And gateway.limits turned off in the same change: the admission service, which ran until now (keys are
+    on by default), goes the same way."""
+    assert sp.unit_state(ADMISSION_UNIT)["ActiveState"] == "active"
     spec = json.loads(json.dumps(sp.fleet.spec))
     for m in spec["models"]:
         del m["sleep"]
+    spec["gateway"]["limits"] = {"enabled": False}
     sp.write(spec)
     sp.play()
-    unit = sp.unit()
-    assert unit["ActiveState"] == "inactive" and unit["UnitFileState"] in ("", "disabled"), unit
-    # what the role promises (docs/sleep.md "Gateway"): stopped and disabled, and nothing of it left to start
-    for path in (SLEEPWATCH_CONFIG_FILE, UNIT_FILE):
-        assert sp.gw.run(["test", "-e", path]).returncode == 1, f"{path} is still there"
-    assert unit["LoadState"] == "not-found", unit
+    # what the role promises (docs/sleep.md "Gateway", docs/gateway.md "Per-key limits"): stopped and
+    # disabled, and nothing of it left to start
+    for unit_name, files in ((UNIT, (SLEEPWATCH_CONFIG_FILE, UNIT_FILE)), (ADMISSION_UNIT, ADMISSION_FILES)):
+        unit = sp.unit_state(unit_name)
+        assert unit["ActiveState"] == "inactive" and unit["UnitFileState"] in ("", "disabled"), unit
+        for path in files:
+            assert sp.gw.run(["test", "-e", path]).returncode == 1, f"{path} is still there"
+        assert unit["LoadState"] == "not-found", unit
     # the watch removes its file when it stops; the router no longer reads it
     assert sp.asleep_file() is None
     assert '"sleeps": true' not in sp.sh("cat /etc/nginx/vllm-fleet/routes.json")

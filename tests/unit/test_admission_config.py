@@ -10,15 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from vllm_fleet.devtools.gateway_nginx import HAVE_NGINX, NginxGateway
 from vllm_fleet.devtools.gateway_testing import gateway_spec
 from vllm_fleet.fleet.admission_config import admission_config, model_capacity
+from vllm_fleet.fleet.context import build_context
 from vllm_fleet.fleet.network import firewall_rules
 from vllm_fleet.fleet.plan import make_plan
 from vllm_fleet.fleet.render import render_fleet, render_host
 from vllm_fleet.fleet.spec import FleetSpec, SpecError, parse_spec
 
+REPO = Path(__file__).resolve().parents[2]
 needs_nginx = pytest.mark.skipif(not HAVE_NGINX, reason="nginx + libnginx-mod-http-js not installed")
 
 SERVERS: list[dict[str, Any]] = [
@@ -179,6 +182,31 @@ def test_no_admission_without_keys_or_when_disabled(tmp_path: Path) -> None:
         assert json.loads(files["/etc/nginx/vllm-fleet/routes.json"])["admission"] is None
     conf = _files(_spec(tmp_path, limits={"enabled": False}))["/etc/nginx/conf.d/vllm-fleet.conf"]
     assert "zone=vf_per_key burst=40 nodelay" in conf  # the older per-key bucket where limits are off
+
+
+def test_the_role_removes_the_service_s_files_when_limits_are_off(tmp_path: Path) -> None:
+    """What limits on renders is what the role removes once they are off (stopped and disabled first, then the
+    files, then systemd told): a host that had limits keeps no unit to start nor budgets no longer wanted."""
+    on, off = _spec(tmp_path), _spec(tmp_path, limits={"enabled": False})
+    rendered = {dest for dest in _files(on) if "admission" in dest}
+    assert len(rendered) == 2
+    for spec in (on, off):
+        assert set(build_context(spec, "h1")["vf"]["gateway_admission_files"]) == rendered
+    run = {t["name"]: t for t in yaml.safe_load((REPO / "ansible/roles/gateway/tasks/run.yml").read_text())}
+    names = list(run)
+    stop, remove = (
+        "Stop the admission service (gateway.limits off)",
+        "Remove the admission service's config and unit (gateway.limits off)",
+    )
+    forget = "Forget the removed units (systemctl daemon-reload)"
+    assert names.index(stop) < names.index(remove) < names.index(forget)
+    task = run[remove]
+    assert (
+        task["ansible.builtin.file"]["state"] == "absent"
+        and task["loop"] == "{{ vf.gateway_admission_files }}"
+    )
+    assert task["when"].startswith("not vf.gateway_admission_on and")
+    assert f"{task['register']} is changed" in run[forget]["when"]
 
 
 def test_bad_limits_are_refused_naming_the_field(tmp_path: Path) -> None:

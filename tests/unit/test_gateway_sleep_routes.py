@@ -135,12 +135,12 @@ def test_the_role_starts_the_watch_only_when_a_routed_model_sleeps() -> None:
     assert remove["ansible.builtin.file"]["state"] == "absent"
     assert remove["loop"] == "{{ vf.gateway_sleepwatch_files }}"
     assert remove["when"].startswith("not vf.gateway_sleepwatch_on and")
-    forget = run["Forget the sleep watch's unit (systemctl daemon-reload)"]
-    assert forget["when"].startswith(f"{remove['register']} is changed")
+    forget = run["Forget the removed units (systemctl daemon-reload)"]
+    assert f"{remove['register']} is changed" in forget["when"]
     assert (
         names.index("Stop the sleep watch (no routed model sleeps)")
         < names.index("Remove the sleep watch's config and unit (no routed model sleeps)")
-        < names.index("Forget the sleep watch's unit (systemctl daemon-reload)")
+        < names.index("Forget the removed units (systemctl daemon-reload)")
     )
     configure = {t["name"]: t for t in _tasks("configure.yml")}
     read = configure["Read nginx's and the admission service's state"]["vllm_fleet_host_state"]["units"]

@@ -20,12 +20,20 @@ from vllm_fleet.fleet.spec import FleetSpec, KeyBudget
 
 ADMISSION_SOCKET = "admit.sock"  # in gateway.limits.runtime_dir
 ADMISSION_LOG_SOCKET = "log.sock"
+# the service's unit (nginx/vllm-fleet-admission.service.j2)
+ADMISSION_UNIT_FILE = "/etc/systemd/system/vllm-fleet-admission.service"
 # nginx's workers (Debian) connect to the sockets
 NGINX_GROUP = "www-data"
 
 
 def admission_config_path(spec: FleetSpec) -> str:
     return f"{spec.paths.config_dir}/gateway/admission.json"
+
+
+def admission_files(spec: FleetSpec) -> list[str]:
+    """``vf.gateway_admission_files``: the files rendered for the service (its config, its unit), on every
+    gateway host whether ``gateway.limits`` is on or not: the gateway role removes them when it is off."""
+    return [admission_config_path(spec), ADMISSION_UNIT_FILE]
 
 
 def runtime_directory(path: str) -> str:

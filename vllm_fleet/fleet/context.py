@@ -23,8 +23,10 @@ from vllm_fleet.contracts import (
     SleepConfig,
 )
 from vllm_fleet.fleet.admission_config import (
+    ADMISSION_UNIT_FILE,
     admission_config,
     admission_config_path,
+    admission_files,
     gateway_sysctl,
     host_admission_config,
     model_capacity,
@@ -270,6 +272,9 @@ def fleet_vars(spec: FleetSpec, plan: Plan | None = None) -> dict[str, Any]:
     vf["gateway_admission"] = admission_config(spec, plan) if spec.gateway.admission else None
     vf["gateway_admission_on"] = spec.gateway.admission
     vf["gateway_admission_file"] = admission_config_path(spec)
+    vf["gateway_admission_unit_file"] = ADMISSION_UNIT_FILE
+    # its files, also when off: the role removes them then (a stopped service leaves nothing to start)
+    vf["gateway_admission_files"] = admission_files(spec)
     vf["gateway_admission_tag"] = ADMISSION_SYSLOG_TAG
     # the kernel settings the gateway role writes with gateway.limits on (admission socket backlog, release
     # datagram queue), and nginx's worker_connections it writes into nginx.conf (plan_checks)
