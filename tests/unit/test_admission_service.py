@@ -237,7 +237,7 @@ def test_a_key_at_its_in_flight_budget_waits_until_a_release_datagram(start: Cal
     assert status == 204 and headers["x-vf-admitted"] == "1"
     # the service's own reading of the wait: positive, and within what the client saw (no bound in seconds
     # of its own: the service may read the request late on a loaded machine; ci failed on "0.3 <= waited")
-    assert 0 < float(headers["x-vf-waited"]) <= asked
+    assert 0 < float(headers["x-vf-waited"]) <= asked + 0.001  # the header has milliseconds, rounded
     st = r.call(lambda: r.core.stats["chat/00000001"])
     assert (st.admitted, st.tokens_reserved, st.tokens_settled) == (2, 50, 17)
 
@@ -252,7 +252,7 @@ def test_a_wait_past_queue_wait_seconds_is_a_429_with_retry_after(start: Callabl
     assert status == 403
     assert headers["x-vf-refusal"] == "429" and headers["x-vf-reason"] == "wait_timeout"
     assert headers["retry-after"] == "1" and headers["content-length"] == "0"
-    assert 0.3 <= float(headers["x-vf-waited"]) <= asked  # refused by a tick after the deadline
+    assert 0.3 <= float(headers["x-vf-waited"]) <= asked + 0.001  # refused by a tick after the deadline
 
 
 def test_a_request_larger_than_the_tpm_budget_is_refused_without_retry_after(
