@@ -9,10 +9,11 @@ there before the render). Every wait is on state (the watch's file, the access l
 End to end, with the real pieces: the launcher runs the sim engine as a sleeping model's engine runs (the sleep
 guard as middleware, development mode on), puts it to sleep after 2 s idle, and wakes it on the guard's signal
 when a request through nginx arrives; the request is held and served. A failing wake is a JSON 503 with
-Retry-After through nginx, and the development paths answer 404 through the gateway and without the token.
-Then one model with two such replicas behind nginx and the real sleep watch: both asleep; a burst goes to one
-(ranked by the model's name) and wakes it alone, as does a burst once it is listed waking; one awake and one asleep, every request goes to the awake one; the awake one killed, the next
-request fails over to the sleeper, which is woken and serves it.
+Retry-After through nginx, and the development paths answer 404 through the gateway and without the token. Then
+one model with two such replicas behind nginx and the real sleep watch: both asleep; a burst goes to one (ranked
+by the model's name) and wakes it alone, as does a burst once it is listed waking; one awake and one asleep,
+every request goes to the awake one; the awake one killed, the next request fails over to the sleeper, which is
+woken and serves it.
 """
 
 from __future__ import annotations
@@ -525,13 +526,13 @@ class Trickle(threading.Thread):
 def test_two_sleeping_replicas_end_to_end(
     two_sleepers: dict[str, LaunchedInstance], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One model, two replicas, each a real launcher + sleep guard + sim engine, behind the rendered gateway with
-    the real sleep watch: (1) idle, both sleep and the watch lists both; (2) a burst while both are asleep and
-    none is waking goes to one replica (the same for every request: ranked by the model's name), woken once,
-    every request served, the other neither reached nor woken; a burst once the watch lists that replica as
-    waking goes to it alone, the other stays asleep; (3) one awake, one asleep: every request goes to the awake one, the sleeper
-    is neither reached nor woken; (4) the awake one killed (launcher and engine): the next request fails over
-    before its first byte to the sleeping one, which is woken and serves it."""
+    """One model, two replicas, each a real launcher + sleep guard + sim engine, behind the rendered gateway with the
+    real sleep watch: (1) idle, both sleep and the watch lists both; (2) a burst while both are asleep and none
+    is waking goes to one replica (the same for every request: ranked by the model's name), woken once, every
+    request served, the other neither reached nor woken; a burst once the watch lists that replica as waking goes
+    to it alone, the other stays asleep; (3) one awake, one asleep: every request goes to the awake one, the
+    sleeper is neither reached nor woken; (4) the awake one killed (launcher and engine): the next request fails
+    over before its first byte to the sleeping one, which is woken and serves it."""
     reps = two_sleepers
     servers = [{"name": n, "port": r.port, "sleep": SLEEP} for n, r in reps.items()]
     for g in _gateway(tmp_path, monkeypatch, servers):
