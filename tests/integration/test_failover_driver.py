@@ -127,12 +127,16 @@ def test_a_moving_address(engines: tuple[SimEngineProcess, SimEngineProcess]) ->
     # nothing answered during the 1 s outage: refused connects (and any that reached the old listener first)
     assert set(rep["failed_started_after_cut"]) <= {"connect_error", "reset", "stream_cut"}, rep
     assert rep["failed_started_after_cut"].get("connect_error", 0) >= 1
-    assert 1.0 <= rep["gap_s"] < moved - cut_at + 5
+    assert moved - cut_at <= rep["gap_s"]  # nothing started during the outage succeeded
     assert rep["failed_after_recovery"] == 0 and rep["failed_before_cut"] == 0
     after = [r for r in res["records"] if r["start"] >= moved]
     assert after and all(r["outcome"] == "ok" for r in after)
     assert {r["stream"] for r in after} == {True, False}
-    assert rep["last_ok_before_cut_s"] is not None and rep["first_ok_after_cut_s"] >= rep["gap_s"]
+    # no request that started after the cut was answered before the address moved (one in flight at the cut may
+    # still end ok just after it: its answer was already on its way; ci34 had one 23 ms after the cut)
+    assert rep["last_ok_before_cut_s"] is not None and rep["first_ok_after_cut_s"] is not None
+    early = [r for r in res["records"] if r["outcome"] == "ok" and cut_at <= r["start"] and r["end"] < moved]
+    assert not early, early
     assert rep["ok_rps_before"] > 0 and rep["ok_rps_after"] > 0
     # the prefix-cache hit rate: engine a before the cut, engine b after (2 shared 300-word prefixes: every
     # prompt's first 2 blocks of 128 tokens are cached after its prefix's first request)
