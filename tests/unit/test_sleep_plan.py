@@ -316,6 +316,28 @@ def test_an_instance_over_several_hosts_cannot_sleep() -> None:
     )
 
 
+def test_level_2_with_lora_is_refused_and_level_1_is_not() -> None:
+    """vLLM cannot reload a LoRA-wrapped model's weights after a level-2 sleep (its issue 39934): refused at
+    `sleep.level`, whether LoRA is on by `lora` or by an adapter of the served model; level 1 keeps them."""
+    level2 = "level 2 with LoRA adapters cannot wake"
+    d = example()
+    d["models"][0]["sleep"]["level"] = 2
+    assert problems(d) == []  # no LoRA: level 2 is fine
+    d["models"][0]["lora"] = {"max_loras": 2}
+    (p,) = problems(d)
+    assert p.startswith(f"models[0].sleep.level: {level2}") and "use level 1" in p and "39934" in p
+    d = example()
+    d["models"][1]["sleep"]["level"] = 2
+    d["adapters"] = [
+        {"name": "sql", "base": d["models"][1].get("served_model_name", d["models"][1]["name"]),
+         "source": {"path": "/srv/adapters/sql"}, "rank": 16, "instances": "any"},
+    ]  # fmt: skip
+    (p,) = problems(d)
+    assert p.startswith(f"models[1].sleep.level: {level2}")
+    d["models"][1]["sleep"]["level"] = 1
+    assert problems(d) == []
+
+
 def test_models_env_may_not_turn_on_the_development_mode() -> None:
     d = copy.deepcopy(SEED4)
     d["models"][1]["env"] = {DEV_MODE_ENV: "1"}

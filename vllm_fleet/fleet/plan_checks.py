@@ -474,7 +474,8 @@ def check_sleep(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
     (vLLM-CPU has none: the cpu profile is refused even though its argument list names the flag), a release with
     ``--enable-sleep-mode`` and ``--middleware`` (the sleep guard), and one host (the swap slots and the
     launcher's control are per host). ``models[].env`` never sets VLLM_SERVER_DEV_MODE: it opens vLLM's
-    development paths without authentication; vllm-fleet sets it for a sleeping model, behind the guard."""
+    development paths without authentication; vllm-fleet sets it for a sleeping model, behind the guard. Level
+    2 is refused with LoRA on: vLLM cannot reload the weights of a LoRA-wrapped model."""
     found: list[Finding] = []
     if DEV_MODE_ENV in m.env:
         found.append(
@@ -514,6 +515,19 @@ def check_sleep(spec: FleetSpec, i: int, m: ModelInstance) -> list[Finding]:
     if m.multi_node:
         found.append(
             _problem(path, "an instance over several hosts (placement) cannot sleep: swap slots are per host")
+        )
+    if m.sleep.level == 2 and spec.lora_on(m):
+        # vLLM issue 39934 (fix proposed in pull request 48337, not in a release we pin): with LoRA the model's
+        # parameters sit under each LoRA wrapper's base_layer, so the wake's `reload_weights` fails on the
+        # checkpoint's names, and the adapters' stacked GPU tensors, discarded with the weights, are not
+        # restored: the engine could not be woken (or would answer from garbage adapter slots)
+        found.append(
+            _problem(
+                f"{path}.level",
+                "level 2 with LoRA adapters cannot wake: vLLM's weight reload after a level-2 sleep fails with "
+                "LoRA on, and leaves the adapters' GPU memory undefined (vLLM issue 39934); use level 1 "
+                "(the weights, adapters included, are kept in host memory)",
+            )
         )
     return found
 
