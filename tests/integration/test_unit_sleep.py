@@ -97,19 +97,6 @@ class Remote(SystemdHost):
     def sleep_state(self, name: str) -> str:
         return str(self.state(name).get("sleep_state"))
 
-    def wait(self, pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = pred()
-                if last:
-                    return last
-            except (AssertionError, ValueError, KeyError) as exc:
-                last = exc
-            time.sleep(every)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
     def request(self, name: str, stream: bool = False) -> tuple[int, str]:
         """A completion from the controller (another host on the bridge) straight to the engine's port."""
         body = {"model": name, "prompt": "hello", "max_tokens": 4, "stream": stream}

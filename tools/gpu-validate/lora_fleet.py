@@ -1214,12 +1214,9 @@ class Run(LabRun):
         if self.lis is not None:
             self.save()
             self.lis.close()
-        for f in ("launcher-lora.log", "admission-lora.log", "nginx-error.log"):
-            p = self.lay.log / f
-            if p.exists():
-                lines = p.read_text(errors="replace").splitlines()
-                keep = lines if len(lines) <= 700 else [*lines[:300], "...", *lines[-400:]]
-                (self.out / f).write_text("\n".join(keep) + "\n")
+        keep_logs(
+            self.lay.log, self.out, ["launcher-lora.log", "admission-lora.log", "nginx-error.log"], 300, 400
+        )
         for tag, p in getattr(self, "spec_paths", {}).items():
             shutil.copy(p, self.out / f"spec-{tag}.yml")
 
@@ -1231,6 +1228,17 @@ class Run(LabRun):
 
     def summary(self) -> None:
         summary(self.res)
+
+
+def keep_logs(src: Path, out: Path, names: list[str], head: int, tail: int) -> None:
+    """Copy the logs ``names`` of ``src`` that exist to ``out``, a long one cut to its first ``head`` and last
+    ``tail`` lines (what the results keep of a run)."""
+    for f in names:
+        p = src / f
+        if p.exists():
+            lines = p.read_text(errors="replace").splitlines()
+            keep = lines if len(lines) <= head + tail else [*lines[:head], "...", *lines[-tail:]]
+            (out / f).write_text("\n".join(keep) + "\n")
 
 
 def summary(res: dict[str, Any]) -> None:

@@ -1268,12 +1268,8 @@ class Run(lf.LabRun):
             p = self.launcher_log(n)
             if p.exists():
                 self.res.setdefault("kv", {})[n] = kv_tokens(kv_lines(p))
-        for f in [*(f"launcher-{n}.log" for n in self.insts), "admission-sleep.log", "nginx-error.log"]:
-            p = self.lay.log / f
-            if p.exists():
-                lines = p.read_text(errors="replace").splitlines()
-                keep = lines if len(lines) <= 900 else [*lines[:400], "...", *lines[-500:]]
-                (self.out / f).write_text("\n".join(keep) + "\n")
+        names = [*(f"launcher-{n}.log" for n in self.insts), "admission-sleep.log", "nginx-error.log"]
+        lf.keep_logs(self.lay.log, self.out, names, 400, 500)
         if getattr(self, "spec_path", None) and self.spec_path.exists():
             shutil.copy(self.spec_path, self.out / "spec.yml")
 
