@@ -342,6 +342,11 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.fleet.tls:add_args",
         "make the gateway's self-signed certificate (gateway.tls.self_signed; used by the gateway role)",
     ),
+    "why": Plugin(
+        "vllm_fleet.host.failure_cause:add_args",
+        "on an engine host: why vllm@NAME did not come up or stopped, in one line (the launcher's failure reason, "
+        "else what systemd and the journal say)",
+    ),
     "undrain": Plugin(
         "vllm_fleet.host.drain:add_undrain_args",
         "put a drained engine instance back into the gateway's rotation (every gateway's with gateway.hosts)",

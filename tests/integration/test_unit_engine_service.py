@@ -134,6 +134,17 @@ def test_bad_model_path_fails_clearly_without_restart_storm(host: Remote) -> Non
     assert "model path /var/lib/vllm-fleet/models/missing does not exist" in p["StatusText"], p
     journal = host.sh("journalctl --no-pager -u vllm@tiny-bad")
     assert "does not exist" in journal and "not starting the engine" in journal
+    # `vllm-fleet why` (what a stopped rollout reports): the state file's reason, and the journal's once the
+    # state file is gone (systemd started the unit again: a new state file without it)
+    why = "/opt/vllm-fleet/venv/bin/vllm-fleet why tiny-bad"
+    assert "model path /var/lib/vllm-fleet/models/missing does not exist" in host.sh(why)
+    host.sh("mv /run/vllm-fleet/tiny-bad.json /run/vllm-fleet/tiny-bad.json.kept")
+    try:
+        assert "model path /var/lib/vllm-fleet/models/missing does not exist" in host.sh(why)
+    finally:
+        host.sh("mv /run/vllm-fleet/tiny-bad.json.kept /run/vllm-fleet/tiny-bad.json")
+    nothing = host.h.run("/opt/vllm-fleet/venv/bin/vllm-fleet why tiny-never")
+    assert nothing.returncode == 1 and nothing.stdout == "", nothing
 
 
 def test_start_returns_only_when_serving(host: Remote) -> None:

@@ -230,7 +230,10 @@ def test_the_command_writes_then_removes_on_sigterm(guards: dict[str, StubEngine
 
     out = tmp_path / "asleep.json"
     cfg = tmp_path / "sleepwatch.json"
-    cfg.write_text(json.dumps(config(out, {"a": guards["a"].port, "b": guards["b"].port}, 0.2).to_dict()))
+    # a guard's answer may take seconds on a loaded machine: 5 s per read (a read that times out counts awake);
+    # the waits below are caps on state, not timings
+    ports = {"a": guards["a"].port, "b": guards["b"].port}
+    cfg.write_text(json.dumps(config(out, ports, 0.2, timeout=5).to_dict()))
     listener = NotifyListener(str(tmp_path / "notify.sock"))
     env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
     proc = subprocess.Popen(
@@ -239,16 +242,23 @@ def test_the_command_writes_then_removes_on_sigterm(guards: dict[str, StubEngine
         stderr=subprocess.PIPE,
         text=True,
     )
+    seen: list[str] = []
     try:
-        assert wait_for(out.exists, 15, 0.05)
-        assert json.loads(out.read_text())["asleep"] == []
-        listener.wait_for("READY", "1", timeout=5)
+        seen.append(f"file written: {wait_for(out.exists, 60, 0.05)}")
+        seen.append(f"first: {json.loads(out.read_text())['asleep']}")
+        try:
+            seen.append(f"READY=1 at {listener.wait_for('READY', '1', timeout=60) >= 0}")
+        except TimeoutError as exc:
+            seen.append(str(exc))
         guards["b"].sleep_state = "asleep"
-        assert wait_for(lambda: json.loads(out.read_text())["asleep"] == ["b"], 5, 0.05)
+        seen.append(
+            f"b asleep seen: {wait_for(lambda: json.loads(out.read_text())['asleep'] == ['b'], 60, 0.05)}"
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=60)
         listener.close()
+    assert seen == ["file written: True", "first: []", "READY=1 at True", "b asleep seen: True"], (seen, err)
     assert proc.returncode == 0, err
     assert not out.exists()
     assert "asleep: [b] waking: []" in err

@@ -194,14 +194,11 @@ class Controller:
         )
 
     def failure_cause(self) -> str:
+        """The canary's failure in one line (``vllm-fleet why`` on its host: vllm_fleet/host/failure_cause.py)."""
         cp = self.remote.run(
             self.canary.host,
-            ["sh", "-c",
-             f"python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get(\"failure_reason\") or \"\")' "
-             f"{self.spec.paths.state_dir}/{self.canary.name}.json 2>/dev/null | grep . || "
-             f"journalctl -u {self.unit} --since -30min -o cat --no-pager | "
-             "grep -E 'exited unexpectedly|not starting|cannot start|Error|error' | tail -n 3"],
-        )  # fmt: skip
+            [self.vf, "why", self.canary.name, "--state-dir", self.spec.paths.state_dir, "--since", "30min"],
+        )
         return " ".join(cp.stdout.split())[-600:] or "no cause logged (journalctl -u " + self.unit + ")"
 
     # ------------------------------------------------------------------ monitoring

@@ -1,0 +1,125 @@
+"""``vllm-fleet why`` (vllm_fleet/host/failure_cause.py): the launcher's reason from its state file while it says
+failed, else its last error line in the journal, else what systemd says of the unit's last run with its last
+lines; one line, capped. The commands it runs are played by a recorder (the real ones: test_unit_engine_service)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_fleet.host.failure_cause import MAX_CHARS, failure_cause
+
+
+class Host:
+    """``journalctl`` and ``systemctl show`` as a host with ``unit`` would answer them."""
+
+    def __init__(self, err: str = "", tail: str = "", show: str = "") -> None:
+        self.err, self.tail, self.show = err, tail, show
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: Sequence[str]) -> str:
+        self.calls.append(list(argv))
+        if argv[0] == "journalctl":
+            return self.err if "-p" in argv else self.tail
+        return self.show
+
+
+SHOW_CRASHED = "LoadState=loaded\nActiveState=failed\nResult=exit-code\nExecMainCode=1\nExecMainStatus=1\n"
+
+
+def write_state(d: Path, state: str, reason: str | None) -> None:
+    (d / "tiny-b.json").write_text(
+        json.dumps({"instance": "tiny-b", "state": state, "failure_reason": reason})
+    )
+
+
+def test_the_state_files_reason_while_it_says_failed(tmp_path: Path) -> None:
+    write_state(tmp_path, "failed", "engine exited unexpectedly: engine API server (pid 7) exited with 1")
+    host = Host(err="vllm-fleet launcher: an older failure")
+    assert failure_cause("tiny-b", str(tmp_path), run=host) == (
+        "engine exited unexpectedly: engine API server (pid 7) exited with 1"
+    )
+    assert host.calls == []
+
+
+def test_a_restarted_launchers_state_file_gives_way_to_its_last_error_in_the_journal(tmp_path: Path) -> None:
+    write_state(tmp_path, "loading", None)
+    host = Host(
+        err="vllm-fleet launcher: watchdog timeout: no successful probe in time; engine killed\n"
+        "some other error line of the unit\n"
+        "vllm-fleet launcher: engine exited unexpectedly: engine worker VllmWorker-0 killed by SIGKILL\n"
+    )
+    why = failure_cause("tiny-b", str(tmp_path), "30min", run=host)
+    assert why == "engine exited unexpectedly: engine worker VllmWorker-0 killed by SIGKILL"
+    assert host.calls == [
+        [
+            "journalctl",
+            "-u",
+            "vllm@tiny-b.service",
+            "--since",
+            "-30min",
+            "-p",
+            "err",
+            "-o",
+            "cat",
+            "--no-pager",
+        ]
+    ]
+
+
+def test_a_launcher_that_logged_nothing_gets_what_systemd_says_and_the_last_lines(tmp_path: Path) -> None:
+    """No state file, no launcher error (it crashed with a traceback, or was killed): systemd's result, how its
+    main process ended, the unit's last lines joined on one line."""
+    host = Host(
+        err="an engine's own error line\n",
+        tail="Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'tiny-b'\n",
+        show=SHOW_CRASHED,
+    )
+    why = failure_cause("tiny-b", str(tmp_path), run=host)
+    assert why == (
+        "systemd: vllm@tiny-b.service is failed (result exit-code); its main process exited with status 1; "
+        "its last lines: Traceback (most recent call last): | File \"x.py\", line 1 | KeyError: 'tiny-b'"
+    )
+    killed = Host(
+        show=SHOW_CRASHED.replace("ExecMainCode=1", "ExecMainCode=2").replace("Status=1", "Status=9")
+    )
+    assert failure_cause("tiny-b", str(tmp_path), run=killed) == (
+        "systemd: vllm@tiny-b.service is failed (result exit-code); its main process killed by signal 9"
+    )
+
+
+def test_nothing_known_of_a_unit_that_does_not_exist(tmp_path: Path) -> None:
+    assert (
+        failure_cause("nope", str(tmp_path), run=Host(show="LoadState=not-found\nActiveState=inactive\n"))
+        == ""
+    )
+    assert failure_cause("nope", str(tmp_path), run=Host()) == ""
+
+
+def test_one_line_capped(tmp_path: Path) -> None:
+    write_state(tmp_path, "failed", "a\nb " + "x" * 2000)
+    why = failure_cause("tiny-b", str(tmp_path), run=Host())
+    assert len(why) == MAX_CHARS and why.startswith("a b xxx") and why.endswith("...")
+
+
+def test_the_command_prints_the_cause_or_exits_1_with_stdout_empty(tmp_path: Path) -> None:
+    write_state(tmp_path, "failed", "model path /m does not exist; not starting the engine")
+    cmd = [sys.executable, "-m", "vllm_fleet.cli", "why"]
+    r = subprocess.run(
+        [*cmd, "tiny-b", "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert (r.returncode, r.stdout) == (0, "model path /m does not exist; not starting the engine\n"), (
+        r.stderr
+    )
+    # an instance of which nothing is known: its name on stderr (journalctl/systemctl absent or silent here)
+    r = subprocess.run(
+        [*cmd, "vf-no-such-instance", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (r.returncode, r.stdout) == (1, ""), r
+    assert "nothing known of vllm@vf-no-such-instance.service" in r.stderr

@@ -1,0 +1,112 @@
+"""``vllm-fleet why NAME``, on an engine host: why ``vllm@NAME`` did not come up or stopped, in one line.
+
+Read by the rolling restart's rollback (ansible/roles/engine/tasks/restart_one.yml) and by ``vllm-fleet
+rollout`` when a canary fails to start, so that the message that stops a rollout names the cause. In turn:
+
+1. the launcher's ``failure_reason`` in its state file (``{state_dir}/NAME.json``), while it still says
+   ``failed`` (systemd may already have started the unit again, which rewrites it);
+2. the launcher's last error line in the unit's journal since ``--since`` (every failure it exits on is
+   logged at priority err, ``launcher.fail``);
+3. otherwise (the launcher itself crashed, was killed, or never ran): what systemd says of the unit's last run
+   (its result, how its main process ended) and the last lines the unit logged.
+
+Exit 0 with the cause on stdout; 1 (stdout empty) when nothing at all is known of it (no state, no journal, no
+unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+LAUNCHER_PREFIX = "vllm-fleet launcher: "
+TAIL_LINES = 5
+MAX_CHARS = 600
+
+Run = Callable[[Sequence[str]], str]
+
+
+def _run(argv: Sequence[str]) -> str:
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def state_reason(state_file: Path) -> str:
+    """The launcher's failure reason while its state file says ``failed``; '' otherwise."""
+    try:
+        doc = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(doc, dict) or doc.get("state") != "failed":
+        return ""
+    return str(doc.get("failure_reason") or "")
+
+
+def journal_reason(unit: str, since: str, run: Run = _run) -> str:
+    """The launcher's last line at priority err (or worse) in ``unit``'s journal since ``since``."""
+    out = run(["journalctl", "-u", unit, "--since", f"-{since}", "-p", "err", "-o", "cat", "--no-pager"])
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith(LAUNCHER_PREFIX)]
+    return lines[-1][len(LAUNCHER_PREFIX) :] if lines else ""
+
+
+def systemd_reason(unit: str, since: str, run: Run = _run) -> str:
+    """What systemd says of the unit's last run, with the last lines it logged."""
+    props: dict[str, str] = {}
+    for line in run(
+        ["systemctl", "show", unit, "-p", "LoadState,ActiveState,Result,ExecMainCode,ExecMainStatus"]
+    ).splitlines():
+        key, _, value = line.partition("=")
+        props[key] = value
+    if props.get("LoadState") in (None, "", "not-found"):
+        return ""
+    # ExecMainCode: 1 exited (ExecMainStatus: its exit status), 2 killed, 3 dumped (ExecMainStatus: the signal)
+    how = {"1": "exited with status", "2": "killed by signal", "3": "dumped core on signal"}.get(
+        props.get("ExecMainCode", ""), ""
+    )
+    main = f"; its main process {how} {props.get('ExecMainStatus', '?')}" if how else ""
+    head = f"systemd: {unit} is {props.get('ActiveState', '?')} (result {props.get('Result', '?')}){main}"
+    out = run(
+        ["journalctl", "-u", unit, "--since", f"-{since}", "-n", str(TAIL_LINES), "-o", "cat", "--no-pager"]
+    )
+    tail = " | ".join(ln.strip() for ln in out.splitlines() if ln.strip())
+    return f"{head}; its last lines: {tail}" if tail else head
+
+
+def failure_cause(name: str, state_dir: str, since: str = "15min", run: Run = _run) -> str:
+    unit = f"vllm@{name}.service"
+    why = (
+        state_reason(Path(state_dir) / f"{name}.json")
+        or journal_reason(unit, since, run)
+        or systemd_reason(unit, since, run)
+    )
+    why = " ".join(why.split())
+    return why if len(why) <= MAX_CHARS else why[: MAX_CHARS - 3] + "..."
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the engine instance (vllm@NAME.service)")
+    p.add_argument(
+        "--state-dir", default="/run/vllm-fleet", help="the launchers' state files (paths.state_dir)"
+    )
+    p.add_argument(
+        "--since",
+        default="15min",
+        metavar="SPAN",
+        help="how far back the journal is read (journalctl's -SPAN)",
+    )
+
+    def run(a: argparse.Namespace) -> int:
+        why = failure_cause(a.name, a.state_dir, a.since)
+        if not why:
+            print(f"vllm-fleet why: nothing known of vllm@{a.name}.service", file=sys.stderr)
+            return 1
+        print(why)
+        return 0
+
+    p.set_defaults(handler=run)
