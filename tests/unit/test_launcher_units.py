@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from vllm_fleet.fleet.render import render_fleet
 from vllm_fleet.fleet.spec import SpecError, load_spec
 from vllm_fleet.host.launcher import (
     EXIT_CONFIG,
+    EXIT_ENGINE_DIED,
     InstanceConfig,
     config_problem,
     exit_code_of,
@@ -155,6 +157,53 @@ def test_launch_with_missing_config_exits_78(tmp_path: Path) -> None:
     )
     assert r.returncode == EXIT_CONFIG
     assert "cannot read instance config" in r.stderr
+
+
+def test_a_launcher_error_is_named_and_leaves_no_engine_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A bug of the launcher's own (an exception in its loop, here right after the engine started): the engine's
+    process group killed, state failed with the exception named (what `vllm-fleet why` reports), the traceback
+    on stderr (the journal), exit 1 (systemd restarts it)."""
+    from vllm_fleet.host import launcher
+    from vllm_fleet.host.failure_cause import failure_cause
+
+    out = render(tmp_path, spec_file(tmp_path))
+    conf = out / "h1" / "etc" / "vllm-fleet"
+    doc = json.loads((conf / "instances" / "tiny.json").read_text())
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    doc.update(
+        model_path=str(tmp_path / "model"),
+        command=[sys.executable, "-c", "import time; print('engine up', flush=True); time.sleep(300)"],
+        state_dir=str(tmp_path / "state"),
+    )
+    (conf / "instances" / "tiny.json").write_text(json.dumps(doc))
+    engine: list[int] = []
+
+    def broken(self: launcher.Supervisor, now: float, pid: int) -> list[launcher.Action]:
+        engine.append(pid)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(launcher.Supervisor, "engine_started", broken)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        rc = launcher.launch("tiny", str(conf))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert rc == EXIT_ENGINE_DIED == 1
+    assert len(engine) == 1
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine[0], 0)  # the group is gone (killed and reaped)
+    state = json.loads((tmp_path / "state" / "tiny.json").read_text())
+    assert state["state"] == "failed"
+    assert state["failure_reason"].startswith(
+        "launcher error: RuntimeError: boom (its traceback is in the journal)"
+    )
+    assert failure_cause("tiny", str(tmp_path / "state")).startswith("launcher error: RuntimeError: boom")
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'raise RuntimeError("boom")' in err
 
 
 def test_service_settings_are_validated(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -73,6 +74,7 @@ from vllm_fleet.host.engine_death import DeathWatch
 from vllm_fleet.host.launcher_actions import AskYield, PollGuard, ReportWakeFailed, SleepEngine, WakeEngine
 from vllm_fleet.host.launcher_state import (
     EXIT_CONFIG,
+    EXIT_ENGINE_DIED,
     EXIT_LOAD_TIMEOUT,
     Action,
     Check,
@@ -616,7 +618,14 @@ def launch(name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> int:
         n.status(f"Failed: {msg}")
         _log(msg, 3)
         return EXIT_CONFIG
-    return Launcher(cfg, n).run()
+    launcher = Launcher(cfg, n)
+    try:
+        return launcher.run()
+    except Exception as exc:  # a bug of ours: named like any other failure, the engine not left behind
+        for line in traceback.format_exc().rstrip().splitlines():
+            _log(line, 4)
+        why = f"launcher error: {type(exc).__name__}: {exc} (its traceback is in the journal); engine killed"
+        return launcher._exit([Kill(wait=True), *launcher.sm.fail(EXIT_ENGINE_DIED, why)])
 
 
 def _handler(a: argparse.Namespace) -> int:
