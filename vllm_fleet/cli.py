@@ -314,6 +314,11 @@ PLUGINS: dict[str, Plugin] = {
         "vllm_fleet.host_commands:add_manifest_args",
         "write the deployment manifest JSON of a host (versions, GPUs, models, checksums)",
     ),
+    "restart": Plugin(
+        "vllm_fleet.host.restart:add_args",
+        "on an engine host: restart vllm@NAME, returning when READY (a start systemd failed to spawn is tried "
+        "again; any other failure exits 1 with its cause)",
+    ),
     "rollout": Plugin(
         "vllm_fleet.fleet.rollout:add_args",
         "roll a served model's new version out through a canary judged on its SLOs (docs/rollouts.md)",

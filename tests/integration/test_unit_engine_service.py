@@ -147,6 +147,28 @@ def test_bad_model_path_fails_clearly_without_restart_storm(host: Remote) -> Non
     assert nothing.returncode == 1 and nothing.stdout == "", nothing
 
 
+def test_restart_tries_again_only_a_start_systemd_failed_to_spawn(host: Remote) -> None:
+    """`vllm-fleet restart` (the rolling restart's step): the launcher's own failure (a bad model path, exit 78)
+    is not tried again and comes back with its cause; a start systemd fails to spawn (here a user that does not
+    exist: 217/USER, the launcher never runs) is tried SPAWN_ATTEMPTS times, then fails naming systemd's error."""
+    from vllm_fleet.host.restart import SPAWN_ATTEMPTS
+
+    cmd = "/opt/vllm-fleet/venv/bin/vllm-fleet restart tiny-bad"
+    r = host.h.run(cmd, timeout=120)
+    assert r.returncode == 1 and "model path /var/lib/vllm-fleet/models/missing does not exist" in r.stdout, r
+    assert "trying again" not in r.stderr, r
+    dropin = "/etc/systemd/system/vllm@tiny-bad.service.d/99-no-user.conf"
+    host.sh(f"printf '[Service]\\nUser=vf-no-such-user\\n' > {dropin} && systemctl daemon-reload")
+    try:
+        r = host.h.run(cmd, timeout=120)
+        assert r.returncode == 1, r
+        assert "exited with status 217 (systemd failed to spawn it: the launcher never ran)" in r.stdout, r
+        assert "Failed to determine user credentials" in r.stdout or "217/USER" in r.stdout, r
+        assert r.stderr.count("trying again") == SPAWN_ATTEMPTS - 1, r.stderr
+    finally:
+        host.sh(f"rm -f {dropin} && systemctl daemon-reload && systemctl reset-failed vllm@tiny-bad")
+
+
 def test_start_returns_only_when_serving(host: Remote) -> None:
     t0 = time.monotonic()
     host.sh("systemctl start vllm@tiny-a", timeout=1500)

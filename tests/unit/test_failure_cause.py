@@ -30,19 +30,30 @@ class Host:
 SHOW_CRASHED = "LoadState=loaded\nActiveState=failed\nResult=exit-code\nExecMainCode=1\nExecMainStatus=1\n"
 
 
-def write_state(d: Path, state: str, reason: str | None) -> None:
-    (d / "tiny-b.json").write_text(
-        json.dumps({"instance": "tiny-b", "state": state, "failure_reason": reason})
-    )
+def write_state(d: Path, state: str, reason: str | None, pid: int = 41) -> None:
+    doc = {"instance": "tiny-b", "state": state, "failure_reason": reason, "launcher_pid": pid}
+    (d / "tiny-b.json").write_text(json.dumps(doc))
+
+
+PROPS = "LoadState,ActiveState,Result,ExecMainPID,ExecMainCode,ExecMainStatus"
+SHOW = ["systemctl", "show", "vllm@tiny-b.service", "-p", PROPS]
 
 
 def test_the_state_files_reason_while_it_says_failed(tmp_path: Path) -> None:
     write_state(tmp_path, "failed", "engine exited unexpectedly: engine API server (pid 7) exited with 1")
-    host = Host(err="vllm-fleet launcher: an older failure")
+    host = Host(err="vllm-fleet launcher: an older failure", show=SHOW_CRASHED + "ExecMainPID=41\n")
     assert failure_cause("tiny-b", str(tmp_path), run=host) == (
         "engine exited unexpectedly: engine API server (pid 7) exited with 1"
     )
-    assert host.calls == []
+    assert host.calls == [SHOW]
+
+
+def test_a_state_file_another_launcher_wrote_is_not_the_cause(tmp_path: Path) -> None:
+    """The unit's last main process (ExecMainPID 42) is not the launcher that wrote the file (41): the journal."""
+    write_state(tmp_path, "failed", "an earlier run's failure", pid=41)
+    host = Host(err="vllm-fleet launcher: load timeout: loading for more than 60s\n",
+                show=SHOW_CRASHED.replace("Status=1", "Status=3") + "ExecMainPID=42\n")  # fmt: skip
+    assert failure_cause("tiny-b", str(tmp_path), run=host) == "load timeout: loading for more than 60s"
 
 
 def test_a_restarted_launchers_state_file_gives_way_to_its_last_error_in_the_journal(tmp_path: Path) -> None:
@@ -55,6 +66,7 @@ def test_a_restarted_launchers_state_file_gives_way_to_its_last_error_in_the_jou
     why = failure_cause("tiny-b", str(tmp_path), "30min", run=host)
     assert why == "engine exited unexpectedly: engine worker VllmWorker-0 killed by SIGKILL"
     assert host.calls == [
+        SHOW,
         [
             "journalctl",
             "-u",
@@ -66,7 +78,7 @@ def test_a_restarted_launchers_state_file_gives_way_to_its_last_error_in_the_jou
             "-o",
             "cat",
             "--no-pager",
-        ]
+        ],
     ]
 
 
@@ -74,7 +86,6 @@ def test_a_launcher_that_logged_nothing_gets_what_systemd_says_and_the_last_line
     """No state file, no launcher error (it crashed with a traceback, or was killed): systemd's result, how its
     main process ended, the unit's last lines joined on one line."""
     host = Host(
-        err="an engine's own error line\n",
         tail="Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'tiny-b'\n",
         show=SHOW_CRASHED,
     )
@@ -88,6 +99,26 @@ def test_a_launcher_that_logged_nothing_gets_what_systemd_says_and_the_last_line
     )
     assert failure_cause("tiny-b", str(tmp_path), run=killed) == (
         "systemd: vllm@tiny-b.service is failed (result exit-code); its main process killed by signal 9"
+    )
+
+
+def test_a_start_systemd_failed_to_spawn_names_the_step_from_systemds_own_errors(tmp_path: Path) -> None:
+    """ci42: `status=219/CGROUP` (the launcher never ran, so no state file and no launcher line): systemd's own
+    error lines say which step failed and why."""
+    write_state(tmp_path, "failed", "an earlier run's failure")  # the previous launcher's file
+    host = Host(
+        err="vllm@tiny-b.service: Failed to attach to cgroup /system.slice/x: Device or resource busy\n"
+        "vllm@tiny-b.service: Failed at step CGROUP spawning /opt/vllm-fleet/venv/bin/python: Device or resource busy\n"
+        "vllm@tiny-b.service: Main process exited, code=exited, status=219/CGROUP\n"
+        "vllm@tiny-b.service: Failed with result 'exit-code'.\n",
+        tail="Starting vllm@tiny-b.service\n",
+        show=SHOW_CRASHED.replace("Status=1", "Status=219"),
+    )
+    assert failure_cause("tiny-b", str(tmp_path), run=host) == (
+        "systemd: vllm@tiny-b.service is failed (result exit-code); its main process exited with status 219 "
+        "(systemd failed to spawn it: the launcher never ran); its last errors: vllm@tiny-b.service: Failed at "
+        "step CGROUP spawning /opt/vllm-fleet/venv/bin/python: Device or resource busy | vllm@tiny-b.service: "
+        "Main process exited, code=exited, status=219/CGROUP | vllm@tiny-b.service: Failed with result 'exit-code'."
     )
 
 
