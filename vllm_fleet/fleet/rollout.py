@@ -283,9 +283,11 @@ class Controller:
         svc = self.canary.service
         self.started = True
         timeout = svc.load_timeout_seconds + svc.start_timeout_seconds + 60
-        cp = self.remote.run(h, ["systemctl", "start", self.unit], timeout=timeout)
+        # (vllm-fleet restart: a start systemd failed to spawn is tried again; its stdout the cause otherwise)
+        start = [self.vf, "restart", self.canary.name, "--state-dir", self.spec.paths.state_dir]
+        cp = self.remote.run(h, start, timeout=timeout)
         if cp.returncode:
-            cause = self.failure_cause()
+            cause = " ".join(cp.stdout.split())[-600:] or self.failure_cause()
             self.stop_canary()
             raise RolloutError(
                 f"the canary {self.canary.name} did not start on {h}: {cause}. It never entered rotation; the "
