@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_fleet.host.failure_cause import MAX_CHARS, failure_cause
+from vllm_fleet.host.failure_cause import MAX_CHARS, failure_cause, last_errors
 
 
 class Host:
@@ -120,6 +120,24 @@ def test_a_start_systemd_failed_to_spawn_names_the_step_from_systemds_own_errors
         "step CGROUP spawning /opt/vllm-fleet/venv/bin/python: Device or resource busy | vllm@tiny-b.service: "
         "Main process exited, code=exited, status=219/CGROUP | vllm@tiny-b.service: Failed with result 'exit-code'."
     )
+
+
+def test_systemds_errors_once_each_the_generic_job_line_and_an_earlier_launchers_left_out() -> None:
+    """ci43: three attempts of a start that fails to spawn log the same lines three times, and the job's
+    "Failed to start" each time; an earlier run's launcher line is in the window too."""
+    attempt = (
+        "vllm@x.service: Failed to determine user credentials: No such process\n"
+        "vllm@x.service: Failed at step USER spawning /opt/vllm-fleet/venv/bin/python: No such process\n"
+        "Failed to start vllm@x.service - vLLM engine x.\n"
+    )
+    text = "vllm-fleet launcher: model path /m does not exist\n" + attempt * 3
+    assert last_errors(text) == [
+        "vllm@x.service: Failed to determine user credentials: No such process",
+        "vllm@x.service: Failed at step USER spawning /opt/vllm-fleet/venv/bin/python: No such process",
+    ]
+    assert last_errors("Failed to start vllm@x.service - vLLM engine x.\n" * 2) == [
+        "Failed to start vllm@x.service - vLLM engine x."
+    ]
 
 
 def test_nothing_known_of_a_unit_that_does_not_exist(tmp_path: Path) -> None:

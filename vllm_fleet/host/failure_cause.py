@@ -93,6 +93,18 @@ def spawn_failed(props: dict[str, str]) -> int | None:
     return None
 
 
+def last_errors(text: str) -> list[str]:
+    """The last ``ERROR_LINES`` distinct error lines of systemd's own (the launcher's are an earlier run's here),
+    the job's generic "Failed to start ..." left out when there are others: the ones that say which step failed
+    and why, not pushed out by the same lines of each retry."""
+    lines = [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(LAUNCHER_PREFIX)
+    ]
+    distinct = list(reversed(dict.fromkeys(reversed(lines))))  # each line once, at its last place
+    specific = [ln for ln in distinct if not ln.startswith("Failed to start ")] or distinct
+    return specific[-ERROR_LINES:]
+
+
 def systemd_reason(unit: str, since: str, props: dict[str, str], run: Run = _run) -> str:
     """What systemd says of the unit's last run (``props``: ``unit_props``): its result, how its main process
     ended, its last error lines (systemd's own, e.g. "Failed to attach to cgroup ...: Device or resource busy"),
@@ -108,7 +120,7 @@ def systemd_reason(unit: str, since: str, props: dict[str, str], run: Run = _run
         main += " (systemd failed to spawn it: the launcher never ran)"
     head = f"systemd: {unit} is {props.get('ActiveState', '?')} (result {props.get('Result', '?')}){main}"
     journal = ["journalctl", "-u", unit, "--since", f"-{since}", "-o", "cat", "--no-pager"]
-    errors = [ln.strip() for ln in run([*journal, "-p", "err"]).splitlines() if ln.strip()]
+    errors = last_errors(run([*journal, "-p", "err"]))
     if errors:
         return f"{head}; its last errors: {' | '.join(errors[-ERROR_LINES:])}"
     tail = " | ".join(ln.strip() for ln in run([*journal, "-n", str(TAIL_LINES)]).splitlines() if ln.strip())
