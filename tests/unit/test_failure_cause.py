@@ -116,7 +116,8 @@ def test_a_start_systemd_failed_to_spawn_names_the_step_from_systemds_own_errors
     )
     assert failure_cause("tiny-b", str(tmp_path), run=host) == (
         "systemd: vllm@tiny-b.service is failed (result exit-code); its main process exited with status 219 "
-        "(systemd failed to spawn it: the launcher never ran); its last errors: vllm@tiny-b.service: Failed at "
+        "(systemd failed to spawn it: the launcher never ran); its last errors: vllm@tiny-b.service: Failed to attach "
+        "to cgroup /system.slice/x: Device or resource busy | vllm@tiny-b.service: Failed at "
         "step CGROUP spawning /opt/vllm-fleet/venv/bin/python: Device or resource busy | vllm@tiny-b.service: "
         "Main process exited, code=exited, status=219/CGROUP | vllm@tiny-b.service: Failed with result 'exit-code'."
     )

@@ -29,7 +29,9 @@ from pathlib import Path
 
 LAUNCHER_PREFIX = "vllm-fleet launcher: "
 TAIL_LINES = 5
-ERROR_LINES = 3
+ERROR_LINES = 4
+# systemd's lines about a unit that say nothing of why: left out when others do
+GENERIC = ("Failed to start ", "Scheduled restart job", "Starting ", "Stopped ")
 MAX_CHARS = 600
 
 Run = Callable[[Sequence[str]], str]
@@ -94,14 +96,14 @@ def spawn_failed(props: dict[str, str]) -> int | None:
 
 
 def last_errors(text: str) -> list[str]:
-    """The last ``ERROR_LINES`` distinct error lines of systemd's own (the launcher's are an earlier run's here),
-    the job's generic "Failed to start ..." left out when there are others: the ones that say which step failed
-    and why, not pushed out by the same lines of each retry."""
+    """The last ``ERROR_LINES`` distinct lines of systemd's own (the launcher's are an earlier run's here), its
+    generic ones (``GENERIC``) left out when there are others: the ones that say which step failed and why, not
+    pushed out by the same lines of each retry."""
     lines = [
         ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(LAUNCHER_PREFIX)
     ]
     distinct = list(reversed(dict.fromkeys(reversed(lines))))  # each line once, at its last place
-    specific = [ln for ln in distinct if not ln.startswith("Failed to start ")] or distinct
+    specific = [ln for ln in distinct if not ln.startswith(GENERIC)] or distinct
     return specific[-ERROR_LINES:]
 
 
@@ -120,7 +122,12 @@ def systemd_reason(unit: str, since: str, props: dict[str, str], run: Run = _run
         main += " (systemd failed to spawn it: the launcher never ran)"
     head = f"systemd: {unit} is {props.get('ActiveState', '?')} (result {props.get('Result', '?')}){main}"
     journal = ["journalctl", "-u", unit, "--since", f"-{since}", "-o", "cat", "--no-pager"]
-    errors = last_errors(run([*journal, "-p", "err"]))
+    # systemd's own lines about the unit (UNIT=: PID 1's, and those of the child that failed a spawn step, which
+    # `-u` does not match), down to notice: "Failed at step USER spawning ...", "Main process exited, ...
+    # status=217/USER"
+    errors = last_errors(
+        run(["journalctl", f"UNIT={unit}", "--since", f"-{since}", "-p", "notice", "-o", "cat", "--no-pager"])
+    )
     if errors:
         return f"{head}; its last errors: {' | '.join(errors[-ERROR_LINES:])}"
     tail = " | ".join(ln.strip() for ln in run([*journal, "-n", str(TAIL_LINES)]).splitlines() if ln.strip())
