@@ -686,6 +686,10 @@ class Run(sf.Run):
             flush=True,
         )
         self.count("traffic", records)
+        proc = self.gw.nginx.proc
+        rc = proc.poll() if proc is not None else "never started"
+        # nginx's master gone (tools/setup.sh, run by `make setup`/`make test` and so by CI, does `pkill -x nginx`)
+        self.check("gateway_alive_through_the_traffic", rc is None, None if rc is None else {"nginx_rc": rc})
         all_ok = v["requests"] > 0 and v["ok"] == v["requests"] and cut == 0
         keys = ("by_status", "refusals", "failures", "failed_examples", "cut")
         self.check("every_request_a_complete_200", all_ok, None if all_ok else {k: v[k] for k in keys})
