@@ -283,3 +283,23 @@ def test_the_time_to_the_first_byte_of_a_stream_and_of_a_plain_answer(ss: Module
     assert ss.ttfb_of(rec(stream=False, start=10.0, seconds=0.75)) == 0.75  # the body comes whole
     assert ss.ttfb_of(rec(start=10.0, seconds=1.0)) is None  # a stream with no byte
     assert ss.ttfb_of(rec(stream=False, status=None, kind="dropped", seconds=3.0)) is None
+
+
+def test_the_spans_of_the_wakes_and_the_sleeps_from_the_status_lines(ss: ModuleType) -> None:
+    msgs = [
+        (1.0, {"STATUS": "Serving m"}),
+        (2.0, {"STATUS": "Going to sleep (level 1): idle for 10s"}),
+        (2.4, {"STATUS": "Asleep (level 1), 0 wake(s) so far; a request wakes it"}),
+        (3.0, {"STATUS": "Asleep: waiting for a slot of swap group g to wake"}),
+        (3.5, {"WATCHDOG": "1"}),
+        (5.0, {"STATUS": "Waking (level 1)"}),
+        (5.6, {"STATUS": "Serving m"}),
+        (7.0, {"STATUS": "Going to sleep (level 1): a peer of swap group g needs the room"}),
+        (7.1, {"STATUS": "Serving m"}),  # refused: no sleep
+        (9.0, {"STATUS": "Going to sleep (level 1): idle for 10s"}),
+        (9.5, {"STATUS": "Asleep (level 1), 1 wake(s) so far; a request wakes it"}),
+        (12.0, {"STATUS": "Waking (level 1)"}),
+        (12.5, {"STATUS": "Asleep (level 1): wake failed: boom"}),  # failed: no wake
+    ]
+    assert ss.spans(msgs, "Waking", "Serving") == [0.6]
+    assert ss.spans(msgs, "Going to sleep", "Asleep (") == [0.4, 0.5]

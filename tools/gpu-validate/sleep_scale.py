@@ -353,6 +353,25 @@ def sleep_reasons(statuses: list[str]) -> dict[str, int]:
     return out
 
 
+def spans(messages: list[tuple[float, dict[str, str]]], start: str, end: str) -> list[float]:
+    """Every span from a STATUS starting with ``start`` to the next one starting with ``end`` (a launcher's notify
+    messages, in order): e.g. "Waking" → "Serving", each wake alone (no slot wait); "Going to sleep" → "Asleep",
+    each sleep (one the guard refused, "Going to sleep" → "Serving", is none)."""
+    out, t0 = [], None
+    for t, f in messages:
+        st = f.get("STATUS")
+        if st is None:
+            continue
+        if st.startswith(start):
+            t0 = t
+        elif t0 is not None and st.startswith(end):
+            out.append(round(t - t0, 3))
+            t0 = None
+        elif t0 is not None and not st.startswith(start) and st.startswith(("Serving", "Asleep")):
+            t0 = None  # the transition ended otherwise
+    return out
+
+
 def exporter_counts_verdict(text: str, states: dict[str, dict[str, Any]]) -> tuple[bool, Any]:
     """The exporter's sleeps_total, wakes_total and failed_wakes_total of every instance equal to its state
     file's."""
@@ -787,6 +806,12 @@ class Run(sf.Run):
             "total_awake_s": spread(total["awake"]),
             "total_held_s": spread(total["held"]),
             "wake_s": spread([x for v in durations.values() for x in v]),
+            "wake_alone_s": spread(
+                [x for i in self.insts.values() for x in spans(i.lis.messages, "Waking", "Serving")]
+            ),
+            "sleep_alone_s": spread(
+                [x for i in self.insts.values() for x in spans(i.lis.messages, "Going to sleep", "Asleep (")]
+            ),
             "wake_s_by_level": {
                 lv: spread([x for n, v in durations.items() if self.levels[n] == lv for x in v])
                 for lv in sorted(set(self.levels.values()))
@@ -896,7 +921,9 @@ def summary(res: dict[str, Any]) -> None:
     row("  streams, held", f.get("ttfb_streams_held_s"))
     row("total, model awake (s)", f.get("total_awake_s"))
     row("total, held (s)", f.get("total_held_s"))
-    row("wake (s)", f.get("wake_s"))
+    row("wake (s), slot wait included", f.get("wake_s"))
+    row("  the wake alone (s)", f.get("wake_alone_s"))
+    row("the sleep alone (s)", f.get("sleep_alone_s"))
     for lv, s in (f.get("wake_s_by_level") or {}).items():
         row(f"wake, level {lv} (s)", s)
     groups = f.get("groups") or {}
