@@ -777,6 +777,15 @@ class Run(sf.Run):
             if r["stream"]:
                 ttfb_streams[key].append(first)
             total[key].append(float(r["seconds"]))
+        self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "requests.jsonl").open("w") as f:  # every request: when, what, how it went
+            for r in self.records:
+                row = {
+                    k: r.get(k)
+                    for k in ("t", "model", "stream", "status", "kind", "seconds", "held", "detail")
+                }
+                row["ttfb"] = ttfb_of(r)
+                f.write(json.dumps(row, default=str) + "\n")
         durations, missed = wake_durations(samples)
         st = self.states()
         per_group = {}
