@@ -858,6 +858,17 @@ class Run(sf.Run):
             all(not w["systemd_would_kill"] and w["pings"] > 0 for w in wd.values()),
             {n: w["max_ping_gap_s"] for n, w in wd.items()},
         )
+        # the launcher's own goal (launcher_state.next_check_at): two pings at most a probe interval, a third of
+        # WatchdogSec, apart; a member woken just before a ping was due once went two intervals without one
+        self.check(
+            "watchdog_pings_within_a_third_of_watchdogsec",
+            all(w["within_goal"] for w in wd.values()),
+            {n: w["max_ping_gap_s"] for n, w in wd.items() if not w["within_goal"]} or None,
+        )
+        gap = max(wd.items(), key=lambda x: x[1]["max_ping_gap_s"], default=None)
+        figures["watchdog_max_gap_s"] = (
+            {"instance": gap[0], "gap_s": gap[1]["max_ping_gap_s"]} if gap else None
+        )
         wakes = sum(g["wakes"] for g in per_group.values())
         sleeps = sum(g["sleeps"] for g in per_group.values())
         self.check("wakes_and_sleeps_happened", wakes > 0 and sleeps > 0, {"wakes": wakes, "sleeps": sleeps})
@@ -935,6 +946,10 @@ def summary(res: dict[str, Any]) -> None:
     row("the sleep alone (s)", f.get("sleep_alone_s"))
     for lv, s in (f.get("wake_s_by_level") or {}).items():
         row(f"wake, level {lv} (s)", s)
+    if gap := f.get("watchdog_max_gap_s"):
+        print(
+            f"  longest gap between two WATCHDOG=1: {gap['gap_s']} s ({gap['instance']}; WatchdogSec {WATCHDOG_S:g})"
+        )
     groups = f.get("groups") or {}
     if groups:
         print(f"  {'group':<6} {'lvl':>3} {'mem':>3} {'reqs':>6} {'wakes':>5} {'sleeps':>6} {'evict':>5} {'idle':>4} "
