@@ -89,6 +89,20 @@ def rec(lf: ModuleType, *a: Any, group: str = "adapter", ttft: float | None = No
     return dict(out)
 
 
+def test_a_plain_chat_answer_is_complete_and_one_without_content_is_not(lf: ModuleType) -> None:
+    chat = {"model": "m00", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
+    r = rec(lf, 200, json.dumps(chat), "application/json", None, None, False, "m00")
+    assert (r["kind"], r["model_ok"]) == ("complete", True)
+    empty = {"model": "m00", "choices": [{"index": 0, "message": {"role": "assistant"}}]}
+    for doc in (empty, {"model": "m00"}):
+        assert (
+            rec(lf, 200, json.dumps(doc), "application/json", None, None, False, "m00")["kind"]
+            == "other_status"
+        )
+    delta = sse({"model": "m00", "choices": [{"delta": {"content": "x"}}]}, "[DONE]")
+    assert rec(lf, 200, delta, "text/event-stream", None, None, True, "m00")["kind"] == "complete"
+
+
 def test_outcomes_and_the_burst_verdict(lf: ModuleType) -> None:
     plain = json.dumps({"model": "a01", "choices": [{"text": "hi", "index": 0}]})
     stream = sse(

@@ -248,6 +248,38 @@ def test_a_wake_takes_the_slot_then_wakes_and_counts() -> None:
     assert r.checks == [60.75]
 
 
+def test_the_engine_answering_its_wake_pings_so_a_flapping_member_keeps_its_pings_an_interval_apart() -> None:
+    """A member of a busy swap group flaps: asked to yield just after a ping, woken just before the next one was
+    due. Asleep and during the transitions a ping is sent only once due, and awake the next check comes an
+    interval after the wake: the gap grew to two intervals (sleep_scale.py at fleet scale: 10.2 s between two
+    WATCHDOG=1 with probe_interval 5 s, a third of WatchdogSec). The engine answering the wake is a liveness pass
+    as good as a decode: it pings, and the pings stay an interval apart (plus a guard poll)."""
+    r = Run(config(idle=None))  # probe_interval 10 s, no idle sleep
+
+    def run_to(t: float, state: str) -> None:
+        while r.now < t:
+            r.tick_to(r.now + 0.25)
+            assert r.sm.sleep is not None
+            if r.sm.sleep.polling:
+                r.guard(state=state)
+
+    run_to(20.0, "awake")
+    last = r.sm.last_ping  # a check passed at most an interval ago
+    assert last is not None and 10.0 < last <= 20.0
+    r.at(20.2).feed(r.sm.yield_requested(20.2))
+    run_to(20.25, "awake")
+    assert r.times(SleepEngine(1)) == [20.25]
+    r.at(20.6).feed(r.sm.slept(20.6, 200, ""))
+    wake = last + 10.0 - 0.5  # the next ping not due yet
+    run_to(wake, "asleep")
+    assert r.at(wake).feed(r.sm.wake_requested(wake))[-1] == WakeEngine(1)
+    r.at(wake + 0.4).feed(r.sm.woken(wake + 0.4, WALL0 + wake + 0.4, True, ""))
+    run_to(60.0, "awake")
+    pings = [t for t in r.times(PING) if t >= last]
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(pings)]
+    assert len(pings) >= 4 and max(gaps) <= 10.0 + GUARD_POLL_SECONDS, (pings, gaps)
+
+
 def test_level_two_and_a_failed_wake() -> None:
     r = Run(config(level=2))
     assert PollGuard() in r.tick_to(31.0)

@@ -231,13 +231,17 @@ def outcome(
     stream: bool,
     model: str,
 ) -> dict[str, Any]:
-    """One request's outcome (sandbox_burst.classify's kinds; a plain 200 JSON completion is ``complete`` too):
-    ``model_ok`` (a complete answer names the model asked), ``json_error`` (a refusal's body is a JSON error)."""
+    """One request's outcome (sandbox_burst.classify's kinds; a plain 200 JSON completion, text or chat, is
+    ``complete`` too): ``model_ok`` (a complete answer names the model asked), ``json_error`` (a refusal's body is
+    a JSON error)."""
     rec = classify(status, text, content_type=content_type, retry_after=retry_after, error=error)
     if status == 200 and not stream and rec["kind"] == "other_status":
         with contextlib.suppress(ValueError):
             doc = json.loads(text)
-            if isinstance(doc, dict) and doc.get("choices") and doc["choices"][0].get("text") is not None:
+            first = doc["choices"][0] if isinstance(doc, dict) and doc.get("choices") else None
+            if isinstance(first, dict) and (
+                first.get("text") is not None or (first.get("message") or {}).get("content") is not None
+            ):
                 rec["kind"] = "complete"
     if rec["kind"] == "complete":
         rec["model_ok"] = answered_model(text, stream) == model
@@ -327,10 +331,15 @@ def lora_info_labels(line: str) -> dict[str, str]:
 
 
 async def one_request(
-    host: str, port: int, model: str, stream: bool, key: str | None, tokens: int, prompt: str
-) -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
-                       "stream": stream, "temperature": 0}).encode()  # fmt: skip
+    host: str, port: int, model: str, stream: bool, key: str | None, tokens: int, prompt: str,
+    chat: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """One request on a new connection: a completion of ``prompt`` (``chat``: a chat completion with it as the
+    user's message)."""
+    ask: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    body = json.dumps({"model": model, **ask, "max_tokens": tokens, "ignore_eos": True, "stream": stream,
+                       "temperature": 0}).encode()  # fmt: skip
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     t0 = time.monotonic()
     base = {"model": model, "stream": stream, "group": "base" if model == NAME else "adapter"}
     try:
@@ -338,9 +347,7 @@ async def one_request(
     except (OSError, TimeoutError) as exc:
         rec = outcome(None, "", "", None, f"connect: {type(exc).__name__}: {exc}", stream, model)
         return {**base, **rec, "seconds": round(time.monotonic() - t0, 3)}
-    status, headers, text, error, first = await exchange(
-        reader, writer, host, port, "/v1/completions", body, key
-    )
+    status, headers, text, error, first = await exchange(reader, writer, host, port, path, body, key)
     rec = outcome(
         status, text, headers.get("content-type", ""), headers.get("retry-after"), error, stream, model
     )
@@ -357,11 +364,11 @@ Plan = Callable[[int, int], tuple[str, bool]]  # (lane, its request number) → 
 
 async def lanes(
     host: str, port: int, key: str | None, n: int, plan: Plan, tokens: int, hold: float, drain: float,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, chat: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
-    """``n`` lanes sending one request after another (``plan`` picks each one's model and streaming) until
-    ``hold`` s or ``stop``; a refusal with Retry-After waits it (at most 5 s), as the SDKs do. What still runs
-    ``drain`` s after the lanes stop sending is cut. (records, cut)"""
+    """``n`` lanes sending one request after another (``plan`` picks each one's model and streaming; ``chat``:
+    chat completions) until ``hold`` s or ``stop``; a refusal with Retry-After waits it (at most 5 s), as the SDKs
+    do. What still runs ``drain`` s after the lanes stop sending is cut. (records, cut)"""
     rng = random.Random(7)
     records: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -375,7 +382,7 @@ async def lanes(
             model, stream = plan(i, k)
             k += 1
             prompt = f"{i}.{k} " + " ".join(rng.choice(lora.WORDS) for _ in range(48))
-            rec = await one_request(host, port, model, stream, key, tokens, prompt)
+            rec = await one_request(host, port, model, stream, key, tokens, prompt, chat)
             rec["t"] = round(time.monotonic() - t0, 3)
             rec["at"] = time.monotonic()
             records.append(rec)

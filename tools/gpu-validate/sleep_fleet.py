@@ -371,6 +371,29 @@ def asleep_within_reserve(points: dict[str, dict[str, Any]]) -> tuple[bool, Any]
 # ---- small helpers
 
 
+def exporter_once(lay: lf.LabLayout) -> subprocess.CompletedProcess[str]:
+    """``vllm-fleet exporter --once --no-nvml`` on the lab's state files and instance configs (what the host's
+    exporter serves at a scrape; no GPU read, no workers, access log, drain state or manifest)."""
+    return vf_cli(
+        "exporter",
+        "--once",
+        "--no-nvml",
+        "--state-dir",
+        str(lay.state_dir),
+        "--config-dir",
+        str(lay.etc / "instances"),
+        "--worker-config-dir",
+        "",
+        "--access-log",
+        "",
+        "--drain-state",
+        "",
+        "--manifest",
+        "",
+        timeout=120,
+    )
+
+
 def non_loopback_ipv4() -> str | None:
     """This machine's first IPv4 address that is not loopback (the interface order of the kernel)."""
     from vllm_fleet.host.netif import ipv4_of
@@ -512,6 +535,8 @@ def make_real_model(src: Path, dst: Path) -> dict[str, Any]:
 
 class Run(lf.LabRun):
     detail_chars = 600
+    results_file = "sleep-fleet-results.json"  # under OUT (sleep_scale.py's Run keeps its own)
+    notify_kept = 1500  # each launcher's last notify messages kept in the results
 
     def __init__(self, out: Path, a: argparse.Namespace, lay: Layout) -> None:
         self.out, self.a, self.lay = out, a, lay
@@ -540,8 +565,8 @@ class Run(lf.LabRun):
             if i.lis is not None:
                 self.res.setdefault("notify", {})[n] = [
                     {"t": round(t - i.t0, 3), **f} for t, f in i.lis.messages
-                ][-1500:]
-        (self.out / "sleep-fleet-results.json").write_text(json.dumps(self.res, indent=2, default=str))
+                ][-self.notify_kept :]
+        (self.out / self.results_file).write_text(json.dumps(self.res, indent=2, default=str))
 
     def step(self, title: str) -> None:
         self.res["last_step"] = title
@@ -1159,25 +1184,7 @@ class Run(lf.LabRun):
             ),
             alive,
         )
-        lay = self.lay
-        r = vf_cli(
-            "exporter",
-            "--once",
-            "--no-nvml",
-            "--state-dir",
-            str(lay.state_dir),
-            "--config-dir",
-            str(lay.etc / "instances"),
-            "--worker-config-dir",
-            "",
-            "--access-log",
-            "",
-            "--drain-state",
-            "",
-            "--manifest",
-            "",
-            timeout=120,
-        )
+        r = exporter_once(self.lay)
         states = self.states()
         lines = [
             ln

@@ -589,6 +589,9 @@ class Supervisor:
             self.liveness.alive_at = now
             self.liveness.progress = None
             self.next_probe = max(self.next_probe, now + self.probe_interval)
+            # ... and a liveness pass: WATCHDOG=1 now, as the next check comes an interval from now (without it a
+            # member woken just before a ping was due went two intervals without one)
+            out += self._ping(now)
         return out
 
     def wake_requested(self, now: float) -> list[Action]:
