@@ -258,6 +258,17 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(s[min(len(s) - 1, int(q * len(s)))], 3) if s else None
 
 
+def refusal_counts(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many refusals of each status, error code and reason."""
+    return dict(
+        Counter(
+            f"{r['status']} {r.get('code')} ({r.get('reason') or '-'})"
+            for r in records
+            if r["kind"] == "refused"
+        )
+    )
+
+
 def tally(records: list[dict[str, Any]], cut: int = 0) -> dict[str, Any]:
     """The outcomes of a set of requests: by kind and status, refusals, TTFT (streams) and end-to-end seconds
     (plain answers) of the complete ones, per group (``base``: the base model, ``adapter``: any adapter)."""
@@ -266,13 +277,7 @@ def tally(records: list[dict[str, Any]], cut: int = 0) -> dict[str, Any]:
         "cut": cut,
         "by_kind": dict(Counter(r["kind"] for r in records)),
         "by_status": {str(k): v for k, v in sorted(Counter(r["status"] for r in records).items(), key=str)},
-        "refusals": dict(
-            Counter(
-                f"{r['status']} {r.get('code')} ({r.get('reason') or '-'})"
-                for r in records
-                if r["kind"] == "refused"
-            )
-        ),
+        "refusals": refusal_counts(records),
         "refused_without_retry_after": sum(
             1 for r in records if r["kind"] == "refused" and not r.get("retry_after")
         ),

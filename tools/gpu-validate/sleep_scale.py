@@ -242,13 +242,7 @@ def request_verdict(records: list[dict[str, Any]], cut: int) -> dict[str, Any]:
         "by_status": {
             str(k): v for k, v in sorted(Counter(r.get("status") for r in records).items(), key=str)
         },
-        "refusals": dict(
-            Counter(
-                f"{r['status']} {r.get('code')} ({r.get('reason') or '-'})"
-                for r in records
-                if r["kind"] == "refused"
-            )
-        ),
+        "refusals": lf.refusal_counts(records),
         "failures": dict(
             Counter(
                 f"{r.get('status')} {r.get('kind')}: {str(r.get('detail'))[:120]}" for r in bad
