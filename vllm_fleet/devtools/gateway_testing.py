@@ -5,8 +5,10 @@ tiny HTTP servers that say who they are and what reached them)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -227,10 +229,21 @@ class StubEngine:
         self.sleep_state: str | None = None
         self.seen: list[tuple[str, str]] = []
         self.lock = threading.Lock()
+        self.conns: set[socket.socket] = set()
         stub = self
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with stub.lock:
+                    stub.conns.add(self.connection)
+
+            def finish(self) -> None:
+                with stub.lock:
+                    stub.conns.discard(self.connection)
+                super().finish()
 
             def _guard(self) -> bool:
                 state = stub.sleep_state
@@ -278,9 +291,15 @@ class StubEngine:
             return len(self.seen)
 
     def close(self) -> None:
-        """Stop answering: a connection to its port is refused from now on."""
+        """Stop answering, as a killed engine does: a connection to its port is refused from now on, and the
+        connections already open (nginx's keepalive ones) are closed, not served on by their threads."""
         self.server.shutdown()
         self.server.server_close()
+        with self.lock:
+            conns = list(self.conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
 
 
 @contextmanager
