@@ -98,6 +98,7 @@ from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, health, inflight, probe, sample
 from vllm_fleet.host.sleep_control import YIELD_ASK_EVERY, GuardReading
 from vllm_fleet.host.swap_group import Slots, yield_candidate
+from vllm_fleet.host.waker import Waker
 
 # (pattern, phase) in the order vLLM prints them; the last one seen is the current phase
 PHASES: list[tuple[re.Pattern[str], str]] = [
@@ -256,7 +257,7 @@ class Launcher:
         self._signals: list[int] = []
         self._phases: list[str] = []  # loading phases the relay saw, for the main loop
         self._results: list[Callable[[float], list[Action]]] = []  # the threads' answers, as events
-        self._wake = threading.Event()
+        self._wake = Waker()  # set by the signal handler and the threads (not a threading.Event: waker.py)
         wd_env = os.environ.get("WATCHDOG_USEC")
         wd = int(wd_env) / 1e6 if wd_env and wd_env.isdigit() else cfg.service.watchdog_seconds
         # sleep mode: the engine's guard accepts this token (new at every start) on its development paths
