@@ -436,6 +436,27 @@ def file_key(path: Path) -> str:
     return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
 
 
+def pings_of(i: sf.Inst) -> list[float]:
+    """When a launcher sent WATCHDOG=1 (monotonic)."""
+    return [t for t, f in i.lis.messages if f.get("WATCHDOG") == "1"] if i.lis else []
+
+
+def proc_facts(pid: int) -> dict[str, Any]:
+    """A live process's state as the kernel tells it: each thread's wait channel (``futex_wait_queue``: a lock),
+    its state and signal masks (pending, blocked, caught)."""
+    out: dict[str, Any] = {}
+    with contextlib.suppress(OSError):
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        out["status"] = [
+            ln for ln in status if ln.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+        ]
+        out["wchan"] = {
+            t: (Path(f"/proc/{pid}/task/{t}/wchan").read_text() or "-")
+            for t in sorted(os.listdir(f"/proc/{pid}/task"))
+        }
+    return out
+
+
 class Sampler:
     """Every SAMPLE_S: each launcher's state file and each swap group's slot holders. A slot's holder is read
     from the kernel's lock table (``/proc/locks``), not by trying the lock as ``swap_group.Slots.holders`` does:
@@ -839,9 +860,20 @@ class Run(sf.Run):
                 "engine_pid": [i.pid, st[n].get("engine_pid")],
                 "state": st[n].get("state"),
             }
-            pings = [t for t, f in i.lis.messages if f.get("WATCHDOG") == "1"]
-            wd[n] = watchdog_report(pings, i.t_ready or i.t0, now, WATCHDOG_S)
+            wd[n] = watchdog_report(pings_of(i), i.t_ready or i.t0, now, WATCHDOG_S)
         self.res["alive"], self.res["watchdog"] = alive, wd
+        # a launcher alive whose pings stopped (systemd would have killed it): what the kernel says it waits on
+        silent = {
+            n: i.lp.pid
+            for n, i in self.insts.items()
+            if i.lp is not None and i.lp.poll() is None and now - max(pings_of(i), default=i.t0) > WATCHDOG_S
+        }
+        if silent:
+            self.res["silent_launchers"] = {n: proc_facts(pid) for n, pid in silent.items()}
+            print(
+                f"   launchers alive without a ping for {WATCHDOG_S:g} s: {self.res['silent_launchers']}",
+                flush=True,
+            )
         self.check(
             "launchers_alive_one_ready_each_same_engine",
             len(alive) == len(self.ms)
