@@ -1034,14 +1034,18 @@ def layout(a: argparse.Namespace) -> Layout:
     # a short folder: the admission service's unix sockets live under it (at most 107 bytes a path)
     root = Path(tempfile.mkdtemp(prefix="vf-scale-", dir="/tmp"))
     names = [m.name for m in members(a.models, a.groups, a.replicas, a.level2_groups)]
+    ports: list[int] = []
+    while len(ports) < len(names) + 3:  # a free port asked twice may be the same one
+        if (port := lf.free_port()) not in ports:
+            ports.append(port)
     return Layout(
         root,
         local=True,
         address=sf.non_loopback_ipv4() or "127.0.0.1",
-        ports={n: lf.free_port() for n in names},
-        gw_port=lf.free_port(),
-        stub_port=lf.free_port(),
-        admission_metrics_port=lf.free_port(),
+        ports=dict(zip(names, ports, strict=False)),
+        gw_port=ports[-3],
+        stub_port=ports[-2],
+        admission_metrics_port=ports[-1],
         nginx_root=Path("/"),
     )
 
