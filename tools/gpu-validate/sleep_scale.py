@@ -730,16 +730,16 @@ class Run(sf.Run):
         rc = proc.poll() if proc is not None else "never started"
         # nginx's master gone (tools/setup.sh, run by `make setup`/`make test` and so by CI, does `pkill -x nginx`)
         self.check("gateway_alive_through_the_traffic", rc is None, None if rc is None else {"nginx_rc": rc})
-        all_ok = v["requests"] > 0 and v["ok"] == v["requests"] and cut == 0
+        # a 429/503 with JSON and Retry-After is docs/sleep.md's answer to a wake that failed or took longer than
+        # wake_wait_seconds (and the gateway's when nothing can take the request): counted apart, shown, not a
+        # failure here (a failed wake fails no_failed_wake)
+        ok = v["requests"] > 0 and v["failed"] == 0 and cut == 0
         keys = ("by_status", "refusals", "failures", "failed_examples", "cut")
-        self.check("every_request_a_complete_200", all_ok, None if all_ok else {k: v[k] for k in keys})
         self.check(
-            "no_failed_request_beyond_defined_refusals",
-            v["failed"] == 0 and cut == 0,
-            None
-            if v["failed"] == 0 and not cut
-            else {k: v[k] for k in ("failures", "failed_examples", "cut")},
+            "every_request_a_complete_200_or_a_defined_refusal", ok, None if ok else {k: v[k] for k in keys}
         )
+        if v["refused_with_retry_after"]:
+            print(f"   refused with Retry-After (docs/sleep.md's answer): {v['refusals']}", flush=True)
         self.save()
 
     # -- 5. settle: every instance idle asleep again
