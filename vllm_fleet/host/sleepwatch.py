@@ -38,6 +38,7 @@ from vllm_fleet.contracts import (
 )
 from vllm_fleet.files import write_json_atomic
 from vllm_fleet.host.notify import Notifier
+from vllm_fleet.host.waker import Stop
 
 USER_AGENT = "vllm-fleet-sleepwatch"
 # the guard's answer is a small JSON object; anything longer is not one
@@ -122,7 +123,7 @@ class SleepWatch:
             self.log(f"asleep: [{', '.join(sets[0])}] waking: [{', '.join(sets[1])}]")
         return True
 
-    def run(self, stop: threading.Event, notifier: Notifier | None = None) -> None:
+    def run(self, stop: threading.Event | Stop, notifier: Notifier | None = None) -> None:
         """Steps every ``interval_seconds`` until ``stop`` is set; READY=1 after the first; removes the file on
         the way out."""
         ready = False
@@ -162,7 +163,7 @@ def _run(a: argparse.Namespace) -> int:
     except (OSError, ContractError) as exc:
         print(f"vllm-fleet sleepwatch: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop = Stop()  # not a threading.Event: its set in a signal handler can wait on the main thread (waker.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     notifier = Notifier()

@@ -27,8 +27,8 @@ class Waker:
         with contextlib.suppress(BlockingIOError):
             os.write(self._w, b"\0")
 
-    def wait(self, timeout: float) -> bool:
-        """Until set or ``timeout`` seconds: whether it is set."""
+    def wait(self, timeout: float | None) -> bool:
+        """Until set or ``timeout`` seconds (None: until set): whether it is set."""
         ready, _, _ = select.select([self._r], [], [], timeout)
         return bool(ready)
 
@@ -41,3 +41,26 @@ class Waker:
         for fd in (self._r, self._w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class Stop:
+    """A stop flag that a SIGTERM handler sets (the exporter's, the sleep watch's main loop): ``threading.Event``'s
+    ``set``, ``is_set`` and ``wait``, through a ``Waker``, so a handler that runs while the main thread is inside
+    ``wait`` never waits for a lock that thread holds. Once set, set for good."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waker = Waker()
+
+    def set(self) -> None:
+        self._set = True
+        self._waker.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until set or ``timeout`` seconds (None: until set): whether it is set."""
+        if not self._set:
+            self._waker.wait(timeout)
+        return self._set

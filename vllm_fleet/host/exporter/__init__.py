@@ -27,7 +27,6 @@ import argparse
 import logging
 import os
 import signal
-import threading
 
 from prometheus_client import generate_latest, start_http_server
 
@@ -58,6 +57,7 @@ from vllm_fleet.host.exporter.systemd import (
     unit_restarts,
 )
 from vllm_fleet.host.exporter.vrrp import VrrpReading, VrrpState, read_vrrp
+from vllm_fleet.host.waker import Stop
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     addr, _, port = args.listen.rpartition(":")
     server, thread = start_http_server(int(port), addr=addr or "0.0.0.0", registry=registry)
     log.info("serving metrics on http://%s:%s/metrics", addr or "0.0.0.0", port)
-    stop = threading.Event()
+    stop = Stop()  # not a threading.Event: its set in a signal handler can wait on the main thread (waker.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
