@@ -233,7 +233,9 @@ def test_sse_is_passed_on_as_it_is_written(stubs: dict[str, Stub], tmp_path: Pat
     gaps = [round(y - x, 3) for x, y in itertools.pairwise(arrivals)]
     print(f"SSE through the gateway: events at {[round(t, 2) for t in arrivals]} s")
     assert len(arrivals) == 8, arrivals
-    assert arrivals[0] < 0.2 + 0.25 * 3, arrivals  # the first event came before most were written
+    # the first event came before most were written: 1.75 s between the first and the last as written, none as
+    # one buffer (a measure of the stream itself, not of how soon a loaded machine answers)
+    assert arrivals[-1] - arrivals[0] >= 0.25 * 4, arrivals
     assert sum(1 for d in gaps if d >= 0.125) >= 6, gaps  # one by one, not a buffer at a time
 
 

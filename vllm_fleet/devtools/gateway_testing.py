@@ -216,6 +216,16 @@ class Gateway:
         return found
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A connection the peer reset, or that ``StubEngine.close`` shut down, is what the tests do on purpose: not
+    a traceback on stderr. Anything else is printed as before."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
+
+
 class StubEngine:
     """An engine stand-in on a free port of ``host`` (loopback by default; a sandbox host reaches one on the
     bridge's address): any method on any path answers ``status`` (200 by default)
@@ -281,7 +291,7 @@ class StubEngine:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, 0), H)
+        self.server = _QuietServer((host, 0), H)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
