@@ -89,6 +89,29 @@ def test_the_spec_moves_to_the_lab_and_plans_and_renders_every_member_in_its_gro
     assert not make_plan(parse_spec(d, "scale"), allow_unchecked_flags=True).ok
 
 
+def test_the_device_mode_is_one_gpu_at_level_1_and_its_spec_keeps_the_hosts_memory(
+    ss: ModuleType, tmp_path: Path
+) -> None:
+    a = ss.parse([str(tmp_path / "out")])
+    assert (a.models, a.groups, a.max_awake, a.level2_groups) == (4, 1, 2, 0)
+    assert ss.parse([str(tmp_path / "out"), "--local"]).models == 12  # --local keeps its own defaults
+    with pytest.raises(SystemExit):  # dummy weights: vLLM reloads none after a level-2 sleep
+        ss.parse([str(tmp_path / "out"), "--level2-groups", "1"])
+    ms = ss.members(a.models, a.groups, a.replicas, a.level2_groups)
+    lay = ss.Layout(tmp_path / "vf", local=False, address="192.0.2.7",
+                    ports={m.name: 20000 + i for i, m in enumerate(ms)})  # fmt: skip
+    base = yaml.safe_load(ss.SPEC.read_text())
+    d = ss.spec_data(base, lay, ms, a.max_awake, a.max_num_seqs)
+    host = next(h for h in d["hosts"] if h["name"] == ss.GPU_HOST)
+    assert host["memory_gib"] == 128 and host["gpus"]["count"] == 1  # the device's, not the sim's 1 TiB
+    assert {m["gpu_memory_utilization"] for m in d["models"]} == {0.47}
+    assert all(m["sleep"]["level"] == 1 and "--load-format" in m["extra_args"] for m in d["models"])
+    assert make_plan(parse_spec(d, "scale"), allow_unchecked_flags=True).ok
+    # the plan's host-memory rule is the device's: sleepers' level-1 weights beyond its 128 GiB are refused
+    host["memory_gib"] = 16
+    assert not make_plan(parse_spec(d, "scale"), allow_unchecked_flags=True).ok
+
+
 # ---- the skew
 
 

@@ -12,6 +12,8 @@
 #                               under traffic, exporter, stop (tools/gpu-validate/lora_fleet.py)
 #   run-device.sh sleep-fleet OUT  sleep mode through vllm-fleet: two models of one swap group taking turns on the
 #                               GPU under alternating traffic, launchers + guard + gateway (tools/gpu-validate/sleep_fleet.py)
+#   run-device.sh sleep-scale OUT  sleep mode at scale: 4 models in one swap group (2 awake) on the GPU under Zipf
+#                               traffic, launchers + guard + gateway (tools/gpu-validate/sleep_scale.py)
 set -euo pipefail
 VF=/root/vf
 PARTS=/root/parts
@@ -60,5 +62,8 @@ lora-fleet)
 sleep-fleet)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 64 client connections per round + the gateway's
   exec python3 tools/gpu-validate/sleep_fleet.py "$2" ;;  # exec: a `timeout` TERM reaches it
-*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT | sleep-fleet OUT" >&2; exit 2 ;;
+sleep-scale)
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 16 lanes + the gateway's connections
+  exec python3 tools/gpu-validate/sleep_scale.py "$2" ;;  # exec: a `timeout` TERM reaches it
+*) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT | sleep-fleet OUT | sleep-scale OUT" >&2; exit 2 ;;
 esac

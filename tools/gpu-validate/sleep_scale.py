@@ -8,7 +8,12 @@ instance with a served name of its own, in ``--groups`` (3) swap groups of one G
   sleep_scale.py OUT --local  the sim engine (vllm_fleet/devtools/sim_engine.py: vLLM's sleep mode, its
                               --sim-sleep-seconds and --sim-wake-seconds) in vLLM's place, this machine's nginx,
                               everything under a temporary folder on free ports: no GPU.
-  sleep_scale.py OUT          the device mode: not built (exit 2).
+  sleep_scale.py OUT          the device mode: vLLM under the launchers on the H200 (what `run-device.sh install`
+                              left under /root/vf: the carried vLLM, nginx, make_model.py's Qwen3-8B-shaped folder
+                              with dummy weights), every model at level 1 (vLLM reloads no dummy weights, so no
+                              level 2), one swap group on the one GPU: ``--models`` 4, ``--groups`` 1, ``--max-awake``
+                              2 unless given; the GPU's memory read at each step (an asleep engine within the plan's
+                              reserve). `run-device.sh sleep-scale OUT`.
 
   1. the spec: h200-sleep.yml's shape (a gpu-profile host, its GPUs written out: ``--groups`` of them) with the
      models spread over the groups (model i in group i mod G, so the hottest ones land in different groups), every
@@ -85,6 +90,20 @@ LEAST_IDLE_S = min(int(getattr(m, "ge", 10**9)) for m in SleepSettings.model_fie
 AWAKE_LIKE = ("awake", "waking")  # what holds (or is about to hold) GPU memory of its group
 SETTLE_EXTRA_S = 15.0  # after idle_seconds: the guard poll (1 s), a sleep, the state file
 RESULTS = "sleep-scale-results.json"
+# the device (one H200): one swap group of 4 Qwen3-8B-shaped models, 2 awake (0.47 of the GPU each: the plan's
+# rule with 2 sleepers' reserve), every one at level 1 (dummy weights), answers of 64 tokens, vLLM's starts (a
+# cold one compiles; a slot's wait includes a peer's first sleep, 12 s) within one call of 570 s
+DEVICE_DEFAULTS: dict[str, Any] = {
+    "models": 4,
+    "groups": 1,
+    "max_awake": 2,
+    "level2_groups": 0,
+    "tokens": 64,
+    "max_num_seqs": 64,
+    "ready_timeout": 330.0,
+    "drain_s": 60.0,
+    "budget_s": 570.0,
+}
 
 
 # ---- the fleet's shape (pure: tests/unit/test_sleep_scale.py)
@@ -140,7 +159,9 @@ def spec_data(
 ) -> dict[str, Any]:
     """h200-sleep.yml moved to ``lay`` with ``ms`` as its models: the GPU host with one GPU per group (the base's
     GPU written out that many times), a model entry each from the base's level-1 one (its level, group, GPU,
-    port, ``max_num_seqs``; the least idle_seconds; the default wake_wait_seconds), the swap groups."""
+    port, ``max_num_seqs``; the least idle_seconds; the default wake_wait_seconds), the swap groups. Local: the
+    host's memory as 1 TiB (the sim holds no weights); the device: the base's (the plan checks that the sleepers'
+    level-1 weights fit it)."""
     d: dict[str, Any] = lf.retarget(json.loads(json.dumps(base)), str(sf.VF), str(lay.root))
     groups = group_members(ms)
     gpu: dict[str, Any] = {}
@@ -149,7 +170,8 @@ def spec_data(
             h["address"] = lay.address
             h["gpus"]["count"] = len(groups)
             gpu = h["gpus"]
-            h["memory_gib"] = max(h.get("memory_gib") or 0, 1024)  # the lab's: the sim holds no weights
+            if lay.local:
+                h["memory_gib"] = max(h.get("memory_gib") or 0, 1024)  # the lab's: the sim holds no weights
     template = next(m for m in d["models"] if m["sleep"]["level"] == 1)
     out = []
     for m in ms:
@@ -413,6 +435,17 @@ def make_local_lab(lay: Layout, token_delay: float, sleep_s: float, wake_s: floa
     return {"engine": f"sim engine: {sim}", "weights": "none (the sim reads none)"}
 
 
+def make_device_lab(lay: Layout) -> dict[str, Any]:
+    """The device: what ``run-device.sh install`` left (make_model.py's folder, the carried vLLM behind the spec's
+    ``$venv/bin/vllm``), on a GPU nothing else uses (each model's share is sized for its group alone)."""
+    busy = lf.nvidia_smi().get("apps")
+    if busy:
+        raise sf.RunStop(f"the GPU is in use already (stop those engines first): {busy}")
+    if not (lay.model / "config.json").exists():
+        raise sf.RunStop(f"no {lay.model}: run `run-device.sh install` first")
+    return {"engine": "vLLM (run-device.sh install)", "weights": "dummy (make_model.py's folder)"}
+
+
 def flock_writers(locks: str) -> dict[str, int]:
     """``/proc/locks``: the file (``MAJ:MIN:INODE``) of every exclusive flock held → its holder's pid (a waiter's
     ``->`` line holds nothing)."""
@@ -513,7 +546,9 @@ class Run(sf.Run):
     def __init__(self, out: Path, a: argparse.Namespace, lay: Layout) -> None:
         super().__init__(out, a, lay)
         self.lay: Layout = lay
-        self.res["mode"] = "local (sim engine, this machine's nginx)"
+        self.res["mode"] = (
+            "local (sim engine, this machine's nginx)" if lay.local else "device (vLLM under the launchers)"
+        )
         self.ms = members(a.models, a.groups, a.replicas, a.level2_groups)
         self.groups = group_members(self.ms)
         self.levels = {m.name: m.level for m in self.ms}
@@ -532,7 +567,11 @@ class Run(sf.Run):
 
         self.step("1. spec, render, plan")
         lay, a = self.lay, self.a
-        self.res["models"] = make_local_lab(lay, a.token_delay, a.sim_sleep_s, a.sim_wake_s)
+        self.res["models"] = (
+            make_local_lab(lay, a.token_delay, a.sim_sleep_s, a.sim_wake_s)
+            if lay.local
+            else make_device_lab(lay)
+        )
         self.res["fleet"] = {
             "members": [m.__dict__ for m in self.ms],
             "groups": self.groups,
@@ -629,6 +668,7 @@ class Run(sf.Run):
                 flush=True,
             )
         self.check("members_beyond_max_awake_waited_for_a_slot", waited_ok, starts)
+        self.memory("after_the_starts")  # the device: each engine's share (a sleeper's within the reserve)
         self.save()
         return all(ready.values())
 
@@ -734,6 +774,7 @@ class Run(sf.Run):
         )
         if v["refused_with_retry_after"]:
             print(f"   refused with Retry-After (docs/sleep.md's answer): {v['refusals']}", flush=True)
+        self.memory("after_the_traffic")
         self.save()
 
     # -- 5. settle: every instance idle asleep again
@@ -751,6 +792,7 @@ class Run(sf.Run):
         t = round(time.monotonic() - (self.t_traffic[1] if self.t_traffic else time.monotonic()), 1)
         print(f"   {t} s after the traffic: {Counter(now.values())}", flush=True)
         self.check("every_instance_asleep_after_idle", set(now.values()) == {"asleep"}, now)
+        self.memory("settled")
         self.save()
 
     # -- 6. the samples, liveness, counters, the exporter
@@ -992,6 +1034,10 @@ def summary(res: dict[str, Any]) -> None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The defaults: --local's 12 models in 3 groups of 2 awake (one at level 2), 16 tokens; the device's
+    (DEVICE_DEFAULTS) one GPU: 4 models in 1 group of 2 awake, all at level 1, 64 tokens, room for vLLM's starts
+    in one call."""
+    local = "--local" in argv
     ap = argparse.ArgumentParser(
         prog="sleep_scale.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1019,14 +1065,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--budget-s", type=float, default=900.0, help="printed with each step")
     a = ap.parse_args(argv)
+    if not local:
+        ap.set_defaults(**DEVICE_DEFAULTS)
+        a = ap.parse_args(argv)
+        if a.level2_groups:
+            ap.error("the device mode's models have dummy weights: vLLM reloads none after a level-2 sleep")
     if a.groups < 1 or a.models < a.groups or a.max_awake < 1 or not 0 <= a.level2_groups <= a.groups:
         ap.error("need models ≥ groups ≥ 1, max_awake ≥ 1, 0 ≤ level2_groups ≤ groups")
     return a
 
 
 def layout(a: argparse.Namespace) -> Layout:
-    # a short folder: the admission service's unix sockets live under it (at most 107 bytes a path)
-    root = Path(tempfile.mkdtemp(prefix="vf-scale-", dir="/tmp"))
+    # local: a short folder (the admission service's unix sockets live under it: at most 107 bytes a path); the
+    # device: run-device.sh install's /root/vf, nginx from its unpacked packages, the engines on the machine's
+    # non-loopback address
+    root = Path(tempfile.mkdtemp(prefix="vf-scale-", dir="/tmp")) if a.local else sf.VF
+    address = sf.non_loopback_ipv4()
+    if not a.local and address is None:
+        raise SystemExit("no non-loopback IPv4 address on this machine: the engines listen there")
     names = [m.name for m in members(a.models, a.groups, a.replicas, a.level2_groups)]
     ports: list[int] = []
     while len(ports) < len(names) + 3:  # a free port asked twice may be the same one
@@ -1034,29 +1090,24 @@ def layout(a: argparse.Namespace) -> Layout:
             ports.append(port)
     return Layout(
         root,
-        local=True,
-        address=sf.non_loopback_ipv4() or "127.0.0.1",
+        local=a.local,
+        address=address or "127.0.0.1",
         ports=dict(zip(names, ports, strict=False)),
         gw_port=ports[-3],
         stub_port=ports[-2],
         admission_metrics_port=ports[-1],
-        nginx_root=Path("/"),
+        nginx_root=Path("/") if a.local else None,
     )
 
 
 if __name__ == "__main__":
     args = parse(sys.argv[1:])
-    if not args.local:
-        print(
-            "sleep_scale.py: the device mode is not built; run it with --local (the sim engine)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
     # SIGTERM (`timeout`): the finally blocks stop the launchers and write the results
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lay = layout(args)
     try:
         rc = Run(args.out, args, lay).main()
     finally:
-        shutil.rmtree(lay.root, ignore_errors=True)
+        if lay.local:
+            shutil.rmtree(lay.root, ignore_errors=True)
     sys.exit(rc)
