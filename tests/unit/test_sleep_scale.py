@@ -107,6 +107,11 @@ def test_the_device_mode_is_one_gpu_at_level_1_and_its_spec_keeps_the_hosts_memo
     assert {m["gpu_memory_utilization"] for m in d["models"]} == {0.47}
     assert all(m["sleep"]["level"] == 1 and "--load-format" in m["extra_args"] for m in d["models"])
     assert make_plan(parse_spec(d, "scale"), allow_unchecked_flags=True).ok
+    assert ss.device_gpu("NVIDIA H100 80GB HBM3, 81559\n") == {
+        "model": "NVIDIA H100 80GB HBM3",
+        "memory_gib": 79.6,
+    }
+    assert ss.device_gpu("NVIDIA H200, 143771\n")["memory_gib"] == 140.4
     # the plan's host-memory rule is the device's: sleepers' level-1 weights beyond its 128 GiB are refused
     host["memory_gib"] = 16
     assert not make_plan(parse_spec(d, "scale"), allow_unchecked_flags=True).ok

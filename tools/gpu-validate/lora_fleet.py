@@ -551,6 +551,12 @@ def nvidia_smi() -> dict[str, Any]:
     return {"gpu": run(q), "apps": [ln for ln in run(apps).splitlines() if ln[:1].isdigit()]}
 
 
+def nvidia_smi_gpu() -> str:
+    """``name, memory.total`` of the GPUs (MiB, no units), one line each."""
+    q = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+    return subprocess.run(q, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
 def cli_json(*args: str, timeout: float = 180) -> tuple[int, Any, str]:
     """``vllm-fleet ARGS`` (measure.vf_cli): (rc, its stdout as JSON or text, the tail of stderr)."""
     r = vf_cli(*args, timeout=timeout)

@@ -13,7 +13,8 @@ instance with a served name of its own, in ``--groups`` (3) swap groups of one G
                               with dummy weights), every model at level 1 (vLLM reloads no dummy weights, so no
                               level 2), one swap group on the one GPU: ``--models`` 4, ``--groups`` 1, ``--max-awake``
                               2 unless given; the GPU's memory read at each step (an asleep engine within the plan's
-                              reserve). `run-device.sh sleep-scale OUT`.
+                              reserve); the spec's GPU as nvidia-smi names it and
+                              its memory (an H100 too). `run-device.sh sleep-scale OUT`.
 
   1. the spec: h200-sleep.yml's shape (a gpu-profile host, its GPUs written out: ``--groups`` of them) with the
      models spread over the groups (model i in group i mod G, so the hottest ones land in different groups), every
@@ -435,6 +436,13 @@ def make_local_lab(lay: Layout, token_delay: float, sleep_s: float, wake_s: floa
     return {"engine": f"sim engine: {sim}", "weights": "none (the sim reads none)"}
 
 
+def device_gpu(line: str) -> dict[str, Any]:
+    """nvidia-smi's ``name, memory.total`` (MiB, no units) of the first GPU → the spec's ``gpus.model`` and
+    ``gpus.memory_gib`` (rounded down to a tenth)."""
+    name, mib = (x.strip() for x in line.strip().splitlines()[0].rsplit(",", 1))
+    return {"model": name, "memory_gib": math.floor(int(mib) / 1024 * 10) / 10}
+
+
 def make_device_lab(lay: Layout) -> dict[str, Any]:
     """The device: what ``run-device.sh install`` left (make_model.py's folder, the carried vLLM behind the spec's
     ``$venv/bin/vllm``), on a GPU nothing else uses (each model's share is sized for its group alone)."""
@@ -578,7 +586,12 @@ class Run(sf.Run):
             "max_awake": a.max_awake,
             "idle_seconds": LEAST_IDLE_S,
         }
-        self.spec = spec_data(yaml.safe_load(SPEC.read_text()), lay, self.ms, a.max_awake, a.max_num_seqs)
+        base = yaml.safe_load(SPEC.read_text())
+        if not lay.local:  # the spec's GPU as this machine's (an H100's 80 GiB sizes the shares as it should)
+            gpu = device_gpu(lf.nvidia_smi_gpu())
+            self.res["gpu"] = gpu
+            next(h for h in base["hosts"] if h["name"] == GPU_HOST)["gpus"].update(gpu)
+        self.spec = spec_data(base, lay, self.ms, a.max_awake, a.max_num_seqs)
         self.spec_path = lay.root / "sleep-scale-spec.yml"
         self.spec_path.write_text(yaml.safe_dump(self.spec, sort_keys=False))
         shutil.rmtree(lay.render_dir, ignore_errors=True)
