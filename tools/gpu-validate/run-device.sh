@@ -64,6 +64,6 @@ sleep-fleet)
   exec python3 tools/gpu-validate/sleep_fleet.py "$2" ;;  # exec: a `timeout` TERM reaches it
 sleep-scale)
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # 16 lanes + the gateway's connections
-  exec python3 tools/gpu-validate/sleep_scale.py "$2" ;;  # exec: a `timeout` TERM reaches it
+  exec python3 tools/gpu-validate/sleep_scale.py "${@:2}" ;;  # OUT [flags]; exec: a `timeout` TERM reaches it
 *) echo "usage: $0 stash DIR | install | start-bare [WAIT] | measure OUT | churn OUT | classes OUT | lora-fleet OUT | sleep-fleet OUT | sleep-scale OUT" >&2; exit 2 ;;
 esac
