@@ -37,9 +37,13 @@ fmt:
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# the package, the Ansible plugins, the tools; the GPU labs import each other (and tools/*.py) as top-level
+# modules, and tools/sandbox has a measure.py too: their own run
 typecheck:
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy ansible/plugins/modules ansible/plugins/filter
+	$(VENV)/bin/mypy tools/*.py tools/sandbox/*.py tools/amx/*.py
+	MYPYPATH=tools $(VENV)/bin/mypy tools/gpu-validate/*.py
 
 ansible-lint:
 	@if [ -f site.yml ]; then PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production site.yml rollout.yml ansible/; fi

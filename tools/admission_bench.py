@@ -222,8 +222,9 @@ def concurrent_round(
     while (bufs or due) and time.monotonic() < deadline:
         timeout = max(0.0, min(0.05, due[0][0] - time.monotonic())) if due else 0.05
         for key, _ in sel.select(timeout):
-            s = key.fileobj
-            assert isinstance(s, socket.socket)
+            fo = key.fileobj
+            assert isinstance(fo, socket.socket)
+            s = fo
             rid, buf = bufs[s]
             try:
                 data = s.recv(4096)

@@ -89,10 +89,10 @@ def make_spec(
             })  # fmt: skip
     spec = dict(base, name=f"scale-{n}", hosts=hosts, models=models)
     if adapters:  # every served model: LoRA on, `adapters` rank-16 adapters, half carried by all, half by one
-        served: dict[str, list[str]] = {}
+        instances_of: dict[str, list[str]] = {}
         for m in models:
             m["lora"] = {"max_loras": 4}
-            served.setdefault(m["served_model_name"], []).append(m["name"])
+            instances_of.setdefault(m["served_model_name"], []).append(m["name"])
         spec["adapters"] = [
             {"name": f"{base_name}-ad{k:03d}", "base": base_name, "rank": 16,
              "source": {"path": f"/srv/adapters/{base_name}/ad{k:03d}"},

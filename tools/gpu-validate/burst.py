@@ -203,14 +203,15 @@ def main(out: Path) -> int:
         same_engine=state().get("engine_pid") == pid_before,
         status_during=sorted({f["STATUS"][:80] for t, f in lis.messages if tb <= t <= te and "STATUS" in f})[:20],
     )  # fmt: skip
-    gen = [x.get("generation_tokens_total") for x in rows if x.get("generation_tokens_total") is not None]
+    gen = [float(x["generation_tokens_total"]) for x in rows if x.get("generation_tokens_total") is not None]
     if len(gen) > 1:
         res["burst"]["output_tok_s"] = round((gen[-1] - gen[0]) / (rows[-1]["t"] - rows[0]["t"]), 1)
     print("burst:", json.dumps(res["burst"]), flush=True)
 
     # 2. the engine core stopped while 64 requests run: pings stop, the status says stalled; SIGCONT: resume
     eng = state().get("engine_pid")
-    sid = os.getsid(eng)
+    assert eng is not None, "no engine_pid in the state file"
+    sid = os.getsid(int(eng))
     found = subprocess.run(
         ["pgrep", "-s", str(sid), "-f", "^VLLM::EngineCore"], text=True, capture_output=True
     )

@@ -259,7 +259,7 @@ def main() -> int:
     rendered, rules, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     allow = [a for i, a in enumerate(sys.argv) if i > 0 and sys.argv[i - 1] == "--allow"]
     out.mkdir(parents=True, exist_ok=True)
-    facts = {
+    facts: dict[str, Any] = {
         "proc_devices": Path("/proc/devices").read_text(),
         "dev_nvidia": sh("sh", "-c", "ls -l /dev/nvidia* /dev/nvidia-caps 2>&1"),
         "kernel": os.uname().release,

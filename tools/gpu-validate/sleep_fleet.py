@@ -1162,7 +1162,7 @@ class Run(lf.LabRun):
             all(not w["systemd_would_kill"] and w["pings"] > 0 for w in wd.values()),
             wd,
         )
-        alive = {
+        alive: dict[str, dict[str, Any]] = {
             n: {
                 "launcher_alive": i.lp is not None and i.lp.poll() is None,
                 "ready_count": i.ready_count(),

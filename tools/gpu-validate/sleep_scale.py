@@ -392,9 +392,10 @@ def spans(messages: list[tuple[float, dict[str, str]]], start: str, end: str) ->
 def exporter_counts_verdict(text: str, states: dict[str, dict[str, Any]]) -> tuple[bool, Any]:
     """The exporter's sleeps_total, wakes_total and failed_wakes_total of every instance equal to its state
     file's."""
-    got, bad = {}, {}
+    got: dict[str, dict[str, tuple[float | None, Any]]] = {}
+    bad: dict[str, dict[str, tuple[float | None, Any]]] = {}
     for name, st in states.items():
-        row = {}
+        row: dict[str, tuple[float | None, Any]] = {}
         for k in ("sleeps_total", "wakes_total", "failed_wakes_total"):
             vals = [
                 v for lb, v in sf.prom_series(text, "vllm_fleet_instance_" + k) if lb.get("instance") == name
@@ -403,7 +404,8 @@ def exporter_counts_verdict(text: str, states: dict[str, dict[str, Any]]) -> tup
             if row[k][0] is None or row[k][0] != float(st.get(k) or 0):
                 bad[name] = row
         got[name] = row
-    return bool(states) and not bad, bad or {n: {k: v[0] for k, v in r.items()} for n, r in got.items()}
+    seen = {n: {k: v[0] for k, v in r.items()} for n, r in got.items()}
+    return bool(states) and not bad, bad or seen
 
 
 # ---- the lab
@@ -901,7 +903,8 @@ class Run(sf.Run):
         self.res["figures"] = figures
         # liveness: alive, one READY, the same engine, the watchdog
         now = time.monotonic()
-        alive, wd = {}, {}
+        alive: dict[str, dict[str, Any]] = {}
+        wd: dict[str, Any] = {}
         for n, i in self.insts.items():
             alive[n] = {
                 "launcher_alive": i.lp is not None and i.lp.poll() is None,
@@ -962,14 +965,14 @@ class Run(sf.Run):
                 if s.get("failed_wakes_total")
             },
         )
-        r = sf.exporter_once(self.lay)
+        ex = sf.exporter_once(self.lay)
         st = self.states()  # every instance asleep (step 5): nothing changes under the exporter
-        self.res["exporter"] = {"rc": r.returncode, "stderr": r.stderr[-1500:]}
-        for k, (ok, detail) in sf.exporter_verdict(r.stdout, st).items():
-            self.check(k, r.returncode == 0 and ok, None if ok else detail)
-        ok, detail = exporter_counts_verdict(r.stdout, st)
+        self.res["exporter"] = {"rc": ex.returncode, "stderr": ex.stderr[-1500:]}
+        for k, (ok, detail) in sf.exporter_verdict(ex.stdout, st).items():
+            self.check(k, ex.returncode == 0 and ok, None if ok else detail)
+        ok, detail = exporter_counts_verdict(ex.stdout, st)
         self.check(
-            "exporter_sleeps_wakes_failed_wakes_match", r.returncode == 0 and ok, None if ok else detail
+            "exporter_sleeps_wakes_failed_wakes_match", ex.returncode == 0 and ok, None if ok else detail
         )
         self.save()
 

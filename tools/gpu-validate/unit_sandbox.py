@@ -546,8 +546,8 @@ def child(args: argparse.Namespace, r: dict[str, Any], sock: socket.socket) -> N
         if r["no_new_privileges"] and prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
             raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
         env = dict(os.environ)
-        for e in r["environment"]:
-            k, v = e.split("=", 1)
+        for kv in r["environment"]:
+            k, v = kv.split("=", 1)
             env[k] = v
         env.update(dict(kv.split("=", 1) for kv in args.env))
         lib = load_libseccomp()
