@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from launcher_clock import Clock
 
 from vllm_fleet.contracts import (
@@ -18,6 +20,7 @@ from vllm_fleet.contracts import (
     SleepConfig,
     parse_state,
 )
+from vllm_fleet.host import launcher as launcher_mod
 from vllm_fleet.host.cpu_wait import CpuReading
 from vllm_fleet.host.launcher_actions import (
     Action,
@@ -36,7 +39,7 @@ from vllm_fleet.host.launcher_actions import (
 from vllm_fleet.host.launcher_state import EXIT_ENGINE_DIED, Check, Supervisor, state_file
 from vllm_fleet.host.probe import ProbeResult, Progress
 from vllm_fleet.host.sleep_control import GUARD_POLL_SECONDS, GuardReading
-from vllm_fleet.host.swap_group import Slots, yield_candidate
+from vllm_fleet.host.swap_group import RoomOnTheWay, Slots, going_to_sleep, yield_candidate
 
 WALL0 = 1_700_000_000.0
 PING = Notify(("WATCHDOG=1",))
@@ -72,10 +75,15 @@ def config(level: int = 1, idle: float | None = 30.0, group: str = "g", wait: fl
 class Run(Clock):
     """A ready sleeper on a fake clock: every action kept with its time, a liveness check answered at once."""
 
-    def __init__(self, cfg: InstanceConfig, slots: FakeSlots | None = None) -> None:
+    def __init__(
+        self,
+        cfg: InstanceConfig,
+        slots: FakeSlots | None = None,
+        room: Callable[[float], list[str]] = lambda now: [],
+    ) -> None:
         self.slots = slots if slots is not None else FakeSlots()
         self.slots.try_take()  # the launcher took it before the engine started (Launcher.wait_for_slot)
-        super().__init__(Supervisor(cfg, 30, 0.0, WALL0, self.slots), 0.0)
+        super().__init__(Supervisor(cfg, 30, 0.0, WALL0, self.slots, room), 0.0)
         self.checks: list[float] = []
         self.feed(self.sm.engine_started(0.0, 77))
         self.feed(self.sm.ready_probe_done(0.0, ProbeResult(True, 0.1, "", "decode")))
@@ -183,6 +191,35 @@ def test_no_idle_sleep_without_idle_seconds_but_a_peers_yield_request_sleeps_it(
     r.at(1002.5).feed(r.sm.woken(1002.5, WALL0 + 1002.5, True, ""))
     r.tick_to(1010.0)
     assert r.guard(last=1002.5) == []  # nothing new since the wake wrote it: nothing written
+
+
+def test_a_member_asked_to_yield_stays_awake_while_a_peer_is_already_going_to_sleep() -> None:
+    """Seen on an H100 (sleep_scale.py, 3 models, max_awake 2): a start needed one slot, the first peer asked took
+    8.3 s to sleep (the first sleep after a start), the waiter asked the other one a second later, and both slept.
+    A member asked while a peer's sleep is on the way stays awake; asked again once none is, it yields."""
+    going: list[str] = []
+    r = Run(config(idle=None), room=lambda now: list(going))
+    r.tick_to(100.0)
+    r.guard(last=0.0)
+    r.at(100.2).feed(r.sm.yield_requested(100.2))
+    going.append("b")  # b was asked first and is going to sleep
+    assert r.tick_to(100.25) == [PollGuard()]
+    assert r.guard() == [Log("not yielding: b of swap group g going to sleep")]
+    assert r.sm.sleep is not None and r.sm.sleep.state == "awake" and r.slots.held
+    r.tick_to(101.25)
+    assert SleepEngine(1) not in r.guard()  # the request is spent: not taken up once b is asleep either
+    going.clear()
+    r.tick_to(102.25)
+    assert SleepEngine(1) not in r.guard()
+    r.at(102.3).feed(r.sm.yield_requested(102.3))  # asked again: the room is still needed, none on the way
+    r.tick_to(102.5)
+    assert r.guard()[-1] == SleepEngine(1)
+
+
+def test_an_idle_sleep_goes_ahead_whoever_else_is_going_to_sleep() -> None:
+    r = Run(config(idle=30.0), room=lambda now: ["b"])
+    r.tick_to(31.0)
+    assert r.guard(last=0.0)[-1] == SleepEngine(1)
 
 
 def test_a_liveness_check_running_when_the_sleep_begins_judges_nothing() -> None:
@@ -387,3 +424,50 @@ def test_the_least_recently_used_awake_member_is_asked_to_yield(tmp_path: Path) 
     write("f", last_active_at=None)  # never ran a request: first
     assert yield_candidate(tmp_path, ["a", "bb", "f"]) == ("f", 101)
     assert yield_candidate(tmp_path, ["ccc", "dddd"]) is None
+
+
+def test_a_member_going_to_sleep_is_room_on_the_way_for_its_grace_only(tmp_path: Path) -> None:
+    def write(name: str, sleep_state: str) -> None:
+        st = {"state": "ready", "sleep_state": sleep_state, "launcher_pid": 100 + len(name)}
+        (tmp_path / f"{name}.json").write_text(json.dumps(st))
+
+    write("a", "sleeping")
+    write("bb", "awake")
+    write("ccc", "asleep")
+    (tmp_path / "dddd.json").write_text("{broken")
+    members = ["a", "bb", "ccc", "dddd", "missing"]
+    assert going_to_sleep(tmp_path, members) == ["a"]
+    room = RoomOnTheWay(tmp_path, members, grace=30.0)
+    assert room(100.0) == ["a"] and room(129.9) == ["a"]
+    assert room(130.0) == []  # a sleep longer than the grace (one that hangs): the group is asked as before
+    write("a", "asleep")
+    assert room(131.0) == []
+    write("a", "sleeping")  # a new sleep: counted from when it is seen
+    write("bb", "sleeping")
+    assert room(200.0) == ["a", "bb"]
+
+
+def test_the_launcher_asks_no_one_while_a_member_is_going_to_sleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Launcher.ask_yield`` (a start or a wake waiting for a slot): SIGUSR2 to the least recently used awake
+    member, but none while another member's sleep frees a slot."""
+    svc = ServiceConfig(watchdog_seconds=30, probe_interval_seconds=10, probe_timeout_seconds=5)
+    sleep = SleepConfig(level=1, idle_seconds=30.0, group="g", max_awake=1, group_members=["b", "c"])
+    cfg = InstanceConfig(name="a", served_model_name="m", model_path="/m", port=9101, command=["x"], service=svc,
+                         sleep=sleep, state_dir=str(tmp_path))  # fmt: skip
+    la = launcher_mod.Launcher(cfg, launcher_mod.Notifier(""))
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(launcher_mod.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+
+    def write(name: str, sleep_state: str, pid: int) -> None:
+        st = {"state": "ready", "sleep_state": sleep_state, "launcher_pid": pid, "last_active_at": 1.0}
+        (tmp_path / f"{name}.json").write_text(json.dumps(st))
+
+    write("b", "sleeping", 201)
+    write("c", "awake", 202)
+    la.ask_yield()
+    assert sent == []  # b's slot is on the way: c is not asked
+    write("b", "asleep", 201)
+    la.ask_yield()
+    assert sent == [(202, launcher_mod.signal.SIGUSR2)]

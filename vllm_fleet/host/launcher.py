@@ -96,8 +96,8 @@ from vllm_fleet.host.launcher_state import (
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, health, inflight, probe, sample
-from vllm_fleet.host.sleep_control import YIELD_ASK_EVERY, GuardReading
-from vllm_fleet.host.swap_group import Slots, yield_candidate
+from vllm_fleet.host.sleep_control import PEER_SLEEP_GRACE_SECONDS, YIELD_ASK_EVERY, GuardReading
+from vllm_fleet.host.swap_group import RoomOnTheWay, Slots, yield_candidate
 from vllm_fleet.host.waker import Waker
 
 # (pattern, phase) in the order vLLM prints them; the last one seen is the current phase
@@ -263,9 +263,13 @@ class Launcher:
         # sleep mode: the engine's guard accepts this token (new at every start) on its development paths
         self.admin_token = secrets.token_urlsafe(32) if cfg.sleep else ""
         self.slots: Slots | None = None
+        self.room_on_the_way: Callable[[float], list[str]] = lambda now: []
         if cfg.sleep and cfg.sleep.group:
             self.slots = Slots(cfg.state_dir, cfg.sleep.group, cfg.sleep.max_awake, cfg.name)
-        self.sm = Supervisor(cfg, wd, time.monotonic(), time.time(), self.slots)
+            self.room_on_the_way = RoomOnTheWay(
+                cfg.state_dir, cfg.sleep.group_members, PEER_SLEEP_GRACE_SECONDS
+            )
+        self.sm = Supervisor(cfg, wd, time.monotonic(), time.time(), self.slots, self.room_on_the_way)
         self._output_at = self.sm.t0
 
     def state_dict(self) -> StateFile:
@@ -440,9 +444,12 @@ class Launcher:
         return lambda now: []
 
     def ask_yield(self) -> None:
-        """SIGUSR2 to the least recently used awake member of the swap group (its launcher yields its slot)."""
+        """SIGUSR2 to the least recently used awake member of the swap group (its launcher yields its slot); no one
+        while a member is going to sleep (its slot is on the way: a second would sleep for the same room)."""
         sleep = self.cfg.sleep
         assert sleep is not None
+        if self.room_on_the_way(time.monotonic()):
+            return
         found = yield_candidate(self.cfg.state_dir, sleep.group_members)
         if found is None:
             return

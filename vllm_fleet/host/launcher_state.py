@@ -17,6 +17,7 @@ interval and timeout follow the one watchdog timing rule (``vllm_fleet.contracts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_fleet.contracts import (
@@ -267,6 +268,7 @@ class Supervisor:
         now: float,
         started_at: float = 0.0,
         slots: SlotLike | None = None,
+        room_on_the_way: Callable[[float], list[str]] = lambda now: [],
     ) -> None:
         self.cfg, self.svc = cfg, cfg.service
         self.watchdog = watchdog if watchdog > 0 else 0.0
@@ -301,7 +303,10 @@ class Supervisor:
         self.ready_probe: ProbeResult | None = None
         # sleep mode (the config's ``sleep``): the engine sleeps when idle and wakes on request (sleep_control);
         # ``slots``: its swap group's slot, taken before the engine was started
-        self.sleep = SleepControl(cfg.sleep, slots, now, self._serving) if cfg.sleep else None
+        # ``room_on_the_way``: the peers going to sleep (swap_group.RoomOnTheWay)
+        self.sleep = (
+            SleepControl(cfg.sleep, slots, now, self._serving, room_on_the_way) if cfg.sleep else None
+        )
 
     @property
     def stopping(self) -> bool:

@@ -5,7 +5,9 @@ A slot is an exclusive ``flock`` on ``{state_dir}/swap/GROUP/slot-K.lock`` (K < 
 of an engine from before it loads (or wakes) until it is asleep (or gone): the kernel drops it when the launcher
 exits however it exits, so a crash frees its slot. A launcher that finds every slot taken asks the least
 recently used awake member of its group to yield (``yield_candidate``; SIGUSR2 to that member's launcher, which
-puts its engine to sleep when it runs nothing) and tries again.
+puts its engine to sleep when it runs nothing) and tries again. While a member is going to sleep its slot is on
+the way (``RoomOnTheWay``): nobody else is asked, and a member asked earlier does not yield too (one start or
+wake needs one slot, not every awake member's: seen on an H100, where a start made both awake members sleep).
 """
 
 from __future__ import annotations
@@ -81,6 +83,35 @@ class Slots:
             finally:
                 os.close(fd)
         return out
+
+
+def going_to_sleep(state_dir: str | Path, members: list[str]) -> list[str]:
+    """The members whose engine is going to sleep (state file: ``sleep_state`` sleeping): each frees its slot
+    when it is asleep."""
+    out = []
+    for name in members:
+        try:
+            st = read_state(Path(state_dir) / f"{name}.json")
+        except (OSError, ContractError):
+            continue
+        if st.get("sleep_state") == "sleeping":
+            out.append(name)
+    return out
+
+
+class RoomOnTheWay:
+    """Which members' sleeps count as room on the way (``going_to_sleep``), as one launcher sees them: each for
+    ``grace`` seconds from when this launcher first saw it going to sleep (a sleep that takes longer, one that
+    hangs, stops counting: then the group is asked as before). ``now``: the caller's monotonic clock."""
+
+    def __init__(self, state_dir: str | Path, members: list[str], grace: float) -> None:
+        self.state_dir, self.members, self.grace = state_dir, members, grace
+        self.first_seen: dict[str, float] = {}
+
+    def __call__(self, now: float) -> list[str]:
+        seen = going_to_sleep(self.state_dir, self.members)
+        self.first_seen = {n: self.first_seen.get(n, now) for n in seen}
+        return sorted(n for n, t in self.first_seen.items() if now - t < self.grace)
 
 
 def yield_candidate(state_dir: str | Path, members: list[str]) -> tuple[str, int] | None:
