@@ -517,10 +517,11 @@ def test_the_state_machine_does_no_io_and_keeps_no_copy_of_the_timing_rule() -> 
     names = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert modules == set()
     assert {m for m, _ in names} == {
-        "__future__", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn", "vllm_fleet.host.cpu_wait",
-        "vllm_fleet.host.engine_death", "vllm_fleet.host.probe", "vllm_fleet.host.launcher_actions",
-        "vllm_fleet.host.sleep_control",
+        "__future__", "collections.abc", "dataclasses", "vllm_fleet.contracts", "vllm_fleet.host.churn",
+        "vllm_fleet.host.cpu_wait", "vllm_fleet.host.engine_death", "vllm_fleet.host.probe",
+        "vllm_fleet.host.launcher_actions", "vllm_fleet.host.sleep_control",
     }  # fmt: skip
+    assert {a for m, a in names if m == "collections.abc"} == {"Callable"}  # a type, for the injected reader
     # the sleep controller and the actions are as pure: values, dataclasses, typing
     import vllm_fleet.host.launcher_actions as launcher_actions
     import vllm_fleet.host.sleep_control as sleep_control
