@@ -551,6 +551,15 @@ def nvidia_smi() -> dict[str, Any]:
     return {"gpu": run(q), "apps": [ln for ln in run(apps).splitlines() if ln[:1].isdigit()]}
 
 
+def require_free_gpu() -> list[str]:
+    """The GPU's compute apps before a device run: none, or RunStop naming them (each lab sizes its engines'
+    shares for a GPU of its own: an engine left over from an earlier call would fail the starts)."""
+    busy: list[str] = nvidia_smi().get("apps") or []
+    if busy:
+        raise RunStop(f"the GPU is in use already (stop those engines first): {busy}")
+    return busy
+
+
 def nvidia_smi_gpu() -> str:
     """``name, memory.total`` of the GPUs (MiB, no units), one line each."""
     q = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
@@ -752,12 +761,8 @@ class Run(LabRun):
         import yaml
 
         self.step("1. adapters, spec, render, plan, fetch")
-        if not self.lay.local:
-            # the instance takes 0.85 of the GPU: an engine left over from an earlier call would fail its start
-            busy = nvidia_smi().get("apps")
-            self.res["gpu_apps_before"] = busy
-            if busy:
-                raise RunStop(f"the GPU is in use already (stop those engines first): {busy}")
+        if not self.lay.local:  # the instance takes 0.85 of the GPU
+            self.res["gpu_apps_before"] = require_free_gpu()
         lay, n = self.lay, 9
         if not lay.local and (lay.adapters, lay.model) != (lora.ADAPTERS, lora.MODEL):
             raise RunStop(f"lora.py writes {lora.ADAPTERS} for {lora.MODEL}: not the spec's {lay.adapters}")

@@ -505,6 +505,12 @@ def make_local_lab(lay: Layout, token_delay: float) -> dict[str, Any]:
     return {"engine": f"sim engine, token delay {token_delay} s", "weights": "none (the sim reads none)"}
 
 
+def require_install(model: Path) -> None:
+    """The device: make_model.py's folder where ``run-device.sh install`` puts it, or RunStop."""
+    if not (model / "config.json").exists():
+        raise RunStop(f"no {model}: run `run-device.sh install` first")
+
+
 def make_real_model(src: Path, dst: Path) -> dict[str, Any]:
     """B's folder: make_model.py's config and tokenizer (``src``) with real random bf16 weights of the Qwen3-8B
     shape, written on the GPU in a child process (its CUDA context and torch's cached blocks go with it, before an
@@ -613,12 +619,8 @@ class Run(lf.LabRun):
         self.step("1. models, spec, render, plan")
         lay = self.lay
         if not lay.local:
-            busy = lf.nvidia_smi().get("apps")
-            self.res["gpu_apps_before"] = busy
-            if busy:  # each instance takes 0.85 of the GPU: an engine left over would fail the starts
-                raise RunStop(f"the GPU is in use already (stop those engines first): {busy}")
-            if not (lay.model_a / "config.json").exists():
-                raise RunStop(f"no {lay.model_a}: run `run-device.sh install` first")
+            self.res["gpu_apps_before"] = lf.require_free_gpu()  # each instance takes 0.85 of the GPU
+            require_install(lay.model_a)
             self.res["models"] = {
                 "a": "make_model.py's folder, dummy weights",
                 "b": make_real_model(lay.model_a, lay.model_b),

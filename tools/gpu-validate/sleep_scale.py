@@ -448,11 +448,8 @@ def device_gpu(line: str) -> dict[str, Any]:
 def make_device_lab(lay: Layout) -> dict[str, Any]:
     """The device: what ``run-device.sh install`` left (make_model.py's folder, the carried vLLM behind the spec's
     ``$venv/bin/vllm``), on a GPU nothing else uses (each model's share is sized for its group alone)."""
-    busy = lf.nvidia_smi().get("apps")
-    if busy:
-        raise sf.RunStop(f"the GPU is in use already (stop those engines first): {busy}")
-    if not (lay.model / "config.json").exists():
-        raise sf.RunStop(f"no {lay.model}: run `run-device.sh install` first")
+    lf.require_free_gpu()
+    sf.require_install(lay.model)
     return {"engine": "vLLM (run-device.sh install)", "weights": "dummy (make_model.py's folder)"}
 
 
@@ -1053,7 +1050,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """The defaults: --local's 12 models in 3 groups of 2 awake (one at level 2), 16 tokens; the device's
     (DEVICE_DEFAULTS) one GPU: 4 models in 1 group of 2 awake, all at level 1, 64 tokens, room for vLLM's starts
     in one call."""
-    local = "--local" in argv
     ap = argparse.ArgumentParser(
         prog="sleep_scale.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1080,12 +1076,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--drain-s", type=float, default=150.0, help="how long requests in flight may finish")
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--budget-s", type=float, default=900.0, help="printed with each step")
-    a = ap.parse_args(argv)
-    if not local:
+    if "--local" not in argv:
         ap.set_defaults(**DEVICE_DEFAULTS)
-        a = ap.parse_args(argv)
-        if a.level2_groups:
-            ap.error("the device mode's models have dummy weights: vLLM reloads none after a level-2 sleep")
+    a = ap.parse_args(argv)
+    if not a.local and a.level2_groups:
+        ap.error("the device mode's models have dummy weights: vLLM reloads none after a level-2 sleep")
     if a.groups < 1 or a.models < a.groups or a.max_awake < 1 or not 0 <= a.level2_groups <= a.groups:
         ap.error("need models ≥ groups ≥ 1, max_awake ≥ 1, 0 ≤ level2_groups ≤ groups")
     return a

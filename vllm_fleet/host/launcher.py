@@ -96,7 +96,12 @@ from vllm_fleet.host.launcher_state import (
 from vllm_fleet.host.netif import with_rank_interface
 from vllm_fleet.host.notify import Notifier
 from vllm_fleet.host.probe import ProbeResult, health, inflight, probe, sample
-from vllm_fleet.host.sleep_control import PEER_SLEEP_GRACE_SECONDS, YIELD_ASK_EVERY, GuardReading
+from vllm_fleet.host.sleep_control import (
+    PEER_SLEEP_GRACE_SECONDS,
+    YIELD_ASK_EVERY,
+    GuardReading,
+    no_peer_going_to_sleep,
+)
 from vllm_fleet.host.swap_group import RoomOnTheWay, Slots, yield_candidate
 from vllm_fleet.host.waker import Waker
 
@@ -263,7 +268,7 @@ class Launcher:
         # sleep mode: the engine's guard accepts this token (new at every start) on its development paths
         self.admin_token = secrets.token_urlsafe(32) if cfg.sleep else ""
         self.slots: Slots | None = None
-        self.room_on_the_way: Callable[[float], list[str]] = lambda now: []
+        self.room_on_the_way: Callable[[float], list[str]] = no_peer_going_to_sleep
         if cfg.sleep and cfg.sleep.group:
             self.slots = Slots(cfg.state_dir, cfg.sleep.group, cfg.sleep.max_awake, cfg.name)
             self.room_on_the_way = RoomOnTheWay(

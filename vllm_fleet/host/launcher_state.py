@@ -47,7 +47,7 @@ from vllm_fleet.host.launcher_actions import (
     status,
 )
 from vllm_fleet.host.probe import ProbeResult, Progress, judge
-from vllm_fleet.host.sleep_control import GuardReading, SleepControl, SlotLike
+from vllm_fleet.host.sleep_control import GuardReading, SleepControl, SlotLike, no_peer_going_to_sleep
 
 EXIT_CONFIG = 78  # EX_CONFIG: configuration error, never restarted (RestartPreventExitStatus=78)
 EXIT_ENGINE_DIED = 1
@@ -268,7 +268,7 @@ class Supervisor:
         now: float,
         started_at: float = 0.0,
         slots: SlotLike | None = None,
-        room_on_the_way: Callable[[float], list[str]] = lambda now: [],
+        room_on_the_way: Callable[[float], list[str]] = no_peer_going_to_sleep,
     ) -> None:
         self.cfg, self.svc = cfg, cfg.service
         self.watchdog = watchdog if watchdog > 0 else 0.0

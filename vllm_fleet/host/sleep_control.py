@@ -44,6 +44,11 @@ YIELD_ASK_EVERY = 1.0  # a wake waiting for a slot asks the least recently used 
 PEER_SLEEP_GRACE_SECONDS = 30.0
 
 
+def no_peer_going_to_sleep(now: float) -> list[str]:
+    """The peers going to sleep where there is no swap group (``swap_group.RoomOnTheWay`` where there is one)."""
+    return []
+
+
 class SlotLike(Protocol):
     """A swap group's slot (``swap_group.Slots``): taken without waiting, or not."""
 
@@ -91,7 +96,7 @@ class SleepControl:
         slots: SlotLike | None,
         now: float,
         serving: Callable[[], str] = lambda: "Serving",
-        room_on_the_way: Callable[[float], list[str]] = lambda now: [],
+        room_on_the_way: Callable[[float], list[str]] = no_peer_going_to_sleep,
     ) -> None:
         self.cfg, self.slots = cfg, slots
         self.serving = serving  # the STATUS= text of a serving engine (the supervisor's)

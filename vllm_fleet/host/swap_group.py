@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_fleet.contracts import SWAP_SUBDIR, ContractError, read_state
+from vllm_fleet.contracts import SWAP_SUBDIR, ContractError, StateFile, read_state
 
 
 def group_dir(state_dir: str | Path, group: str) -> Path:
@@ -85,18 +86,20 @@ class Slots:
         return out
 
 
-def going_to_sleep(state_dir: str | Path, members: list[str]) -> list[str]:
-    """The members whose engine is going to sleep (state file: ``sleep_state`` sleeping): each frees its slot
-    when it is asleep."""
-    out = []
+def member_states(state_dir: str | Path, members: list[str]) -> Iterator[tuple[str, StateFile]]:
+    """Each member's state file, as (name, state); one missing or unreadable is left out."""
     for name in members:
         try:
             st = read_state(Path(state_dir) / f"{name}.json")
         except (OSError, ContractError):
             continue
-        if st.get("sleep_state") == "sleeping":
-            out.append(name)
-    return out
+        yield name, st
+
+
+def going_to_sleep(state_dir: str | Path, members: list[str]) -> list[str]:
+    """The members whose engine is going to sleep (state file: ``sleep_state`` sleeping): each frees its slot
+    when it is asleep."""
+    return [n for n, st in member_states(state_dir, members) if st.get("sleep_state") == "sleeping"]
 
 
 class RoomOnTheWay:
@@ -120,11 +123,7 @@ def yield_candidate(state_dir: str | Path, members: list[str]) -> tuple[str, int
     a request first), as (instance name, launcher pid); None when no member is awake (they are loading,
     waking, going to sleep, or stopped)."""
     best: tuple[float, str, int] | None = None
-    for name in members:
-        try:
-            st = read_state(Path(state_dir) / f"{name}.json")
-        except (OSError, ContractError):
-            continue
+    for name, st in member_states(state_dir, members):
         pid = st.get("launcher_pid")
         if st.get("state") != "ready" or st.get("sleep_state") != "awake" or not isinstance(pid, int):
             continue
